@@ -1,0 +1,34 @@
+"""radixkv: a prefix-caching KV store and LLM serving engine.
+
+``from radixkv import Engine, SamplingParams`` — imported lazily, so the pure-Python cache
+structures (``radixkv.radix_tree``, ``radixkv.allocator``, the simulator) never pull in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "__version__"]
+
+if TYPE_CHECKING:
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+    from radixkv.request import RequestOutput
+    from radixkv.sampling import SamplingParams
+
+_LAZY = {
+    "Engine": "radixkv.engine",
+    "EngineConfig": "radixkv.config",
+    "SamplingParams": "radixkv.sampling",
+    "RequestOutput": "radixkv.request",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,79 @@
+"""Engine configuration: every knob a user sets, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
+EVICTION_POLICIES = ("lru", "lfu", "fifo")
+ATTENTION_BACKENDS = ("torch", "triton")
+DTYPES = ("float32", "bfloat16", "float16")
+WRITE_POLICIES = ("write_back", "write_through")
+
+
+@dataclass
+class EngineConfig:
+    """What an :class:`~radixkv.engine.Engine` is built from.
+
+    ``kv_cache_tokens`` sizes the device KV pool (rounded down to whole pages);
+    ``kv_cache_memory_gb``, when given, sizes it from a memory budget instead.
+    ``None`` for ``attention_backend`` / ``dtype`` / ``device`` picks the measured default of the
+    machine (torch + bfloat16 on CPU, triton on CUDA).
+    """
+
+    model: str = "smollm2"
+    page_size: int = 16
+    kv_cache_tokens: int | None = 65536
+    kv_cache_memory_gb: float | None = None
+    enable_prefix_cache: bool = True
+    schedule_policy: str = "lpm"
+    eviction_policy: str = "lru"
+    chunked_prefill_tokens: int = 2048
+    max_running_requests: int = 128
+    max_model_len: int | None = None
+    attention_backend: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    seed: int = 0
+    host_cache_tokens: int = 0
+    host_write_policy: str = "write_back"
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 8 << 30
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad knob and what values it takes."""
+
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is invalid: {why}")
+
+        if not isinstance(self.page_size, int) or not 1 <= self.page_size <= 1024:
+            raise bad("page_size", "must be an integer in [1, 1024]")
+        if self.kv_cache_memory_gb is not None:
+            if not self.kv_cache_memory_gb > 0:
+                raise bad("kv_cache_memory_gb", "must be > 0")
+        elif not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < self.page_size:
+            raise bad("kv_cache_tokens", f"must be an integer >= page_size ({self.page_size})")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise bad("schedule_policy", f"choose one of {', '.join(SCHEDULE_POLICIES)}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise bad("eviction_policy", f"choose one of {', '.join(EVICTION_POLICIES)}")
+        if not isinstance(self.chunked_prefill_tokens, int) or self.chunked_prefill_tokens < 1:
+            raise bad("chunked_prefill_tokens", "must be an integer >= 1")
+        if not isinstance(self.max_running_requests, int) or self.max_running_requests < 1:
+            raise bad("max_running_requests", "must be an integer >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", "must be >= 2")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", f"choose one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
+        if not isinstance(self.host_cache_tokens, int) or self.host_cache_tokens < 0:
+            raise bad("host_cache_tokens", "must be an integer >= 0 (0 turns the host tier off)")
+        if self.host_write_policy not in WRITE_POLICIES:
+            raise bad("host_write_policy", f"choose one of {', '.join(WRITE_POLICIES)}")
+        if self.disk_cache_bytes <= 0:
+            raise bad("disk_cache_bytes", "must be > 0")
+
+    @classmethod
+    def knob_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

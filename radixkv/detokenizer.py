@@ -1,0 +1,42 @@
+"""Incremental detokenization with stop strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas.
+
+    Holds back a trailing partial UTF-8 character (decoded as U+FFFD) and, when stop strings are
+    set, the longest tail that could still become a stop string, so a delta is never retracted.
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str] | None) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # the full text so far (stop string cut off once found)
+        self.emitted = 0  # characters of ``text`` already returned as deltas
+
+    def update(self, output_ids: list[int], final: bool) -> tuple[str, bool]:
+        """Decode ``output_ids``; returns (new text delta, whether a stop string was hit)."""
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        stopped = False
+        if self.stop:
+            search_from = max(0, self.emitted - self._hold)
+            cut = min((i for s in self.stop if (i := text.find(s, search_from)) >= 0), default=-1)
+            if cut >= 0:
+                text, stopped = text[:cut], True
+        self.text = text
+        if stopped or final:
+            end = len(text)
+        else:
+            end = len(text) - self._hold
+            if text.endswith("\ufffd"):
+                end = min(end, len(text) - 1)
+        if end <= self.emitted:
+            return "", stopped
+        delta = text[self.emitted : end]
+        self.emitted = end
+        return delta, stopped

@@ -1,0 +1,128 @@
+"""A request's life in the engine: its sequences, their KV pages and what is reported back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixkv.detokenizer import IncrementalDetokenizer
+    from radixkv.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no pages and no locks
+    RUNNING = "running"  # admitted; holds pages and a lock on its cached path
+    FINISHED = "finished"  # done; everything released
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation stream (a request with ``n > 1`` has n of them).
+
+    KV ownership: ``pages[i]`` holds the K/V of tokens ``[i*P, (i+1)*P)``. The first
+    ``num_tree_tokens // P`` pages belong to the radix tree and are protected by a lock on
+    ``lock_node``; the remaining pages are the sequence's own (one allocator reference each, shared
+    with forked siblings by reference count). ``num_computed`` tokens of ``tokens`` have their K/V in
+    ``pages``; the next forward feeds ``tokens[num_computed:]`` (one token while decoding).
+    """
+
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    salt: str | None
+    arrival: float
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_tree_tokens: int = 0
+    lock_node: Any = None
+    cached_tokens: int | None = None  # prompt tokens served from cache at first admission
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    finish_reason: str | None = None
+    generator: Any = None
+    fork_children: int = 0  # siblings still to be forked from this sequence's prefill
+    preemptions: int = 0
+    accounted: bool = False  # prompt/cached tokens counted in the engine's totals
+    first_token_time: float | None = None
+    admit_order: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than one token awaits its forward (prompt not yet fully computed)."""
+        return self.num_tokens - self.num_computed > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one sequence."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One finished sequence of a request."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of :meth:`Engine.generate` for one prompt (vLLM's shape, flattened for n == 1)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
+    ttft: float | None = None
+    latency: float = 0.0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def now() -> float:
+    return time.perf_counter()

