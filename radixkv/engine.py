@@ -1,0 +1,466 @@
+"""The engine: requests in, tokens out, over a radix-tree prefix cache and a paged KV pool.
+
+``add_request`` -> ``step`` (schedule, forward, sample, publish to the tree) -> ``StepOutput``s.
+``generate`` and ``chat`` are the offline API built on those steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from radixkv.allocator import BlockAllocator
+from radixkv.config import EngineConfig
+from radixkv.detokenizer import IncrementalDetokenizer
+from radixkv.kv_manager import KVManager
+from radixkv.radix_tree import RadixTree
+from radixkv.request import (
+    CompletionOutput,
+    RequestOutput,
+    SeqStatus,
+    Sequence,
+    StepOutput,
+    now,
+)
+from radixkv.sampling import SamplingParams
+from radixkv.scheduler import Scheduler
+
+Prompt = str | list[int]
+
+
+class Engine:
+    """An LLM engine whose KV cache is a prefix store.
+
+    ``Engine(model="smollm2", page_size=16, kv_cache_tokens=65536, enable_prefix_cache=True,
+    schedule_policy="lpm", eviction_policy="lru", chunked_prefill_tokens=2048,
+    max_running_requests=128, attention_backend=None, dtype=None, ...)`` — see
+    :class:`~radixkv.config.EngineConfig` for every knob. ``model`` may also be an already loaded
+    :class:`~radixkv.model_loader.LoadedModel` (tests use a tiny random Llama that way).
+    The engine is not thread-safe: one thread drives it (the server has a loop thread).
+    """
+
+    def __init__(self, model: Any = "smollm2", **knobs: Any) -> None:
+        unknown = set(knobs) - set(EngineConfig.knob_names())
+        if unknown:
+            raise TypeError(
+                f"unknown Engine option(s) {sorted(unknown)}; "
+                f"valid options: {', '.join(EngineConfig.knob_names())}"
+            )
+        self.config = EngineConfig(model=model if isinstance(model, str) else "custom", **knobs)
+        self.config.validate()
+        self._build(model)
+
+    # -- construction ------------------------------------------------------------------------
+    def _build(self, model: Any) -> None:
+        from radixkv.model_loader import load_model
+        from radixkv.model_runner import ModelRunner
+
+        cfg = self.config
+        loaded = load_model(model) if isinstance(model, str) else model
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner.from_config(loaded, cfg)
+        num_pages = self.runner.kv_pool.num_pages
+        self.page_size = cfg.page_size
+        self.allocator = BlockAllocator(num_pages, cfg.page_size)
+        self.tree = RadixTree(self.allocator, cfg.page_size, eviction_policy=cfg.eviction_policy)
+        self.kv = KVManager(
+            self.allocator, self.tree, cfg.enable_prefix_cache, self.runner.kv_pool.copy_pages
+        )
+        self.tiers = None
+        if cfg.host_cache_tokens or cfg.disk_cache_dir:
+            from radixkv.tiers import TieredCache
+
+            self.tiers = TieredCache.attach(self, cfg)
+        self.scheduler = Scheduler(cfg, self.kv)
+        model_len = cfg.max_model_len or self.runner.max_position_embeddings
+        self.max_model_len = min(model_len, self.runner.max_position_embeddings)
+        self.kv_capacity_tokens = num_pages * cfg.page_size
+        self.eos_token_ids = self.runner.eos_token_ids(self.tokenizer)
+        self.vocab_size = self.runner.vocab_size
+        self._requests: dict[str, list[Sequence]] = {}
+        self._pending: list[StepOutput] = []
+        self._ids = itertools.count()
+        self._rng = torch.Generator().manual_seed(cfg.seed)
+        self.counters = {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "generated_tokens": 0,
+            "steps": 0,
+            "forward_tokens": 0,
+        }
+        self.cached_by_tier = {"device": 0, "host": 0, "disk": 0}
+
+    # -- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token id lists")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("a prompt is a string or a list of integer token ids")
+        return list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        salt: str | None = None,
+    ) -> None:
+        """Validate and queue a request; raises ``ValueError`` saying what to fix."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the model's context length of {self.max_model_len} tokens"
+            )
+        if total > self.kv_capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the KV cache ({self.kv_capacity_tokens} tokens): raise kv_cache_tokens"
+            )
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError("salt must be a string")
+        seq = Sequence(
+            request_id=request_id,
+            index=0,
+            prompt_ids=ids,
+            params=params,
+            salt=salt,
+            arrival=now(),
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop),
+            generator=self._generator(params, 0),
+            fork_children=params.n - 1,
+        )
+        self._requests[request_id] = [seq]
+        self.counters["requests"] += 1
+        self.scheduler.add(seq)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        return torch.Generator().manual_seed(params.seed + index)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its pages go back (computed full pages stay cached). False if unknown."""
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            running = seq.status is SeqStatus.RUNNING
+            self.scheduler.remove(seq)
+            if running:
+                self.kv.release(seq, publish=True)
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = "abort"
+            self._pending.append(self._output(seq, [], "", None))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one batch: schedule, forward, sample, publish. Returns what each sequence made."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.entries:
+            return outputs
+        self.counters["steps"] += 1
+        self.counters["forward_tokens"] += batch.num_tokens
+        for seq, _ in batch.entries:
+            if not seq.accounted:
+                self._account_admission(seq)
+        logits = self.runner.forward_requests(
+            [seq.tokens[seq.num_computed : seq.num_computed + n] for seq, n in batch.entries],
+            [seq.num_computed for seq, _ in batch.entries],
+            [seq.pages for seq, _ in batch.entries],
+        )
+        rows: list[int] = []
+        to_sample: list[Sequence] = []
+        for row, (seq, n) in enumerate(batch.entries):
+            seq.num_computed += n
+            if seq.num_computed < seq.num_tokens:  # a prefill chunk that is not the last
+                self.kv.publish(seq)
+                continue
+            if len(seq.output_ids) == 0 and seq.num_tokens == len(seq.prompt_ids):
+                self.kv.publish(seq)  # the whole prompt is computed: share it now
+                for child in self._fork(seq):
+                    rows.append(row)
+                    to_sample.append(child)
+            rows.append(row)
+            to_sample.append(seq)
+        if to_sample:
+            self._sample_and_advance(logits, rows, to_sample, outputs)
+        return outputs
+
+    def _account_admission(self, seq: Sequence) -> None:
+        seq.accounted = True
+        self.counters["prompt_tokens"] += len(seq.prompt_ids)
+        self.counters["cached_tokens"] += seq.cached_tokens or 0
+        by_tier = seq.cached_by_tier or {"device": seq.cached_tokens or 0}
+        seq.cached_by_tier = by_tier
+        for tier, n in by_tier.items():
+            self.cached_by_tier[tier] = self.cached_by_tier.get(tier, 0) + n
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: n - 1 siblings share the parent's prompt pages (copy-on-write)."""
+        children = []
+        for index in range(1, parent.fork_children + 1):
+            child = Sequence(
+                request_id=parent.request_id,
+                index=index,
+                prompt_ids=parent.prompt_ids,
+                params=parent.params,
+                salt=parent.salt,
+                arrival=parent.arrival,
+                detok=IncrementalDetokenizer(self.tokenizer, parent.params.stop),
+                generator=self._generator(parent.params, index),
+                cached_tokens=parent.cached_tokens,
+                cached_by_tier=dict(parent.cached_by_tier),
+                accounted=True,
+            )
+            self.kv.fork(parent, child)
+            child.status = SeqStatus.RUNNING
+            self.scheduler._admit_counter += 1
+            child.admit_order = self.scheduler._admit_counter
+            self.scheduler.running.append(child)
+            self._requests.setdefault(parent.request_id, []).append(child)
+            children.append(child)
+        parent.fork_children = 0
+        return children
+
+    def _sample_and_advance(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        seqs: list[Sequence],
+        outputs: list[StepOutput],
+    ) -> None:
+        index = torch.tensor(rows, dtype=torch.long)
+        picked = logits.index_select(0, index) if len(rows) != logits.shape[0] else logits
+        tokens, logprobs = self.runner.sampler.sample(
+            picked,
+            [s.params for s in seqs],
+            [s.generator or self._rng for s in seqs],
+            [s.tokens for s in seqs],
+            [len(s.prompt_ids) for s in seqs],
+        )
+        t = now()
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            if seq.first_token_time is None:
+                seq.first_token_time = t
+            seq.output_ids.append(token)
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
+            self.counters["generated_tokens"] += 1
+            reason = self._finish_reason(seq, token)
+            delta, stopped = seq.detok.update(seq.output_ids, final=reason is not None)
+            if stopped:
+                reason = "stop"
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.append(
+                self._output(seq, [token], delta, [logprob] if logprob is not None else None)
+            )
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.kv.release(seq, publish=True)
+        seq.status = SeqStatus.FINISHED
+        seqs = self._requests.get(seq.request_id, [])
+        if all(s.is_finished for s in seqs) and not any(s.fork_children for s in seqs):
+            self._requests.pop(seq.request_id, None)
+
+    def _output(
+        self, seq: Sequence, tokens: list[int], delta: str, logprobs: list[float] | None
+    ) -> StepOutput:
+        return StepOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=tokens,
+            new_text=delta,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=len(seq.prompt_ids),
+            cached_tokens=seq.cached_tokens or 0,
+            cached_tokens_by_tier=dict(seq.cached_by_tier),
+            logprobs=logprobs,
+        )
+
+    # -- offline API -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token id lists) and return outputs in order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError("give one SamplingParams, or one per prompt")
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p, salt=salt)
+        seqs = {rid: self._requests[rid] for rid in ids}
+        while any(not s.is_finished or s.fork_children for rid in ids for s in seqs[rid]):
+            self.step()
+            for rid in ids:  # forked siblings appear after the prompt's prefill
+                seqs[rid] = self._requests.get(rid, seqs[rid])
+        results = []
+        for rid, prompt in zip(ids, prompts):
+            group = sorted(seqs[rid], key=lambda s: s.index)
+            head = group[0]
+            results.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=head.prompt_ids,
+                    outputs=[
+                        CompletionOutput(
+                            index=s.index,
+                            token_ids=s.output_ids,
+                            text=s.detok.text,
+                            finish_reason=s.finish_reason,
+                            logprobs=s.output_logprobs or None,
+                        )
+                        for s in group
+                    ],
+                    cached_tokens=head.cached_tokens or 0,
+                    cached_tokens_by_tier=dict(head.cached_by_tier),
+                    ttft=(head.first_token_time - head.arrival) if head.first_token_time else None,
+                    latency=now() - head.arrival,
+                )
+            )
+        return results
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template, ready to answer."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def chat(
+        self,
+        conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Like :meth:`generate` for conversations (lists of ``{"role", "content"}`` messages)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params, salt=salt)
+
+    # -- cache administration ----------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix. Refused (False, nothing done) while requests are in flight."""
+        if self.scheduler.has_work():
+            return False
+        self.tree.reset()
+        if self.tiers is not None:
+            self.tiers.flush()
+        return True
+
+    def pin_prefix(self, prompt: Prompt, salt: str | None = None, ttl: float | None = None) -> int:
+        """Pin the cached part of ``prompt`` so it is never evicted (until ``ttl`` seconds pass).
+
+        The prompt is computed first when it is not cached yet. Returns the tokens pinned.
+        """
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt to pin is empty")
+        if not self.config.enable_prefix_cache:
+            raise ValueError("the prefix cache is disabled")
+        if (
+            self.tree.match_prefix(ids, salt=salt).num_tokens
+            < len(ids) // self.page_size * self.page_size
+        ):
+            rid = f"pin-{next(self._ids)}"
+            self.add_request(
+                rid, ids + [ids[-1]], SamplingParams(max_tokens=1, temperature=0.0), salt
+            )
+            while rid in self._requests:
+                self.step()
+        return self.tree.pin(ids, salt=salt, ttl=ttl)
+
+    # -- introspection -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        alloc, tree = self.allocator, self.tree
+        cached_pages = tree.total_size // self.page_size
+        c = self.counters
+        out: dict[str, Any] = {
+            "model": self.model_name,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "page_size": self.page_size,
+            "pages_total": alloc.num_pages,
+            "pages_used": alloc.num_used,
+            "pages_cached": cached_pages,
+            "pages_free": alloc.num_free,
+            "cache_evictable_tokens": tree.evictable_size,
+            "cache_protected_tokens": tree.protected_size,
+            "requests_total": c["requests"],
+            "prompt_tokens_total": c["prompt_tokens"],
+            "cached_tokens_total": c["cached_tokens"],
+            "generated_tokens_total": c["generated_tokens"],
+            "cached_tokens_by_tier": dict(self.cached_by_tier),
+            "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+            "preemptions_total": self.scheduler.num_preemptions,
+            "steps_total": c["steps"],
+        }
+        if self.tiers is not None:
+            out["tiers"] = self.tiers.stats()
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any invariant of the tree, allocator or page tables is broken."""
+        live = [s for s in self.scheduler.running]
+        for s in self.scheduler.waiting:
+            assert not s.pages and s.lock_node is None, "a waiting sequence holds pages"
+        self.kv.check_integrity(live)
+        if self.tiers is not None:
+            self.tiers.check_integrity()

@@ -1,0 +1,179 @@
+"""Page bookkeeping of running sequences against the radix tree and the block allocator.
+
+One idea: every page is owned exactly once — free in the allocator, held by the tree, or held by
+live sequences (by reference count when forked siblings share it). This module moves pages
+between those owners; the scheduler decides *when*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from radixkv.allocator import BlockAllocator, OutOfPagesError
+from radixkv.radix_tree import RadixTree
+
+if TYPE_CHECKING:
+    from radixkv.request import Sequence
+
+
+class KVManager:
+    """Matches, locks, grows, publishes and releases the KV pages of sequences."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        tree: RadixTree,
+        enable_prefix_cache: bool,
+        copy_pages: Callable[[list[int], list[int]], None],
+    ) -> None:
+        self.allocator = allocator
+        self.tree = tree
+        self.page_size = allocator.page_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.copy_pages = copy_pages
+
+    # -- admission ---------------------------------------------------------------------------
+    def match(self, seq: Sequence) -> tuple[list[int], int, object]:
+        """The cached prefix usable by ``seq``: at most ``num_tokens - 1`` tokens, so at least one
+        token is fed to the model and yields logits."""
+        if not self.enable_prefix_cache:
+            return [], 0, None
+        tokens = seq.tokens
+        res = self.tree.match_prefix(tokens[: len(tokens) - 1], salt=seq.salt)
+        return res.pages, res.num_tokens, res.node
+
+    def admit(self, seq: Sequence) -> int:
+        """Attach the cached prefix to ``seq`` and lock it; returns the cached token count."""
+        pages, num, node = self.match(seq)
+        if node is not None:
+            self.tree.lock(node)
+        seq.lock_node = node
+        seq.pages = list(pages)
+        seq.num_computed = num
+        seq.num_tree_tokens = num
+        return num
+
+    # -- growth ------------------------------------------------------------------------------
+    def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Fresh pages ``seq`` needs to hold ``num_new_tokens`` more tokens (copy-on-write of a
+        shared partial page included)."""
+        total = seq.num_computed + num_new_tokens
+        need = max(0, -(-total // self.page_size) - len(seq.pages))
+        if self._shared_tail(seq) is not None:
+            need += 1
+        return need
+
+    def _shared_tail(self, seq: Sequence) -> int | None:
+        """Index of the page the next token goes into when that page is shared with a sibling."""
+        if seq.num_computed % self.page_size == 0:
+            return None
+        i = seq.num_computed // self.page_size
+        owned = i < len(seq.pages) and i * self.page_size >= seq.num_tree_tokens
+        return i if owned and self.allocator.refcount(seq.pages[i]) > 1 else None
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give ``seq`` the pages for ``num_new_tokens`` more tokens. Raises OutOfPagesError."""
+        need = self.pages_needed(seq, num_new_tokens)
+        if need == 0:
+            return
+        fresh = self.allocator.allocate(need)
+        i = self._shared_tail(seq)
+        if i is not None:  # copy-on-write of the partial page shared with forked siblings
+            new = fresh.pop()
+            self.copy_pages([seq.pages[i]], [new])
+            self.allocator.free([seq.pages[i]])
+            seq.pages[i] = new
+        seq.pages.extend(fresh)
+
+    def ensure_free(self, num_pages: int) -> bool:
+        """Evict unlocked cache until ``num_pages`` pages are free; True when they are."""
+        short = num_pages - self.allocator.num_free
+        if short > 0 and self.enable_prefix_cache:
+            self.tree.evict(short * self.page_size)
+        return self.allocator.num_free >= num_pages
+
+    # -- publication -------------------------------------------------------------------------
+    def publish(self, seq: Sequence) -> None:
+        """Insert the computed, page-aligned prefix of ``seq`` into the tree and move its lock there.
+
+        Pages the tree already had (computed twice, e.g. by a concurrent sibling) are freed and
+        replaced by the tree's copies, so the page table stays valid and nothing is owned twice.
+        """
+        if not self.enable_prefix_cache:
+            return
+        P = self.page_size
+        aligned = seq.num_computed // P * P
+        if aligned <= seq.num_tree_tokens:
+            return
+        tokens = seq.tokens[:aligned]
+        own = seq.pages[: aligned // P]
+        present = self.tree.insert(tokens, own, salt=seq.salt)
+        lo, hi = seq.num_tree_tokens // P, present // P
+        if hi > lo:
+            self.allocator.free(own[lo:hi])
+        res = self.tree.match_prefix(tokens, salt=seq.salt)
+        assert res.num_tokens == aligned, (res.num_tokens, aligned)
+        seq.pages[: aligned // P] = res.pages
+        self.tree.lock(res.node)
+        if seq.lock_node is not None:
+            self.tree.unlock(seq.lock_node)
+        seq.lock_node = res.node
+        seq.num_tree_tokens = aligned
+
+    def release(self, seq: Sequence, publish: bool) -> None:
+        """Give back everything ``seq`` holds (publishing its computed prefix first if asked)."""
+        if publish:
+            self.publish(seq)
+        own = seq.pages[seq.num_tree_tokens // self.page_size :]
+        if own:
+            self.allocator.free(own)
+        if seq.lock_node is not None:
+            self.tree.unlock(seq.lock_node)
+        seq.lock_node = None
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_tree_tokens = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Make ``child`` share every page of ``parent`` (the tree part by lock, the rest by ref)."""
+        child.pages = list(parent.pages)
+        child.num_computed = parent.num_computed
+        child.num_tree_tokens = parent.num_tree_tokens
+        child.lock_node = parent.lock_node
+        if child.lock_node is not None:
+            self.tree.lock(child.lock_node)
+        own = child.pages[child.num_tree_tokens // self.page_size :]
+        if own:
+            self.allocator.incref(own)
+
+    # -- checks ------------------------------------------------------------------------------
+    def check_integrity(self, live: list[Sequence]) -> None:
+        """Every page is free, held by the tree, or held by live sequences — exactly as counted."""
+        self.allocator.check_integrity()
+        self.tree.check_integrity()
+        P = self.page_size
+        expected: dict[int, int] = {}
+        for page in self.tree.all_pages():
+            expected[page] = expected.get(page, 0) + 1
+        locks: dict[int, int] = {}
+        for seq in live:
+            assert seq.num_tree_tokens % P == 0, "tree part of a sequence is not page aligned"
+            assert seq.num_computed <= len(seq.pages) * P, "computed tokens beyond the page table"
+            tree_pages = seq.pages[: seq.num_tree_tokens // P]
+            if seq.num_tree_tokens:
+                res = self.tree.match_prefix(seq.tokens[: seq.num_tree_tokens], salt=seq.salt)
+                assert res.pages == tree_pages, f"{seq.request_id}: page table disagrees with tree"
+            for page in seq.pages[seq.num_tree_tokens // P :]:
+                expected[page] = expected.get(page, 0) + 1
+            if seq.lock_node is not None:
+                locks[id(seq.lock_node)] = locks.get(id(seq.lock_node), 0) + 1
+        for page in range(self.allocator.num_pages):
+            have = self.allocator.refcount(page)
+            want = expected.get(page, 0)
+            assert have == want, f"page {page}: refcount {have} but {want} owners"
+        if not live and self.enable_prefix_cache:
+            assert self.tree.protected_size == 0, "locks remain with no live sequence"
+
+
+__all__ = ["KVManager", "OutOfPagesError"]

@@ -1,0 +1,252 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Each step shares one token budget (``chunked_prefill_tokens``) between decodes (one token each,
+served first so they are never starved) and prefills (the uncached suffix of a prompt, in chunks
+that fit the rest of the budget). Pages come from the free pool, then from evicting unlocked
+cache, then from preempting running sequences, newest first, by recompute.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from radixkv.config import EngineConfig
+from radixkv.kv_manager import KVManager
+from radixkv.request import SeqStatus, Sequence
+
+# A waiting request that shares at least this many not-yet-cached tokens with a request being
+# prefilled waits for that prefill to reach the tree instead of computing the same tokens again.
+DEDUPE_MIN_TOKENS = 32
+# Longest-prefix-match ordering costs a tree match per waiting request; past this queue length
+# the scheduler falls back to arrival order (as SGLang does).
+LPM_MAX_QUEUE = 128
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (slice compares, O(log n) of them)."""
+    hi = min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 0  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: ``(sequence, number of new tokens to feed)`` pairs, in batch order."""
+
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; see the module docstring for the policy."""
+
+    def __init__(self, config: EngineConfig, kv: KVManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admit_counter = 0
+        self.num_preemptions = 0
+
+    # -- queue -------------------------------------------------------------------------------
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        seq.status = SeqStatus.WAITING
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.chunked_prefill_tokens
+        scheduled: set[int] = set()
+        # 1. decodes, oldest first; pages by eviction, then by preempting the newest.
+        for seq in sorted(self.running, key=lambda s: s.admit_order):
+            if seq.status is not SeqStatus.RUNNING or seq.in_prefill:
+                continue
+            if not self._reserve(seq, 1, batch, scheduled):
+                continue  # seq itself was preempted
+            batch.entries.append((seq, 1))
+            scheduled.add(id(seq))
+            budget -= 1
+        # 2. prefills already under way (chunked), oldest first.
+        for seq in sorted(self.running, key=lambda s: s.admit_order):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or not seq.in_prefill or id(seq) in scheduled:
+                continue
+            want = min(budget, seq.num_tokens - seq.num_computed)
+            chunk = self._fit_chunk(seq, want)
+            while chunk == 0 and self._preempt_newer_than(seq, batch, scheduled):
+                chunk = self._fit_chunk(seq, want)
+            if chunk == 0:
+                continue
+            batch.entries.append((seq, chunk))
+            scheduled.add(id(seq))
+            budget -= chunk
+        # 3. admit waiting sequences by policy while budget, slots and pages last.
+        if budget > 0 and self.waiting and len(self.running) < self.config.max_running_requests:
+            self._admit(batch, scheduled, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, scheduled: set[int], budget: int) -> None:
+        prefilling = [s for s in self.running if s.in_prefill]
+        deferred: list[Sequence] = []
+        for seq in self._ordered_waiting():
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if self._should_wait_for_sibling(seq, prefilling):
+                deferred.append(seq)
+                continue
+            cached = self.kv.admit(seq)
+            chunk = self._fit_chunk(seq, min(budget, seq.num_tokens - seq.num_computed))
+            if chunk == 0:
+                self.kv.release(seq, publish=False)
+                break  # out of pages: keep arrival order, try again next step
+            self.waiting.remove(seq)
+            if seq.cached_tokens is None:
+                seq.cached_tokens = cached
+            seq.status = SeqStatus.RUNNING
+            self._admit_counter += 1
+            seq.admit_order = self._admit_counter
+            self.running.append(seq)
+            prefilling.append(seq)
+            batch.entries.append((seq, chunk))
+            scheduled.add(id(seq))
+            budget -= chunk
+
+    def _ordered_waiting(self) -> list[Sequence]:
+        waiting = list(self.waiting)
+        policy = self.config.schedule_policy
+        if not self.kv.enable_prefix_cache or policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
+            return waiting
+        preempted = [s for s in waiting if s.preemptions]  # resumed work goes first
+        rest = [s for s in waiting if not s.preemptions]
+        if policy == "lpm":
+            rest.sort(key=lambda s: -self.kv.match(s)[1])  # stable: ties keep arrival order
+        else:  # dfs-weight: walk the tree, heaviest subtrees (most waiting requests) first
+            rest = self._dfs_weight_order(rest)
+        return preempted + rest
+
+    def _dfs_weight_order(self, seqs: list[Sequence]) -> list[Sequence]:
+        at_node: dict[int, list[Sequence]] = {}
+        nodes: dict[int, object] = {}
+        weight: dict[int, int] = {}
+        children: dict[int, list[object]] = {}
+        root = None
+        for seq in seqs:
+            node = self.kv.match(seq)[2]
+            at_node.setdefault(id(node), []).append(seq)
+            while node is not None:
+                key = id(node)
+                first = key not in weight
+                weight[key] = weight.get(key, 0) + 1
+                nodes[key] = node
+                parent = getattr(node, "parent", None)
+                if parent is None:
+                    root = node
+                elif first:
+                    children.setdefault(id(parent), []).append(node)
+                node = parent
+        if root is None:
+            return seqs
+        order: list[Sequence] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            order.extend(at_node.get(id(node), []))
+            kids = sorted(children.get(id(node), []), key=lambda n: weight[id(n)])
+            stack.extend(kids)  # heaviest popped first
+        return order
+
+    def _should_wait_for_sibling(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
+        """In-batch prefix dedupe: wait while another request is computing our shared prefix."""
+        if not self.kv.enable_prefix_cache or not prefilling:
+            return False
+        cached = self.kv.match(seq)[1]
+        tokens = seq.tokens
+        for other in prefilling:
+            if other.salt != seq.salt:
+                continue
+            shared = common_prefix_len(tokens, other.tokens)
+            if shared - cached >= max(DEDUPE_MIN_TOKENS, self.kv.page_size):
+                return True
+        return False
+
+    # -- pages -------------------------------------------------------------------------------
+    def _fit_chunk(self, seq: Sequence, want: int) -> int:
+        """Reserve pages for up to ``want`` new tokens of a prefill; returns the chunk granted."""
+        P = self.kv.page_size
+        while want > 0:
+            need = self.kv.pages_needed(seq, want)
+            if self.kv.ensure_free(need):
+                self.kv.grow(seq, want)
+                return want
+            # shrink to what the free pool (after eviction) can hold
+            room = self.kv.allocator.num_free * P + (-seq.num_computed % P)
+            want = min(want - 1, room)
+        return 0
+
+    def _reserve(
+        self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, scheduled: set[int]
+    ) -> bool:
+        """Pages for a decode of ``seq``; preempts the newest unscheduled sequence when short.
+        Returns False when ``seq`` itself had to be preempted."""
+        while True:
+            need = self.kv.pages_needed(seq, num_tokens)
+            if self.kv.ensure_free(need):
+                self.kv.grow(seq, num_tokens)
+                return True
+            victims = [
+                s for s in self.running if id(s) not in scheduled and s.status is SeqStatus.RUNNING
+            ]
+            victim = max(victims, key=lambda s: s.admit_order)
+            self.preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+
+    def _preempt_newer_than(
+        self, seq: Sequence, batch: ScheduledBatch, scheduled: set[int]
+    ) -> bool:
+        """Preempt the newest unscheduled sequence admitted after ``seq``; False if none."""
+        victims = [
+            s for s in self.running if id(s) not in scheduled and s.admit_order > seq.admit_order
+        ]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda s: s.admit_order)
+        self.preempt(victim)
+        batch.preempted.append(victim)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: publish what was computed, free the rest, requeue first."""
+        self.kv.release(seq, publish=True)
+        self.running.remove(seq)
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq, front=True)

@@ -1,0 +1,250 @@
+"""Engine: continuous batching over the radix cache, checked against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv import Engine, SamplingParams
+
+SYSTEM = (
+    "You are a meticulous assistant for a travel agency. Answer in one short sentence, "
+    "name concrete places, avoid lists, and never invent prices or opening hours. "
+    "If a question is ambiguous, answer the most likely reading."
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Which river flows through Vienna?",
+    "Name a famous museum in Madrid.",
+    "Where is the Colosseum?",
+    "What language is spoken in Brazil?",
+    "Which city is known for canals in Italy?",
+]
+
+
+def chat_prompts(engine: Engine, questions: list[str]) -> list[list[int]]:
+    return [
+        engine.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        )
+        for q in questions
+    ]
+
+
+def assert_matches_transformers(hf_model, prompt: list[int], output: list[int]) -> None:
+    """Every emitted token is transformers' argmax (or within 1e-4 of the max logit)."""
+    ids = torch.tensor([prompt + output[:-1]])
+    with torch.inference_mode():
+        logits = hf_model(ids).logits[0, len(prompt) - 1 :].float()
+    assert logits.shape[0] == len(output)
+    for i, token in enumerate(output):
+        row = logits[i]
+        gap = (row.max() - row[token]).item()
+        assert gap <= 1e-4, f"token {i}: {token} is {gap:.3g} below transformers' max"
+
+
+def assert_clean(engine: Engine) -> None:
+    """Idle engine: integrity holds and every used page is held, unlocked, by the tree."""
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["pages_used"] == stats["pages_cached"], stats
+    assert stats["cache_protected_tokens"] == 0
+
+
+# -- the real model ----------------------------------------------------------------------------
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(enable_prefix_cache=True),
+        dict(enable_prefix_cache=False),
+        dict(enable_prefix_cache=True, kv_cache_tokens=256, chunked_prefill_tokens=64),
+    ],
+    ids=["cache-on", "cache-off", "tiny-pool"],
+)
+def test_greedy_agrees_with_transformers(real_model, knobs):
+    engine = Engine(real_model, page_size=16, dtype="float32", **knobs)
+    prompts = chat_prompts(engine, QUESTIONS)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == prompt
+        assert len(out.token_ids) == 10
+        assert_matches_transformers(real_model.hf_model, prompt, out.token_ids)
+    stats = engine.stats()
+    if knobs.get("kv_cache_tokens") == 256:
+        assert stats["preemptions_total"] > 0, "the tiny pool was meant to force preemption"
+        assert engine.tree.num_evicted_tokens > 0, "the tiny pool was meant to force eviction"
+    if not knobs["enable_prefix_cache"]:
+        assert stats["cached_tokens_total"] == 0
+    assert_clean(engine)
+
+
+@pytest.mark.real_model
+def test_cached_tokens_exact_and_second_turn_hits(real_model):
+    P = 16
+    engine = Engine(real_model, page_size=P, dtype="float32")
+    prompts = chat_prompts(engine, QUESTIONS)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (first,) = engine.generate([prompts[0]], params)
+    assert first.cached_tokens == 0
+    warm = prompts[0] + first.token_ids[:-1]  # tokens whose KV went into the tree
+
+    def lcp(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    outs = engine.generate(prompts[1:], params)
+    for prompt, out in zip(prompts[1:], outs):
+        expected = min(lcp(prompt, warm), len(prompt) - 1) // P * P
+        assert out.cached_tokens == expected
+        assert expected >= len(prompts[0]) // 2  # the system prompt is most of it
+    # the next turn of a conversation hits its whole history (prompt and generated tokens)
+    follow = prompts[1] + outs[0].token_ids + [engine.tokenizer.eos_token_id]
+    (turn2,) = engine.generate([follow], params)
+    assert turn2.cached_tokens == (len(prompts[1]) + len(outs[0].token_ids) - 1) // P * P
+    assert_clean(engine)
+
+
+# -- the tiny random model: scheduler mechanics ---------------------------------------------------
+def make_engine(tiny_model, **knobs) -> Engine:
+    knobs.setdefault("page_size", 4)
+    knobs.setdefault("dtype", "float32")
+    return Engine(tiny_model, **knobs)
+
+
+def rand_prompts(n: int, length: int, seed: int, shared: int = 0, vocab: int = 200):
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, vocab, (shared,), generator=g).tolist()
+    return [prefix + torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def test_preemption_and_eviction_keep_greedy_outputs(tiny_model):
+    prompts = rand_prompts(8, 30, seed=1, shared=20)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = make_engine(tiny_model, kv_cache_tokens=4096)
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    tight = make_engine(tiny_model, kv_cache_tokens=160, chunked_prefill_tokens=32)
+    got = [o.token_ids for o in tight.generate(prompts, params)]
+    assert tight.stats()["preemptions_total"] > 0
+    assert got == want
+    assert_clean(roomy)
+    assert_clean(tight)
+
+
+def test_in_batch_dedupe_computes_shared_prefix_once(tiny_model):
+    engine = make_engine(tiny_model, page_size=4, chunked_prefill_tokens=4096)
+    prompts = rand_prompts(32, 8, seed=2, shared=256)
+    engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    # one request computes the 256 shared tokens; the 31 others only their own suffix (+ one
+    # token recomputed at the page boundary at most) and their decode step.
+    computed = engine.counters["forward_tokens"]
+    assert computed <= 256 + 32 * (8 + 4) + 32, computed
+    assert engine.stats()["cached_tokens_total"] >= 31 * 256
+    assert_clean(engine)
+
+
+def test_abort_mid_flight_leaks_nothing(tiny_model):
+    engine = make_engine(tiny_model, kv_cache_tokens=1024, chunked_prefill_tokens=16)
+    prompts = rand_prompts(10, 40, seed=3, shared=16)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, temperature=0.0))
+    finished = set()
+    for step in range(12):
+        for out in engine.step():
+            if out.finished:
+                finished.add(out.request_id)
+        engine.check_integrity()
+        if step == 3:
+            assert engine.abort("r0") and engine.abort("r5") and engine.abort("r9")
+            assert not engine.abort("nope")
+    for i in range(10):
+        engine.abort(f"r{i}")
+    outs = engine.step()
+    assert all(o.finish_reason == "abort" for o in outs)
+    assert_clean(engine)
+
+
+def test_parallel_sampling_shares_prompt_pages(tiny_model):
+    engine = make_engine(tiny_model, page_size=8)
+    prompt = rand_prompts(1, 21, seed=4)[0]  # not a page multiple: the tail page is shared
+    (out,) = engine.generate(
+        [prompt], SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    )
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "seeded samples should differ"
+    # the prompt was prefilled once: 21 prompt tokens + 4 x 11 decode tokens
+    assert engine.counters["forward_tokens"] == 21 + 4 * 11
+    (again,) = engine.generate(
+        [prompt], SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    )
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    (greedy,) = engine.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=0.0))
+    assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
+    assert_clean(engine)
+
+
+def test_stop_conditions(tiny_model):
+    engine = make_engine(tiny_model)
+    prompt = rand_prompts(1, 12, seed=5)[0]
+    (free,) = engine.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    stop_id = free.token_ids[5]
+    (stopped,) = engine.generate(
+        [prompt],
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_id], ignore_eos=True),
+    )
+    first = free.token_ids.index(stop_id)
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.finish_reason == "stop"
+    text = free.text
+    if len(text) > 4:
+        stop = text[2:4]
+        (s,) = engine.generate(
+            [prompt], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop], ignore_eos=True)
+        )
+        assert s.finish_reason == "stop"
+        assert s.text == text[: text.find(stop)]
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight"])
+def test_schedule_policies_give_same_greedy_outputs(tiny_model, policy):
+    prompts = rand_prompts(6, 10, seed=6, shared=12) + rand_prompts(6, 10, seed=7, shared=12)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    ref = make_engine(tiny_model, schedule_policy="fcfs", enable_prefix_cache=False)
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    engine = make_engine(tiny_model, schedule_policy=policy, max_running_requests=3)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert_clean(engine)
+
+
+def test_bad_values_raise_clear_errors(tiny_model):
+    with pytest.raises(ValueError, match="page_size"):
+        make_engine(tiny_model, page_size=0)
+    with pytest.raises(ValueError, match="schedule_policy"):
+        make_engine(tiny_model, schedule_policy="random")
+    with pytest.raises(ValueError, match="eviction_policy"):
+        make_engine(tiny_model, eviction_policy="mru")
+    with pytest.raises(TypeError, match="unknown Engine option"):
+        make_engine(tiny_model, kv_cache_tokenz=10)
+    engine = make_engine(tiny_model, kv_cache_tokens=64)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", [], SamplingParams())
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.add_request("b", list(range(3, 60)), SamplingParams(max_tokens=16))
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request("c", [10**9], SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("d", [5, 6], SamplingParams(temperature=-1))
+    engine.add_request("e", [5, 6], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("e", [5, 6], SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    assert_clean(engine)
