@@ -1,0 +1,296 @@
+"""Benchmark of the paged attention kernels.
+
+On a GPU: achieved memory bandwidth of the Triton decode kernel (bytes of K/V read / time) for a
+few batch/context sizes in bfloat16, against the device's copy bandwidth (a large tensor copy,
+bytes read + written / time), timed with CUDA events.
+
+On the CPU: the torch attention backend (``radixkv.attention.torch_decode_attention`` /
+``torch_extend_attention``; the torch oracles of ``radixkv.kernels`` when that module is absent)
+against a naive attention over contiguous per-request K/V (torch SDPA), with the time ratio.
+
+Run from the repository root: ``python bench/bench_kernels.py`` (``--iters N`` to change repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from radixkv.kernels import (
+    choose_num_kv_splits,
+    decode_attention,
+    decode_attention_ref,
+    extend_attention_ref,
+)
+
+
+@dataclass
+class Problem:
+    """A batch of requests laid out in a paged cache under shuffled page ids."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    page_table: torch.Tensor
+    lens: list[int]
+    ks: list[torch.Tensor]  # contiguous per-request K [L, Hkv, D] (views of a copy, for naive)
+    vs: list[torch.Tensor]
+
+
+def make_problem(
+    lens: list[int],
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> Problem:
+    """Random K/V for requests of ``lens`` tokens, paged through a shuffled page table."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pages_per_req = [math.ceil(n / page_size) for n in lens]
+    num_pages = sum(pages_per_req)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    perm = torch.randperm(num_pages, generator=gen, device=device)
+    page_table = torch.zeros(len(lens), max(pages_per_req), dtype=torch.int32, device=device)
+    ks, vs = [], []
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    used = 0
+    for b, (n, n_pages) in enumerate(zip(lens, pages_per_req, strict=True)):
+        pages = perm[used : used + n_pages]
+        used += n_pages
+        page_table[b, :n_pages] = pages.to(torch.int32)
+        pos = torch.arange(n, device=device)
+        slots = pages[pos // page_size] * page_size + pos % page_size
+        ks.append(flat_k[slots].contiguous())
+        vs.append(flat_v[slots].contiguous())
+    return Problem(k_cache, v_cache, page_table, lens, ks, vs)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median time of ``fn`` in milliseconds, measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(device: torch.device, iters: int) -> float:
+    """Device copy bandwidth (GB/s), counting bytes read plus bytes written."""
+    n_bytes = 1 << 30
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), iters)
+    return 2 * n_bytes / (ms * 1e-3) / 1e9
+
+
+def bench_gpu(iters: int) -> None:
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    hkv, group, d, page_size = 8, 4, 128, 16
+    hq = hkv * group
+    props = torch.cuda.get_device_properties(device)
+    copy_bw = copy_bandwidth_gbs(device, iters)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs")
+    print(f"copy bandwidth (read + write): {copy_bw:8.1f} GB/s")
+    print(f"decode_attention, bf16, Hq={hq}, Hkv={hkv}, D={d}, page_size={page_size}")
+    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'time us':>9} {'GB/s':>8} {'% of copy':>9}")
+    for batch, ctx in [(1, 8192), (1, 32768), (8, 4096), (32, 2048), (64, 4096), (128, 1024)]:
+        lens = [ctx] * batch
+        prob = make_problem(lens, page_size, hkv, d, dtype, device)
+        q = torch.randn(batch, hq, d, device=device, dtype=dtype)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        out = torch.empty_like(q)
+        splits = choose_num_kv_splits(ctx, batch, hkv, device)
+
+        def run(
+            q: torch.Tensor = q,
+            prob: Problem = prob,
+            seq_lens: torch.Tensor = seq_lens,
+            out: torch.Tensor = out,
+            ctx: int = ctx,
+        ) -> None:
+            decode_attention(
+                q,
+                prob.k_cache,
+                prob.v_cache,
+                prob.page_table,
+                seq_lens,
+                d**-0.5,
+                out=out,
+                max_seq_len=ctx,
+            )
+
+        ms = cuda_time_ms(run, iters)
+        kv_bytes = 2 * sum(lens) * hkv * d * prob.k_cache.element_size()
+        bw = kv_bytes / (ms * 1e-3) / 1e9
+        print(
+            f"{batch:>6} {ctx:>8} {splits:>6} {ms * 1e3:>9.1f} {bw:>8.1f} {100 * bw / copy_bw:>8.1f}%"
+        )
+        ref = decode_attention_ref(
+            q[:1], prob.k_cache, prob.v_cache, prob.page_table[:1], seq_lens[:1], d**-0.5
+        )
+        err = (out[:1].float() - ref.float()).abs().max().item()
+        assert err < 3e-2, f"decode kernel disagrees with the oracle (max abs err {err})"
+        del prob
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def cpu_time_ms(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def naive_decode(q: torch.Tensor, prob: Problem, scale: float) -> torch.Tensor:
+    """SDPA over each request's contiguous K/V (the baseline: no paging at all)."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        out[b] = F.scaled_dot_product_attention(
+            q[b].unsqueeze(1),  # [Hq, 1, D]
+            prob.ks[b].transpose(0, 1),
+            prob.vs[b].transpose(0, 1),
+            scale=scale,
+            enable_gqa=True,
+        ).squeeze(1)
+    return out
+
+
+def naive_extend(
+    q: torch.Tensor, prob: Problem, prefix: list[int], ext: list[int], scale: float
+) -> torch.Tensor:
+    """Causal SDPA of each request's new tokens over its contiguous K/V."""
+    out = torch.empty_like(q)
+    row = 0
+    for b, (p, e) in enumerate(zip(prefix, ext, strict=True)):
+        n = p + e
+        allowed = torch.arange(n)[None, :] <= torch.arange(p, n)[:, None]
+        out[row : row + e] = F.scaled_dot_product_attention(
+            q[row : row + e].transpose(0, 1),
+            prob.ks[b].transpose(0, 1),
+            prob.vs[b].transpose(0, 1),
+            attn_mask=allowed,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(0, 1)
+        row += e
+    return out
+
+
+def load_cpu_backend() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], str]:
+    """The torch backend's decode/extend functions, or the oracles when it is not there."""
+    try:
+        from radixkv.attention import torch_decode_attention, torch_extend_attention
+    except ImportError as exc:
+        print(f"note: radixkv.attention unavailable ({exc}); timing the torch oracles instead")
+        return decode_attention_ref, extend_attention_ref, "radixkv.kernels.*_ref"
+    return torch_decode_attention, torch_extend_attention, "radixkv.attention.torch_*"
+
+
+def _i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def bench_cpu(iters: int) -> None:
+    device = torch.device("cpu")
+    dtype = torch.float32
+    hkv, group, d, page_size = 4, 4, 64, 16
+    hq = hkv * group
+    scale = d**-0.5
+    decode_fn, extend_fn, name = load_cpu_backend()
+    print(
+        f"CPU ({torch.get_num_threads()} threads), fp32, Hq={hq}, Hkv={hkv}, D={d}, page={page_size}"
+    )
+    print(f"paged backend: {name}; baseline: SDPA over contiguous per-request K/V")
+    print(
+        f"{'kind':>7} {'batch':>6} {'context':>12} {'paged ms':>9} {'naive ms':>9} {'ratio':>6} {'max err':>8}"
+    )
+    for batch, ctx in [(1, 2048), (8, 512), (8, 2048), (32, 1024)]:
+        lens = [ctx] * batch
+        prob = make_problem(lens, page_size, hkv, d, dtype, device)
+        q = torch.randn(batch, hq, d)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        args = (q, prob.k_cache, prob.v_cache, prob.page_table, seq_lens, scale)
+        paged_ms = cpu_time_ms(lambda args=args: decode_fn(*args), iters)
+        naive_ms = cpu_time_ms(lambda q=q, prob=prob: naive_decode(q, prob, scale), iters)
+        err = (decode_fn(*args) - naive_decode(q, prob, scale)).abs().max().item()
+        print(
+            f"{'decode':>7} {batch:>6} {ctx:>12} {paged_ms:>9.2f} {naive_ms:>9.2f}"
+            f" {paged_ms / naive_ms:>6.2f} {err:>8.1e}"
+        )
+    for batch, prefix_len, ext_len in [(1, 0, 512), (2, 512, 256), (4, 1024, 64)]:
+        prefix = [prefix_len] * batch
+        ext = [ext_len] * batch
+        prob = make_problem(
+            [p + e for p, e in zip(prefix, ext, strict=True)], page_size, hkv, d, dtype, device
+        )
+        q = torch.randn(sum(ext), hq, d)
+        starts = [sum(ext[:i]) for i in range(batch)]
+        args = (
+            q,
+            prob.k_cache,
+            prob.v_cache,
+            prob.page_table,
+            _i32(prefix),
+            _i32(ext),
+            _i32(starts),
+            scale,
+        )
+        paged_ms = cpu_time_ms(lambda args=args: extend_fn(*args), iters)
+        naive_ms = cpu_time_ms(
+            lambda q=q, prob=prob, prefix=prefix, ext=ext: naive_extend(
+                q, prob, prefix, ext, scale
+            ),
+            iters,
+        )
+        err = (extend_fn(*args) - naive_extend(q, prob, prefix, ext, scale)).abs().max().item()
+        ctx = f"{prefix_len}+{ext_len}"
+        print(
+            f"{'extend':>7} {batch:>6} {ctx:>12} {paged_ms:>9.2f} {naive_ms:>9.2f}"
+            f" {paged_ms / naive_ms:>6.2f} {err:>8.1e}"
+        )
+    print("ratio = paged backend time / naive contiguous time (lower is better; 1.0 = parity)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=None, help="timed repeats per case")
+    parser.add_argument("--cpu", action="store_true", help="run the CPU comparison even on a GPU")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if torch.cuda.is_available() and not args.cpu:
+        bench_gpu(args.iters or 20)
+    else:
+        bench_cpu(args.iters or 5)
+
+
+if __name__ == "__main__":
+    main()
