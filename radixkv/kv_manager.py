@@ -172,7 +172,7 @@ class KVManager:
             have = self.allocator.refcount(page)
             want = expected.get(page, 0)
             assert have == want, f"page {page}: refcount {have} but {want} owners"
-        if not live and self.enable_prefix_cache:
+        if not live and self.enable_prefix_cache and self.tree.num_pins == 0:
             assert self.tree.protected_size == 0, "locks remain with no live sequence"
 
 

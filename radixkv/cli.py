@@ -1,0 +1,181 @@
+"""``radixkv`` command line.
+
+Each subcommand is one ``add_<name>_parser(subparsers)`` function that defines its arguments and
+sets ``func`` (called with the parsed namespace, returns an exit code). To add a subcommand,
+write such a function and append it to :data:`SUBCOMMANDS`. Import heavy modules (torch, the
+engine, matplotlib) inside the ``func`` so that e.g. ``radixkv simulate`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["SUBCOMMANDS", "add_simulate_parser", "build_parser", "main"]
+
+
+# ---------------------------------------------------------------------------- simulate
+def _parse_capacities(text: str) -> list[int]:
+    try:
+        caps = [int(float(x)) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--sweep expects comma-separated token counts like 50000,100000, got {text!r}"
+        ) from None
+    if not caps or any(c < 0 for c in caps):
+        raise argparse.ArgumentTypeError(f"--sweep needs non-negative capacities, got {text!r}")
+    return caps
+
+
+def _parse_policies(text: str) -> list[str]:
+    from radixkv.radix_tree import EVICTION_POLICIES
+
+    pols = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in pols if p not in EVICTION_POLICIES]
+    if bad or not pols:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {bad or text!r}; choose from {','.join(EVICTION_POLICIES)}"
+        )
+    return pols
+
+
+def _plot_sweep(rows: list[dict[str, Any]], optimal: float, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted(
+            (r["capacity_tokens"], r["token_hit_rate"]) for r in rows if r["policy"] == policy
+        )
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    ax.axhline(optimal, color="gray", linestyle="--", label="unbounded")
+    ax.set_xlabel("KV capacity (tokens)")
+    ax.set_ylabel("token hit rate")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from radixkv.simulator import RESULT_KEYS, prepare_trace, simulate
+    from radixkv.workloads import read_jsonl
+
+    if args.page_size < 1:
+        print("radixkv simulate: --page-size must be >= 1", file=sys.stderr)
+        return 2
+    if args.plot and args.sweep is None:
+        print("radixkv simulate: --plot needs --sweep C1,C2,...", file=sys.stderr)
+        return 2
+    try:
+        trace = prepare_trace(read_jsonl(args.trace))
+    except (OSError, ValueError) as e:
+        print(f"radixkv simulate: cannot read trace: {e}", file=sys.stderr)
+        return 2
+    if args.sweep is None:
+        if args.capacity_tokens is None:
+            print(
+                "radixkv simulate: give --capacity-tokens N (or --sweep C1,C2,...)", file=sys.stderr
+            )
+            return 2
+        res = simulate(trace, args.capacity_tokens, args.page_size, args.policy)
+        if args.json:
+            print(json.dumps({k: res[k] for k in RESULT_KEYS}))
+        else:
+            width = max(len(k) for k in RESULT_KEYS)
+            for k in RESULT_KEYS:
+                v = res[k]
+                print(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+        return 0
+
+    rows: list[dict[str, Any]] = []
+    for policy in args.sweep_policies:
+        for cap in args.sweep:
+            res = simulate(trace, cap, args.page_size, policy)
+            rows.append({"policy": policy, "capacity_tokens": cap, **res})
+    optimal = rows[0]["optimal_hit_rate"] if rows else 0.0
+    if args.plot:
+        _plot_sweep(rows, optimal, args.plot, f"{args.trace} (page size {args.page_size})")
+    if args.json:
+        print(json.dumps({"optimal_hit_rate": optimal, "sweep": rows, "plot": args.plot}))
+    else:
+        print(f"{'policy':<6}  {'capacity':>10}  {'hit_rate':>8}  {'evictions':>10}")
+        for r in rows:
+            print(
+                f"{r['policy']:<6}  {r['capacity_tokens']:>10}  {r['token_hit_rate']:>8.4f}  "
+                f"{r['evictions']:>10}"
+            )
+        print(f"optimal (unbounded) hit rate: {optimal:.4f}")
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    """``radixkv simulate``: replay a JSONL trace through the prefix cache (no model, no torch)."""
+    p = sub.add_parser(
+        "simulate",
+        help="replay a JSONL request trace through the prefix cache and report hit rates",
+        description="Replay a JSONL trace (see bench/workloads.py) through the real RadixTree "
+        "and BlockAllocator and report token hit rate, optimal (unbounded) hit rate, "
+        "evictions and replay speed.",
+    )
+    p.add_argument("--trace", required=True, help="JSONL file, one request per line")
+    p.add_argument("--capacity-tokens", type=int, default=None, help="KV capacity in tokens")
+    p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default 1)")
+    p.add_argument("--policy", choices=["lru", "lfu", "fifo"], default="lru")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--sweep",
+        type=_parse_capacities,
+        default=None,
+        metavar="C1,C2,...",
+        help="replay at each capacity (tokens) for every policy in --sweep-policies",
+    )
+    p.add_argument(
+        "--sweep-policies",
+        type=_parse_policies,
+        default=["lru", "lfu", "fifo"],
+        metavar="P1,P2",
+        help="policies for --sweep (default lru,lfu,fifo)",
+    )
+    p.add_argument("--plot", default=None, help="with --sweep: write hit rate vs capacity PNG")
+    p.set_defaults(func=_run_simulate)
+
+
+#: One function per subcommand; each adds its parser and sets ``func``.
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_simulate_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="radixkv", description="Prefix-caching KV store and LLM serving engine."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (``radixkv`` console script). Returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

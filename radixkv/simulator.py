@@ -1,0 +1,193 @@
+"""Replay a request trace through the real prefix cache to measure hit rates (no model, no torch).
+
+Per request (in trace order) the replay does what the engine does with the cache:
+
+1. ``match_prefix(prompt, salt)``: the matched tokens (page aligned) are the request's hits;
+2. ``lock`` the matched node;
+3. pages for the uncached rest of ``prompt + output`` are allocated, evicting (policy order)
+   when the pool is short; if even eviction cannot free enough (everything else is locked or the
+   request is larger than the pool) only the part that fits gets cached;
+4. ``insert(prompt + output)`` (full pages only; a trailing partial page is freed), free the
+   duplicate pages the insert reports, ``unlock``.
+
+The output appended to a prompt is ``output_ids`` when the trace has them, else the tokenized
+``output_text``, else ``output_len`` fresh token ids unique to the request (negative ids, so they
+never collide with real tokens and never hit).
+
+Text requests (``"text"`` instead of ``"input_ids"``) go through :func:`hash_tokenize`: split on
+whitespace, each word becomes ``1000 + crc32(word) % 1_000_000``. It is deterministic and keeps
+the prefix property of whitespace-joined text, which is all a cache simulation needs.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.allocator import BlockAllocator
+from radixkv.radix_tree import EVICTION_POLICIES, RadixTree
+
+__all__ = [
+    "RESULT_KEYS",
+    "PreparedRequest",
+    "hash_tokenize",
+    "prepare_trace",
+    "replay",
+    "simulate",
+    "unbounded_capacity",
+]
+
+RESULT_KEYS = (
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "token_hit_rate",
+    "optimal_hit_rate",
+    "evictions",
+    "tokens_per_second",
+)
+
+
+def hash_tokenize(text: str) -> list[int]:
+    """Deterministic whitespace/hash tokenizer: one id per whitespace-separated word."""
+    return [1000 + zlib.crc32(w.encode("utf-8")) % 1_000_000 for w in text.split()]
+
+
+@dataclass
+class PreparedRequest:
+    """A trace request as token lists: ``seq = prompt + output`` (what gets cached)."""
+
+    prompt: list[int]
+    seq: list[int]
+    salt: Hashable
+
+
+def prepare_trace(trace: Iterable[dict[str, Any]]) -> list[PreparedRequest]:
+    """Tokenize a trace and fix every request's output tokens (see the module docstring).
+
+    Raises ``ValueError`` naming the request when it has neither ``input_ids`` nor ``text``.
+    """
+    out: list[PreparedRequest] = []
+    fresh = -1
+    for i, req in enumerate(trace):
+        if "input_ids" in req:
+            prompt = [int(t) for t in req["input_ids"]]
+        elif "text" in req:
+            prompt = hash_tokenize(req["text"])
+        else:
+            rid = req.get("id", i)
+            raise ValueError(f"request {rid!r} (line {i + 1}) has neither 'input_ids' nor 'text'")
+        if req.get("output_ids") is not None:
+            output = [int(t) for t in req["output_ids"]]
+        elif req.get("output_text") is not None:
+            output = hash_tokenize(req["output_text"])
+        else:
+            n = int(req.get("output_len", 0) or 0)
+            output = list(range(fresh, fresh - n, -1))
+            fresh -= n
+        out.append(PreparedRequest(prompt, prompt + output if output else prompt, req.get("salt")))
+    return out
+
+
+def replay(
+    requests: list[PreparedRequest], capacity_tokens: int, page_size: int = 1, policy: str = "lru"
+) -> dict[str, Any]:
+    """Replay prepared requests through a fresh RadixTree + BlockAllocator of
+    ``capacity_tokens // page_size`` pages. Returns requests, prompt_tokens, cached_tokens,
+    evictions (tokens evicted), seconds (wall time of the loop). Checks that no page leaked."""
+    P = page_size
+    alloc = BlockAllocator(max(capacity_tokens, 0) // P, P)
+    tree = RadixTree(alloc, P, policy)
+    match = tree.match_prefix
+    lock, unlock, insert, evict = tree.lock, tree.unlock, tree.insert, tree.evict
+    allocate, free = alloc.allocate, alloc.free
+    hits = 0
+    prompt_tokens = 0
+    evicted = 0
+    t0 = time.perf_counter()
+    for req in requests:
+        seq = req.seq
+        prompt_tokens += len(req.prompt)
+        m = match(req.prompt, req.salt)
+        hits += m.num_tokens
+        node = m.node
+        lock(node)
+        mp = len(m.pages)
+        need = (len(seq) + P - 1) // P - mp
+        nfree = len(alloc._free)
+        if need > nfree:
+            evicted += evict((need - nfree) * P)
+            nfree = len(alloc._free)
+            if need > nfree:
+                need = nfree
+        new = allocate(need)
+        full = len(seq) // P
+        if full > mp + need:
+            full = mp + need
+            seq = seq[: full * P]
+        ret = insert(seq, m.pages + new if mp else new, req.salt)
+        # Duplicates: pages we allocated for tokens the tree already had (pages[:mp] are the
+        # tree's own, locked and never incref'ed). Then the trailing partial / unused pages.
+        if ret // P > mp:
+            free(new[: ret // P - mp])
+        if full - mp < len(new):
+            free(new[full - mp :])
+        unlock(node)
+    seconds = time.perf_counter() - t0
+    tree.reset()
+    if alloc.num_free != alloc.num_pages:  # a leak is a bug
+        raise RuntimeError(f"page leak: {alloc.num_used} pages still used after the replay")
+    return {
+        "requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": hits,
+        "evictions": evicted,
+        "seconds": seconds,
+    }
+
+
+def unbounded_capacity(requests: list[PreparedRequest], page_size: int) -> int:
+    """Capacity (tokens) that holds every token of every request: no eviction ever happens."""
+    return sum((len(r.seq) + page_size - 1) // page_size for r in requests) * page_size
+
+
+def simulate(
+    trace: Iterable[dict[str, Any]] | list[PreparedRequest],
+    capacity_tokens: int | None,
+    page_size: int = 1,
+    policy: str = "lru",
+) -> dict[str, Any]:
+    """Replay ``trace`` (request dicts or :class:`PreparedRequest`) with ``capacity_tokens`` of KV
+    (``None`` = unbounded) and report the cache behaviour.
+
+    Returns a dict with exactly: ``requests``, ``prompt_tokens``, ``cached_tokens`` (hit tokens),
+    ``token_hit_rate`` (cached / prompt), ``optimal_hit_rate`` (same trace, unbounded capacity),
+    ``evictions`` (tokens evicted), ``tokens_per_second`` (prompt tokens / wall seconds of the
+    bounded replay).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if policy not in EVICTION_POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {EVICTION_POLICIES}")
+    reqs = list(trace)
+    if reqs and not isinstance(reqs[0], PreparedRequest):
+        reqs = prepare_trace(reqs)
+    unbounded = unbounded_capacity(reqs, page_size)
+    cap = unbounded if capacity_tokens is None else capacity_tokens
+    if capacity_tokens is not None and capacity_tokens < 0:
+        raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
+    bounded = replay(reqs, cap, page_size, policy)
+    optimal = bounded if cap >= unbounded else replay(reqs, unbounded, page_size, policy)
+    pt = bounded["prompt_tokens"]
+    return {
+        "requests": bounded["requests"],
+        "prompt_tokens": pt,
+        "cached_tokens": bounded["cached_tokens"],
+        "token_hit_rate": bounded["cached_tokens"] / pt if pt else 0.0,
+        "optimal_hit_rate": optimal["cached_tokens"] / pt if pt else 0.0,
+        "evictions": bounded["evictions"],
+        "tokens_per_second": pt / bounded["seconds"] if bounded["seconds"] > 0 else 0.0,
+    }
