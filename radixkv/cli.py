@@ -87,12 +87,20 @@ def _run_simulate(args: argparse.Namespace) -> int:
                 "radixkv simulate: give --capacity-tokens N (or --sweep C1,C2,...)", file=sys.stderr
             )
             return 2
-        res = simulate(trace, args.capacity_tokens, args.page_size, args.policy)
+        res = simulate(
+            trace,
+            args.capacity_tokens,
+            args.page_size,
+            args.policy,
+            host_capacity_tokens=args.host_capacity_tokens,
+            disk_capacity_tokens=args.disk_capacity_tokens,
+        )
+        keys = [k for k in (*RESULT_KEYS, "cached_tokens_by_tier") if k in res]
         if args.json:
-            print(json.dumps({k: res[k] for k in RESULT_KEYS}))
+            print(json.dumps({k: res[k] for k in keys}))
         else:
-            width = max(len(k) for k in RESULT_KEYS)
-            for k in RESULT_KEYS:
+            width = max(len(k) for k in keys)
+            for k in keys:
                 v = res[k]
                 print(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
         return 0
@@ -133,6 +141,12 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity-tokens", type=int, default=None, help="KV capacity in tokens")
     p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default 1)")
     p.add_argument("--policy", choices=["lru", "lfu", "fifo"], default="lru")
+    p.add_argument(
+        "--host-capacity-tokens", type=int, default=0, help="host tier capacity (0 = none)"
+    )
+    p.add_argument(
+        "--disk-capacity-tokens", type=int, default=0, help="disk tier capacity (0 = none)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--sweep",
@@ -152,8 +166,41 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_simulate)
 
 
+# ---------------------------------------------------------------------------- serve
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from radixkv.server.cli import add_serve_parser as add
+
+    add(sub)
+
+
+# ---------------------------------------------------------------------------- prepare-model
+def _run_prepare_model(args: argparse.Namespace) -> int:
+    from radixkv.model_loader import ModelNotFoundError, load_model
+
+    try:
+        loaded = load_model(args.model)
+    except ModelNotFoundError as exc:
+        print(f"radixkv prepare-model: {exc}", file=sys.stderr)
+        return 2
+    print(f"{loaded.name}: ready")
+    return 0
+
+
+def add_prepare_model_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare-model",
+        help="load a model once so its dequantised weights are cached for fast starts",
+    )
+    p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
+    p.set_defaults(func=_run_prepare_model)
+
+
 #: One function per subcommand; each adds its parser and sets ``func``.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_simulate_parser]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_simulate_parser,
+    add_serve_parser,
+    add_prepare_model_parser,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from radixkv.allocator import BlockAllocator
 from radixkv.config import EngineConfig
 from radixkv.detokenizer import IncrementalDetokenizer
 from radixkv.kv_manager import KVManager
+from radixkv.model_runner import RequestSlice
 from radixkv.radix_tree import RadixTree
 from radixkv.request import (
     CompletionOutput,
@@ -25,10 +26,26 @@ from radixkv.request import (
     StepOutput,
     now,
 )
-from radixkv.sampling import SamplingParams
+from radixkv.sampling import SamplingParams, SequenceState
 from radixkv.scheduler import Scheduler
 
 Prompt = str | list[int]
+
+
+def _eos_token_ids(loaded: Any) -> set[int]:
+    """End-of-sequence ids from the config, the generation config and the tokenizer."""
+    ids: set[int] = set()
+    sources = [
+        getattr(loaded.config, "eos_token_id", None),
+        getattr(getattr(loaded.hf_model, "generation_config", None), "eos_token_id", None),
+        getattr(loaded.tokenizer, "eos_token_id", None) if loaded.tokenizer is not None else None,
+    ]
+    for src in sources:
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    return ids
 
 
 class Engine:
@@ -55,20 +72,45 @@ class Engine:
 
     # -- construction ------------------------------------------------------------------------
     def _build(self, model: Any) -> None:
+        from radixkv.kv_pool import KVPool
         from radixkv.model_loader import load_model
-        from radixkv.model_runner import ModelRunner
+        from radixkv.model_runner import ModelRunner, default_dtype
+        from radixkv.sampling import Sampler
 
         cfg = self.config
         loaded = load_model(model) if isinstance(model, str) else model
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner.from_config(loaded, cfg)
-        num_pages = self.runner.kv_pool.num_pages
+        device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
+        kv_tokens = cfg.kv_cache_tokens
+        if cfg.kv_cache_memory_gb is not None:
+            hf = loaded.config
+            per_page = KVPool.bytes_per_page_for(
+                hf.num_hidden_layers,
+                cfg.page_size,
+                getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+                dtype,
+            )
+            kv_tokens = int(cfg.kv_cache_memory_gb * (1 << 30)) // per_page * cfg.page_size
+            if kv_tokens < cfg.page_size:
+                raise ValueError(f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds no page")
+        self.runner = ModelRunner(
+            loaded,
+            num_pages=kv_tokens // cfg.page_size,
+            page_size=cfg.page_size,
+            dtype=dtype,
+            device=device,
+            attention_backend=cfg.attention_backend,
+        )
+        self.sampler = Sampler()
+        num_pages = self.runner.num_pages
         self.page_size = cfg.page_size
         self.allocator = BlockAllocator(num_pages, cfg.page_size)
         self.tree = RadixTree(self.allocator, cfg.page_size, eviction_policy=cfg.eviction_policy)
         self.kv = KVManager(
-            self.allocator, self.tree, cfg.enable_prefix_cache, self.runner.kv_pool.copy_pages
+            self.allocator, self.tree, cfg.enable_prefix_cache, self.runner.pool.copy_pages
         )
         self.tiers = None
         if cfg.host_cache_tokens or cfg.disk_cache_dir:
@@ -76,10 +118,10 @@ class Engine:
 
             self.tiers = TieredCache.attach(self, cfg)
         self.scheduler = Scheduler(cfg, self.kv)
-        model_len = cfg.max_model_len or self.runner.max_position_embeddings
-        self.max_model_len = min(model_len, self.runner.max_position_embeddings)
+        context = getattr(loaded.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(cfg.max_model_len or context, context)
         self.kv_capacity_tokens = num_pages * cfg.page_size
-        self.eos_token_ids = self.runner.eos_token_ids(self.tokenizer)
+        self.eos_token_ids = _eos_token_ids(loaded)
         self.vocab_size = self.runner.vocab_size
         self._requests: dict[str, list[Sequence]] = {}
         self._pending: list[StepOutput] = []
@@ -145,7 +187,7 @@ class Engine:
             params=params,
             salt=salt,
             arrival=now(),
-            detok=IncrementalDetokenizer(self.tokenizer, params.stop),
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop_list),
             generator=self._generator(params, 0),
             fork_children=params.n - 1,
         )
@@ -190,10 +232,17 @@ class Engine:
         for seq, _ in batch.entries:
             if not seq.accounted:
                 self._account_admission(seq)
-        logits = self.runner.forward_requests(
-            [seq.tokens[seq.num_computed : seq.num_computed + n] for seq, n in batch.entries],
-            [seq.num_computed for seq, _ in batch.entries],
-            [seq.pages for seq, _ in batch.entries],
+        logits = self.runner.forward(
+            self.runner.build_batch(
+                [
+                    RequestSlice(
+                        seq.tokens[seq.num_computed : seq.num_computed + n],
+                        seq.num_computed,
+                        seq.pages,
+                    )
+                    for seq, n in batch.entries
+                ]
+            )
         )
         rows: list[int] = []
         to_sample: list[Sequence] = []
@@ -233,7 +282,7 @@ class Engine:
                 params=parent.params,
                 salt=parent.salt,
                 arrival=parent.arrival,
-                detok=IncrementalDetokenizer(self.tokenizer, parent.params.stop),
+                detok=IncrementalDetokenizer(self.tokenizer, parent.params.stop_list),
                 generator=self._generator(parent.params, index),
                 cached_tokens=parent.cached_tokens,
                 cached_by_tier=dict(parent.cached_by_tier),
@@ -258,13 +307,14 @@ class Engine:
     ) -> None:
         index = torch.tensor(rows, dtype=torch.long)
         picked = logits.index_select(0, index) if len(rows) != logits.shape[0] else logits
-        tokens, logprobs = self.runner.sampler.sample(
+        sampled = self.sampler.sample(
             picked,
-            [s.params for s in seqs],
-            [s.generator or self._rng for s in seqs],
-            [s.tokens for s in seqs],
-            [len(s.prompt_ids) for s in seqs],
+            [
+                SequenceState(s.params, s.prompt_ids, s.output_ids, s.generator or self._rng)
+                for s in seqs
+            ],
         )
+        tokens, logprobs = sampled.token_ids, sampled.logprobs
         t = now()
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             if seq.first_token_time is None:

@@ -14,3 +14,65 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES_FORCE_GPU"):
         _has_cuda = False
     if not _has_cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A tiny random Llama (transformers, float32, fixed seed) and its config."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(config).eval()
+    # Larger-than-init weights so attention patterns are not nearly uniform.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(3.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct loaded once per session through radixkv's loader (float32)."""
+    import torch
+
+    from radixkv.model_loader import load_model
+
+    return load_model("smollm2", dtype=torch.float32)
+
+
+class ByteTokenizer:
+    """A stand-in tokenizer for the tiny random model: token id = byte value (vocab 256)."""
+
+    eos_token_id = 2
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = bytes(i for i in ids if not (skip_special_tokens and i == self.eos_token_id))
+        return data.decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_llama):
+    """The tiny random Llama as a LoadedModel (what ``Engine(model=...)`` accepts)."""
+    from radixkv.model_loader import LoadedModel
+
+    return LoadedModel(tiny_llama, ByteTokenizer(), tiny_llama.config, "tiny-llama")

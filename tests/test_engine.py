@@ -59,7 +59,7 @@ def assert_clean(engine: Engine) -> None:
     [
         dict(enable_prefix_cache=True),
         dict(enable_prefix_cache=False),
-        dict(enable_prefix_cache=True, kv_cache_tokens=256, chunked_prefill_tokens=64),
+        dict(enable_prefix_cache=True, kv_cache_tokens=128, chunked_prefill_tokens=48),
     ],
     ids=["cache-on", "cache-off", "tiny-pool"],
 )
@@ -73,7 +73,7 @@ def test_greedy_agrees_with_transformers(real_model, knobs):
         assert len(out.token_ids) == 10
         assert_matches_transformers(real_model.hf_model, prompt, out.token_ids)
     stats = engine.stats()
-    if knobs.get("kv_cache_tokens") == 256:
+    if knobs.get("kv_cache_tokens") == 128:
         assert stats["preemptions_total"] > 0, "the tiny pool was meant to force preemption"
         assert engine.tree.num_evicted_tokens > 0, "the tiny pool was meant to force eviction"
     if not knobs["enable_prefix_cache"]:
