@@ -1,0 +1,115 @@
+"""``radixkv serve``: build an :class:`~radixkv.Engine` and serve it over HTTP with uvicorn.
+
+``add_serve_parser(subparsers)`` registers the subcommand (``radixkv/cli.py`` wires it in) and
+``run_serve(args)`` runs it. Engine knobs are flags named after them (``--page-size`` ->
+``page_size``); a flag left out keeps the engine's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: (flag, engine knob, type, help) for every engine knob exposed on the command line.
+ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--kv-cache-tokens", "kv_cache_tokens", int, "device KV pool size in tokens"),
+    ("--kv-cache-memory-gb", "kv_cache_memory_gb", float, "size the KV pool from a budget"),
+    ("--page-size", "page_size", int, "tokens per KV page"),
+    ("--schedule-policy", "schedule_policy", str, "fcfs | lpm | dfs-weight"),
+    ("--eviction-policy", "eviction_policy", str, "lru | lfu | fifo"),
+    ("--chunked-prefill-tokens", "chunked_prefill_tokens", int, "prefill chunk size"),
+    ("--max-running-requests", "max_running_requests", int, "batch size cap"),
+    ("--max-model-len", "max_model_len", int, "context length cap (default: the model's)"),
+    ("--attention-backend", "attention_backend", str, "torch | triton (default: by device)"),
+    ("--dtype", "dtype", str, "float32 | bfloat16 | float16 (default: by device)"),
+    ("--device", "device", str, "cpu | cuda (default: cuda when available)"),
+    ("--seed", "seed", int, "engine RNG seed"),
+    ("--host-cache-tokens", "host_cache_tokens", int, "host (CPU RAM) tier size; 0 = off"),
+    ("--host-write-policy", "host_write_policy", str, "write_back | write_through"),
+    ("--disk-cache-dir", "disk_cache_dir", str, "directory of the disk tier (off if unset)"),
+    ("--disk-cache-bytes", "disk_cache_bytes", int, "disk tier size in bytes"),
+]
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``radixkv serve`` on ``subparsers`` (sets ``func=run_serve``)."""
+    from radixkv.server.app import DEFAULT_MAX_WAITING
+
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over HTTP (OpenAI-compatible + SGLang /generate)",
+        description="Start the HTTP server: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/generate, /health, /metrics, /cache/stats, /flush_cache, /cache/pin.",
+    )
+    p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
+    p.add_argument(
+        "--served-model-name", default=None, help="name clients use (default: the model's)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)"
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=DEFAULT_MAX_WAITING,
+        help=f"requests waiting for their first token before 503s (default {DEFAULT_MAX_WAITING})",
+    )
+    p.add_argument(
+        "--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off"
+    )
+    for flag, _knob, kind, help_text in ENGINE_FLAGS:
+        p.add_argument(flag, type=kind, default=None, help=help_text)
+    p.add_argument("--log-level", default="info", help="uvicorn/log level (default info)")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine knobs set on the command line (unset flags keep the engine's defaults)."""
+    kwargs: dict[str, Any] = {}
+    for _flag, knob, _kind, _help in ENGINE_FLAGS:
+        value = getattr(args, knob, None)
+        if value is not None:
+            kwargs[knob] = value
+    if getattr(args, "disable_prefix_cache", False):
+        kwargs["enable_prefix_cache"] = False
+    return kwargs
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the engine and app, then run uvicorn until interrupted. Returns the exit code."""
+    import uvicorn
+    from radixkv.server.app import create_app
+
+    from radixkv import Engine
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    knobs = engine_kwargs(args)
+    try:
+        engine = Engine(model=args.model, **knobs)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"radixkv serve: cannot build the engine: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(
+        engine,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        model_name=args.served_model_name,
+    )
+    logger.info(
+        "serving %s on http://%s:%d (max_model_len=%s)",
+        app.state.model_name,
+        args.host,
+        args.port,
+        getattr(engine, "max_model_len", "?"),
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0

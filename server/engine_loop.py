@@ -1,0 +1,437 @@
+"""The engine thread: the only thread that ever touches the engine.
+
+The engine is single-threaded (see docs/design.md, "Engine step API"). :class:`EngineLoop` owns
+it on one background thread that
+
+* takes commands (add, abort, or any ``fn(engine)``) from a thread-safe queue,
+* calls ``engine.step()`` in a loop while work exists, and sleeps on a condition otherwise,
+* routes each ``StepOutput`` to the asyncio queue of its request with
+  ``loop.call_soon_threadsafe`` (one call per step, not per output),
+* updates the per-request metrics (TTFT, inter-token latency, end-to-end latency, token counts).
+
+An exception inside ``engine.step()`` never kills the thread: it is logged, every in-flight
+request fails with a 500 (its engine request is aborted so its pages are released), and the
+loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_STEP_ERROR_BACKOFF_S = 0.05
+
+
+class QueueFullError(Exception):
+    """The bounded waiting queue is full (answered 503)."""
+
+
+class EngineRequestError(Exception):
+    """A request failed inside the engine or the loop (answered with ``status_code``)."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+
+
+@dataclass
+class _Failure:
+    """Put in a request's queue instead of a ``StepOutput`` when the request failed."""
+
+    status_code: int
+    message: str
+
+
+@dataclass
+class RequestStream:
+    """The asyncio side of one engine request: its outputs arrive in ``queue``.
+
+    Iterate :meth:`outputs` to get ``StepOutput`` objects until every one of the ``n`` sequences
+    has finished; a failure raises :class:`EngineRequestError`.
+    """
+
+    request_id: str
+    n: int
+    arrival: float
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    finished_indices: set[int] = field(default_factory=set)
+    failed: bool = False
+
+    @property
+    def finished(self) -> bool:
+        """True once every sequence finished (or the request failed)."""
+        return self.failed or len(self.finished_indices) >= self.n
+
+    async def outputs(self) -> AsyncIterator[Any]:
+        """Yield the request's ``StepOutput``s in order, ending after the last sequence ends."""
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, _Failure):
+                self.failed = True
+                raise EngineRequestError(item.status_code, item.message)
+            if item.finished:
+                self.finished_indices.add(int(getattr(item, "index", 0) or 0))
+            yield item
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread bookkeeping of one in-flight request."""
+
+    stream: RequestStream
+    n: int
+    arrival: float
+    first_token_at: float | None = None
+    last_token_at: dict[int, float] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    prompt_recorded: bool = False
+
+
+class EngineLoop:
+    """Runs an engine on a dedicated thread and bridges it to an asyncio event loop.
+
+    ``max_waiting`` bounds the number of requests accepted but not yet producing output
+    (waiting for a slot or still in prefill); past it :meth:`add_request` raises
+    :class:`QueueFullError`. ``None`` means unbounded.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        metrics: ServerMetrics | None = None,
+        max_waiting: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self.max_waiting = max_waiting
+        self._commands: deque[Callable[[], None]] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Engine-thread only.
+        self._tracked: dict[str, _Tracked] = {}
+        # Event-loop-thread only: accepted requests that have produced no output yet.
+        self._not_started: set[str] = set()
+        self._streams: dict[str, RequestStream] = {}
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered to ``loop`` (default: the running one)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread after the current step; in-flight requests fail with 503."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("engine thread did not stop within %.0f s", timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_pending(self) -> int:
+        """Requests accepted that have produced no output yet (event-loop view)."""
+        return len(self._not_started)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not finished (event-loop view)."""
+        return len(self._streams)
+
+    # ---------------------------------------------------------------- asyncio-side API
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: Any,
+        *,
+        salt: str | None = None,
+        arrival: float | None = None,
+    ) -> RequestStream:
+        """Queue a request on the engine thread and wait until the engine accepted it.
+
+        Raises ``ValueError`` (engine validation, answered 400), :class:`QueueFullError` (503) or
+        :class:`EngineRequestError`. If the caller is cancelled meanwhile, the request is aborted.
+        """
+        if self.max_waiting is not None and len(self._not_started) >= self.max_waiting:
+            raise QueueFullError(
+                f"the server is overloaded: {len(self._not_started)} requests are already "
+                f"waiting (max_waiting={self.max_waiting}); retry later"
+            )
+        if not self.alive:
+            raise EngineRequestError(503, "the engine thread is not running")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(
+            request_id=request_id,
+            n=max(1, int(getattr(params, "n", 1) or 1)),
+            arrival=arrival if arrival is not None else time.monotonic(),
+        )
+        accepted: asyncio.Future[None] = loop.create_future()
+        self._not_started.add(request_id)
+        self._streams[request_id] = stream
+
+        def command() -> None:
+            self._do_add(stream, prompt, params, salt, accepted)
+
+        self._submit(command)
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        except BaseException:
+            self._forget(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished). Safe from the event loop only."""
+        self._forget(request_id)
+        self._submit(lambda: self._do_abort(request_id))
+
+    def release(self, request_id: str) -> None:
+        """Forget a request whose stream completed normally."""
+        self._forget(request_id)
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
+        if not self.alive:
+            raise EngineRequestError(503, "the engine thread is not running")
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[T] = loop.create_future()
+
+        def command() -> None:
+            try:
+                value = fn(self.engine)
+            except BaseException as exc:  # handed to the caller, not raised here
+                self._resolve(result, exc=exc)
+            else:
+                self._resolve(result, value=value)
+
+        self._submit(command)
+        return await result
+
+    def call_sync(self, fn: Callable[[Any], T], timeout: float | None = 60.0) -> T:
+        """Run ``fn(engine)`` on the engine thread from any *other* thread and wait for it.
+
+        For tests, tooling and the CLI; never call it from the event loop (it blocks).
+        """
+        if not self.alive:
+            raise EngineRequestError(503, "the engine thread is not running")
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def command() -> None:
+            try:
+                box["value"] = fn(self.engine)
+            except BaseException as exc:  # handed to the caller
+                box["exc"] = exc
+            finally:
+                done.set()
+
+        self._submit(command)
+        if not done.wait(timeout):
+            raise TimeoutError(f"engine thread did not run the call within {timeout} s")
+        if "exc" in box:
+            raise box["exc"]
+        return box["value"]
+
+    # ---------------------------------------------------------------- internals (any thread)
+
+    def _forget(self, request_id: str) -> None:
+        self._not_started.discard(request_id)
+        self._streams.pop(request_id, None)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _resolve(
+        self,
+        future: asyncio.Future[Any],
+        *,
+        value: Any = None,
+        exc: BaseException | None = None,
+    ) -> None:
+        """Complete an asyncio future from the engine thread."""
+
+        def done() -> None:
+            if future.done():
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(value)
+
+        self._call_in_loop(done)
+
+    def _call_in_loop(self, fn: Callable[[], None]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # loop closed meanwhile (shutdown)
+            loop.call_soon_threadsafe(fn)
+
+    # ---------------------------------------------------------------- engine thread
+
+    def _busy(self) -> bool:
+        if self._tracked:
+            return True
+        try:
+            return bool(self.engine.has_unfinished())
+        except Exception:  # pragma: no cover - defensive
+            logger.exception("engine.has_unfinished() failed")
+            return False
+
+    def _run(self) -> None:
+        logger.info("engine thread started")
+        while True:
+            with self._cond:
+                while not self._commands and not self._stopping and not self._busy():
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                try:
+                    command()
+                except Exception:  # a command must never take the thread down
+                    logger.exception("engine command failed")
+            if self._busy():
+                self._step()
+        self._fail_all(503, "the server is shutting down")
+        logger.info("engine thread stopped")
+
+    def _do_add(
+        self,
+        stream: RequestStream,
+        prompt: str | list[int],
+        params: Any,
+        salt: str | None,
+        accepted: asyncio.Future[None],
+    ) -> None:
+        rid = stream.request_id
+        try:
+            self.engine.add_request(rid, prompt, params, salt=salt)
+        except ValueError as exc:
+            self._resolve(accepted, exc=exc)
+            return
+        except Exception as exc:
+            logger.exception("engine.add_request(%s) failed", rid)
+            self._resolve(accepted, exc=EngineRequestError(500, f"engine error: {exc}"))
+            return
+        self._tracked[rid] = _Tracked(stream=stream, n=stream.n, arrival=stream.arrival)
+        self._resolve(accepted)
+
+    def _do_abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return  # already finished, failed, or never accepted
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            logger.exception("engine.abort(%s) failed", request_id)
+        self.metrics.requests.labels(finish_reason="abort").inc()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception(
+                "engine.step() raised; failing %d in-flight requests", len(self._tracked)
+            )
+            self.metrics.engine_errors.inc()
+            self._fail_all(500, f"internal engine error: {type(exc).__name__}: {exc}")
+            time.sleep(_STEP_ERROR_BACKOFF_S)  # no hot loop if the engine keeps failing
+            return
+        if outputs:
+            self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        now = time.monotonic()
+        batch: list[tuple[RequestStream, Any]] = []
+        m = self.metrics
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue  # aborted meanwhile
+            index = int(getattr(out, "index", 0) or 0)
+            new_tokens = len(out.new_token_ids or ())
+            if not tracked.prompt_recorded:
+                tracked.prompt_recorded = True
+                m.record_prompt(
+                    int(out.prompt_tokens or 0),
+                    int(out.cached_tokens or 0),
+                    getattr(out, "cached_tokens_by_tier", None),
+                )
+            if new_tokens:
+                m.generation_tokens.inc(new_tokens)
+                if tracked.first_token_at is None:
+                    tracked.first_token_at = now
+                    m.ttft.observe(now - tracked.arrival)
+                last = tracked.last_token_at.get(index)
+                if last is not None:
+                    m.itl.observe(now - last)
+                tracked.last_token_at[index] = now
+            if out.finished:
+                tracked.finished.add(index)
+                m.requests.labels(finish_reason=str(out.finish_reason or "stop")).inc()
+                if len(tracked.finished) >= tracked.n:
+                    del self._tracked[out.request_id]
+                    m.e2e.observe(now - tracked.arrival)
+            batch.append((tracked.stream, out))
+        if batch:
+            self._call_in_loop(lambda: self._deliver(batch))
+
+    def _deliver(self, batch: list[tuple[RequestStream, Any]]) -> None:
+        """Event-loop side of :meth:`_dispatch`."""
+        for stream, item in batch:
+            self._not_started.discard(stream.request_id)
+            stream.queue.put_nowait(item)
+
+    def _fail_all(self, status_code: int, message: str) -> None:
+        """Fail every tracked request and abort it in the engine (engine thread)."""
+        failed = list(self._tracked.items())
+        self._tracked.clear()
+        batch: list[tuple[RequestStream, Any]] = []
+        for rid, tracked in failed:
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                logger.exception("engine.abort(%s) failed while failing requests", rid)
+            self.metrics.requests.labels(finish_reason="error").inc()
+            batch.append((tracked.stream, _Failure(status_code, message)))
+        if batch:
+            self._call_in_loop(lambda: self._deliver(batch))

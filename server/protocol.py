@@ -1,0 +1,416 @@
+"""Request/response models of the HTTP API and the checks that turn them into engine calls.
+
+Three request shapes are accepted:
+
+* OpenAI ``/v1/completions`` (:class:`CompletionRequest`) and ``/v1/chat/completions``
+  (:class:`ChatCompletionRequest`), with vLLM's extra sampling fields;
+* SGLang ``/generate`` (:class:`GenerateRequest`) whose ``sampling_params`` dict uses vLLM names.
+
+Field-level checks (types, ranges) live in the pydantic models, so FastAPI reports them as
+validation errors that :mod:`radixkv.server.app` turns into OpenAI-shaped 400 answers naming the
+field. Checks that need the engine (context length) live in :func:`check_context_length`.
+Responses are plain dicts built by the app: they follow OpenAI's JSON shapes exactly, and
+building them as dicts keeps the streaming path cheap.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16
+"""Largest ``n`` (parallel samples of one prompt) a request may ask for."""
+MAX_LOGPROBS = 20
+"""Largest top-logprobs count accepted (OpenAI's own limit)."""
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for ``/v1/completions``."""
+DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
+"""SGLang's default ``max_new_tokens`` for ``/generate``."""
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's shape ``{"error": {...}}``."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the error answer."""
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+    param: str | None = None,
+    code: str | int | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling fields shared by every endpoint
+# --------------------------------------------------------------------------------------------
+
+
+class SamplingFields(BaseModel):
+    """Sampling knobs with vLLM's names and OpenAI's ranges.
+
+    ``None`` means "the default": OpenAI's defaults for the OpenAI endpoints, SGLang's for
+    ``/generate``. Unknown fields are ignored (OpenAI clients send e.g. ``user``).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 16:
+            raise ValueError("at most 16 stop sequences are supported")
+        return value
+
+    def stop_list(self) -> list[str] | None:
+        """``stop`` as a list of non-empty strings (or None)."""
+        if self.stop is None:
+            return None
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        stops = [s for s in stops if s]
+        return stops or None
+
+    def engine_kwargs(
+        self, *, max_tokens: int, default_temperature: float, logprobs: int | None
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``SamplingParams`` (vLLM names)."""
+        kwargs: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": max_tokens,
+            "temperature": default_temperature if self.temperature is None else self.temperature,
+            "ignore_eos": self.ignore_eos,
+            "seed": self.seed,
+            "stop": self.stop_list(),
+            "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
+            "logprobs": logprobs,
+        }
+        for name in (
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        return kwargs
+
+
+class StreamOptions(BaseModel):
+    """OpenAI ``stream_options``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    model: str
+    prompt: str | list[int] | list[str] | list[list[int]]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    cache_salt: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo=true is not supported")
+        return value
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request (batched prompts are refused)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise APIError(
+                    400,
+                    f"batched prompts are not supported: got {len(prompt)} prompts, "
+                    "send one prompt per request",
+                    param="prompt",
+                )
+            return prompt[0]  # type: ignore[return-value]
+        return prompt  # type: ignore[return-value]
+
+
+class ChatMessage(BaseModel):
+    """One chat message; ``content`` may be a string or a list of ``{"type": "text"}`` parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template expects it (content flattened to text)."""
+        content = self.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type", "text") != "text":
+                    raise APIError(
+                        400,
+                        f"message content part of type {part.get('type')!r} is not supported; "
+                        "only text parts are",
+                        param="messages",
+                    )
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        out = dict(self.model_extra or {})
+        out.update({"role": self.role, "content": content or ""})
+        return out
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    model: str
+    messages: list[ChatMessage]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    cache_salt: str | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("messages must contain at least one message")
+        return value
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (new name) or ``max_tokens`` (deprecated name)."""
+        return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+
+class GenerateSamplingParams(SamplingFields):
+    """``sampling_params`` of ``/generate``: ``max_new_tokens`` (SGLang) or ``max_tokens``."""
+
+    max_new_tokens: int | None = Field(None, ge=1)
+
+    def requested_max_tokens(self) -> int:
+        """The token budget, with SGLang's default."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return DEFAULT_GENERATE_MAX_NEW_TOKENS
+
+
+class GenerateRequest(BaseModel):
+    """``POST /generate`` (SGLang's native shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool = False
+    salt: str | None = None
+    return_logprob: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` or `input_ids`")
+        return self
+
+    def prompt(self) -> str | list[int]:
+        """The prompt as given."""
+        return self.text if self.text is not None else list(self.input_ids or [])
+
+
+class PinRequest(BaseModel):
+    """``POST /cache/pin``: keep a cached prefix from eviction (``ttl`` seconds, or forever)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    salt: str | None = None
+    ttl: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> PinRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` or `input_ids`")
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# Engine-dependent checks and helpers
+# --------------------------------------------------------------------------------------------
+
+
+def check_prompt_not_empty(prompt: str | Sequence[int], param: str = "prompt") -> None:
+    """Refuse an empty prompt with a 400."""
+    if len(prompt) == 0:
+        raise APIError(400, f"{param} must not be empty", param=param)
+
+
+def resolve_max_tokens(
+    prompt_tokens: int, requested: int | None, max_model_len: int, *, default: int | None
+) -> int:
+    """Return the token budget or raise a 400 that names the numbers.
+
+    ``requested`` None takes ``default``; a ``default`` of None means "the rest of the context"
+    (OpenAI chat semantics).
+    """
+    if prompt_tokens >= max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_tokens} tokens, which leaves no room for a completion. "
+            "Please shorten the prompt.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        if default is None:
+            return max_model_len - prompt_tokens
+        return min(default, max_model_len - prompt_tokens)
+    if prompt_tokens + requested > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, "
+            f"{requested} for the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def tokenize_text(engine: Any, text: str) -> list[int]:
+    """Token ids of ``text`` as the engine would tokenize it."""
+    tokenize = getattr(engine, "tokenize", None)
+    if callable(tokenize):
+        return [int(t) for t in tokenize(text)]
+    return [int(t) for t in engine.tokenizer.encode(text)]
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of the rendered conversation, ending in the assistant generation prompt.
+
+    transformers may return a plain list, a nested list (batch of one), a tensor, or (since
+    v5) a ``BatchEncoding``/dict holding ``input_ids``; all are flattened to ``list[int]``.
+    """
+    try:
+        out: Any = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+    except Exception as exc:  # a template error is the client's messages' fault
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+    if isinstance(out, Mapping) or (hasattr(out, "keys") and hasattr(out, "__getitem__")):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list | tuple):
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def make_sampling_params(kwargs: dict[str, Any]) -> Any:
+    """Build the engine's ``SamplingParams``; a bad value becomes a 400 naming the field."""
+    from radixkv.sampling import SamplingParams
+
+    try:
+        params = SamplingParams(**kwargs)
+        validate = getattr(params, "validate", None)
+        if callable(validate):
+            validate()
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc)) from exc
+    return params
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id (``cmpl-…``, ``chatcmpl-…``)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """OpenAI's ``created`` timestamp."""
+    return int(time.time())
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def usage_dict(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    cached_by_tier: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """OpenAI ``usage`` with ``prompt_tokens_details.cached_tokens`` (plus per-tier detail)."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    if cached_by_tier:
+        details["cached_tokens_by_tier"] = dict(cached_by_tier)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": details,
+    }

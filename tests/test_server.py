@@ -1,0 +1,688 @@
+"""The HTTP server, run for real (uvicorn on a loopback port) and called with real clients.
+
+The server is built on the engine from ``server_engine`` below: the real :class:`radixkv.Engine`
+on a tiny random Llama when available, else the deterministic fake in ``fake_engine.py``.
+Assertions about the exact text only hold for the fake (it echoes the prompt); everything else
+(shapes, usage, caching, aborts, page accounting) is checked on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from fake_engine import FakeEngine, FakeTokenizer, ServerThread
+from radixkv.server.app import create_app
+from radixkv.server.protocol import apply_chat_template
+
+MODEL = "test-model"
+LONG_PROMPT = (
+    "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill "
+    "and the bird sings in the old oak tree behind the red barn."
+)
+
+
+def build_tiny_engine() -> Any:
+    """The real ``radixkv.Engine`` on a tiny random Llama with the fake's byte tokenizer.
+
+    ``pytest.skip`` (naming what is missing) when the engine cannot be built yet.
+    """
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from radixkv.engine import Engine
+        from radixkv.model_loader import LoadedModel
+    except Exception as exc:  # pragma: no cover - depends on the engine's progress
+        pytest.skip(f"radixkv.Engine is not importable: {exc!r}")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    hf = LlamaForCausalLM(cfg).eval()
+    loaded = LoadedModel(hf_model=hf, tokenizer=FakeTokenizer(), config=cfg, name="tiny-llama")
+    return Engine(
+        loaded,
+        page_size=4,
+        kv_cache_tokens=16384,
+        attention_backend="torch",
+        dtype="float32",
+        max_running_requests=64,
+    )
+
+
+@pytest.fixture(scope="module", params=["fake", "tiny-llama"])
+def server_engine(request: pytest.FixtureRequest) -> Any:
+    """The engine under the server: the deterministic fake, then the real engine (tiny Llama)."""
+    if request.param == "fake":
+        return FakeEngine(page_size=4, num_pages=4096, max_model_len=512)
+    return build_tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def server(server_engine: Any) -> Iterator[ServerThread]:
+    app = create_app(server_engine, model_name=MODEL)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def is_fake(engine: Any) -> bool:
+    return isinstance(engine, FakeEngine)
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """Value of one sample in Prometheus text (0 if absent)."""
+    pattern = re.escape(name) + (re.escape("{" + labels + "}") if labels else "") + r" (\S+)"
+    match = re.search(r"^" + pattern + r"$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def wait_idle(server: ServerThread, timeout: float = 30.0) -> dict[str, Any]:
+    """Poll /cache/stats until nothing runs or waits; return the stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(f"{server.base_url}/cache/stats", timeout=10).json()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine still busy: {stats}")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def slow_steps(engine: Any, delay: float) -> Iterator[None]:
+    """Slow the fake engine down so that a client can hang up mid-request (no-op on the real)."""
+    if not is_fake(engine):
+        yield
+        return
+    engine.step_delay = delay
+    try:
+        yield
+    finally:
+        engine.step_delay = 0.0
+
+
+def assert_no_leak(server: ServerThread) -> None:
+    """Idle engine: integrity holds and every used page is held by the prefix tree."""
+    stats = wait_idle(server)
+    loop = server.app.state.engine_loop
+    loop.call_sync(lambda e: e.check_integrity())
+    stats = loop.call_sync(lambda e: e.stats())
+    assert stats["pages_used"] == stats["pages_cached"], stats
+
+
+# ---------------------------------------------------------------------------------- OpenAI API
+
+
+def test_models(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion(client: openai.OpenAI, server_engine: Any) -> None:
+    out = client.completions.create(
+        model=MODEL,
+        prompt="hello world",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert len(out.choices) == 1
+    choice = out.choices[0]
+    assert choice.finish_reason == "length"
+    assert out.usage is not None
+    assert out.usage.completion_tokens == 5
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 5
+    assert out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens is not None
+    if is_fake(server_engine):
+        assert choice.text == "hello"
+        assert out.usage.prompt_tokens == len("hello world")
+
+
+def test_completion_stream(client: openai.OpenAI, server_engine: Any) -> None:
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="streaming works",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == ["length"]
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices
+    assert usage.completion_tokens == 6
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens is not None
+    if is_fake(server_engine):
+        assert text == "stream"
+
+
+def test_completion_stream_matches_non_stream(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        prompt=LONG_PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices
+    )
+    assert streamed == full
+
+
+def test_completion_n_and_seed(client: openai.OpenAI, server_engine: Any) -> None:
+    out = client.completions.create(
+        model=MODEL,
+        prompt="parallel sampling",
+        max_tokens=4,
+        n=3,
+        seed=7,
+        temperature=0.8,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage is not None and out.usage.completion_tokens == 12
+    if is_fake(server_engine):
+        assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [
+            "para",
+            "aral",
+            "rall",
+        ]
+
+
+def test_completion_stream_n(client: openai.OpenAI) -> None:
+    texts: dict[int, str] = {}
+    finished: set[int] = set()
+    for chunk in client.completions.create(
+        model=MODEL,
+        prompt="two streams",
+        max_tokens=3,
+        n=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1}
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="logprobs", max_tokens=3, logprobs=1, extra_body={"ignore_eos": True}
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3
+    assert all(x is not None and x <= 0.0 for x in lp.token_logprobs)
+
+
+def test_completion_stop(client: openai.OpenAI, server_engine: Any) -> None:
+    if not is_fake(server_engine):
+        pytest.skip("exact stop behaviour is checked with the deterministic fake")
+    out = client.completions.create(model=MODEL, prompt="hello world", max_tokens=10, stop=[" "])
+    assert out.choices[0].text == "hello"
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_prompt_as_token_ids(client: openai.OpenAI, server_engine: Any) -> None:
+    ids = server_engine.tokenizer.encode("token ids")
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert out.usage is not None and out.usage.prompt_tokens == len(ids)
+
+
+def test_chat(client: openai.OpenAI, server_engine: Any) -> None:
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Say hi"},
+        ],
+        max_completion_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    choice = out.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 5
+    assert out.usage.prompt_tokens_details is not None
+    if is_fake(server_engine):
+        assert choice.message.content == "<|sys"
+
+
+def test_chat_stream(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count to three"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.prompt_tokens_details is not None
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3
+    assert all(entry.logprob <= 0.0 for entry in content)
+
+
+def test_chat_n(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1]
+
+
+def test_cached_tokens_on_repeat(client: openai.OpenAI, server: ServerThread) -> None:
+    system = {"role": "system", "content": LONG_PROMPT}
+    convs = [
+        [system, {"role": "user", "content": "first question"}],
+        [system, {"role": "user", "content": "second question"}],
+    ]
+    kwargs: dict[str, Any] = dict(model=MODEL, max_tokens=2, extra_body={"ignore_eos": True})
+    client.chat.completions.create(messages=convs[0], **kwargs)
+    second = client.chat.completions.create(messages=convs[1], **kwargs)
+    engine = server.app.state.engine
+    a, b = (apply_chat_template(engine.tokenizer, c) for c in convs)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= shared - engine.page_size
+
+
+def test_cache_salt_isolates(client: openai.OpenAI) -> None:
+    prompt = LONG_PROMPT + " salted"
+    kwargs: dict[str, Any] = dict(model=MODEL, prompt=prompt, max_tokens=1)
+    client.completions.create(extra_body={"cache_salt": "tenant-a", "ignore_eos": True}, **kwargs)
+    same = client.completions.create(
+        extra_body={"cache_salt": "tenant-a", "ignore_eos": True}, **kwargs
+    )
+    other = client.completions.create(
+        extra_body={"cache_salt": "tenant-b", "ignore_eos": True}, **kwargs
+    )
+    assert same.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------- /generate
+
+
+def test_generate(server: ServerThread, server_engine: Any) -> None:
+    r = httpx.post(
+        f"{server.base_url}/generate",
+        json={"text": "abcdefgh", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["output_ids"]) == 4
+    meta = body["meta_info"]
+    for key in (
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "cached_tokens_details",
+        "finish_reason",
+        "e2e_latency",
+    ):
+        assert key in meta
+    assert meta["completion_tokens"] == 4
+    assert meta["finish_reason"]["type"] == "length"
+    if is_fake(server_engine):
+        assert body["text"] == "abcd"
+
+
+def test_generate_input_ids_stream(server: ServerThread, server_engine: Any) -> None:
+    ids = server_engine.tokenizer.encode("stream me please")
+    events: list[Any] = []
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True},
+            "stream": True,
+        },
+        timeout=30,
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert len(last["output_ids"]) == 5
+    assert last["meta_info"]["prompt_tokens"] == len(ids)
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_generate_n(server: ServerThread) -> None:
+    r = httpx.post(
+        f"{server.base_url}/generate",
+        json={"text": "xyz!", "sampling_params": {"max_new_tokens": 2, "n": 2, "ignore_eos": True}},
+        timeout=30,
+    )
+    body = r.json()
+    assert isinstance(body, list) and [b["index"] for b in body] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------- admin
+
+
+def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
+    client.completions.create(
+        model=MODEL, prompt="metrics please", max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    r = httpx.get(f"{server.base_url}/metrics", timeout=10)
+    assert r.status_code == 200
+    text = r.text
+    assert metric_value(text, "radixkv_prompt_tokens_total") > 0
+    assert metric_value(text, "radixkv_generation_tokens_total") >= 3
+    assert metric_value(text, "radixkv_time_to_first_token_seconds_count") > 0
+    assert metric_value(text, "radixkv_inter_token_latency_seconds_count") > 0
+    assert metric_value(text, "radixkv_e2e_request_latency_seconds_count") > 0
+    for name in (
+        "radixkv_cached_tokens_total",
+        "radixkv_cache_hit_rate",
+        "radixkv_num_requests_running",
+        "radixkv_num_requests_waiting",
+        "radixkv_kv_pages_used",
+        "radixkv_kv_pages_cached",
+        "radixkv_kv_pages_free",
+    ):
+        assert f"\n{name} " in text, name
+    for source in ("device", "host", "disk"):
+        assert f'radixkv_cached_tokens_by_source_total{{source="{source}"}}' in text
+    assert metric_value(text, "radixkv_kv_pages_used") > 0
+
+
+def test_cache_stats(server: ServerThread) -> None:
+    stats = httpx.get(f"{server.base_url}/cache/stats", timeout=10).json()
+    for key in ("running", "waiting", "pages_total", "pages_used", "pages_cached", "hit_rate"):
+        assert key in stats
+
+
+def test_pin(server: ServerThread, client: openai.OpenAI) -> None:
+    text = LONG_PROMPT + " pinned"
+    client.completions.create(
+        model=MODEL, prompt=text, max_tokens=1, extra_body={"ignore_eos": True}
+    )
+    r = httpx.post(f"{server.base_url}/cache/pin", json={"text": text, "ttl": 60}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    page = server.app.state.engine.page_size
+    assert body["pinned_tokens"] == body["prompt_tokens"] // page * page > 0
+
+
+def test_flush_cache_refused_while_running(server: ServerThread) -> None:
+    url = server.base_url
+    with (
+        slow_steps(server.app.state.engine, 0.005),
+        httpx.stream(
+            "POST",
+            f"{url}/generate",
+            json={
+                "text": LONG_PROMPT,
+                "sampling_params": {"max_new_tokens": 300, "ignore_eos": True},
+                "stream": True,
+            },
+            timeout=30,
+        ) as r,
+    ):
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        busy = httpx.post(f"{url}/flush_cache", timeout=10)
+        assert busy.status_code == 409
+        assert "in flight" in busy.json()["error"]["message"]
+    # the dropped stream is aborted; then the flush goes through
+    wait_idle(server)
+    ok = httpx.post(f"{url}/flush_cache", timeout=10)
+    assert ok.status_code == 200, ok.text
+    assert_no_leak(server)
+
+
+# ---------------------------------------------------------------------------------- concurrency
+
+
+def test_concurrent_streams_with_disconnects(server: ServerThread) -> None:
+    """32 concurrent streams; every third client hangs up midway. No page may leak."""
+    url = f"{server.base_url}/v1/completions"
+    metrics_before = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    aborts_before = metric_value(metrics_before, "radixkv_requests_total", 'finish_reason="abort"')
+    max_tokens = 40
+
+    async def one(i: int) -> tuple[str, int]:
+        drop = i % 3 == 0
+        payload = {
+            "model": MODEL,
+            "prompt": f"{LONG_PROMPT} request {i}",
+            # a dropped stream would run long: only an abort ends it early
+            "max_tokens": 300 if drop else max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+        tokens = 0
+        async with (
+            httpx.AsyncClient(timeout=60) as http,
+            http.stream("POST", url, json=payload) as r,
+        ):
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return "done", tokens
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and drop:
+                    tokens += 1
+                    if tokens >= 3:
+                        return "dropped", tokens  # leaving the `async with` hangs up
+        return "truncated", tokens
+
+    async def main() -> list[tuple[str, int]]:
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    with slow_steps(server.app.state.engine, 0.002):
+        results = asyncio.run(main())
+    kept = [r for i, r in enumerate(results) if i % 3 != 0]
+    dropped = [r for i, r in enumerate(results) if i % 3 == 0]
+    assert all(status == "done" and n == max_tokens for status, n in kept), kept
+    assert all(status == "dropped" for status, _ in dropped), dropped
+
+    assert_no_leak(server)
+    metrics_after = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    aborts_after = metric_value(metrics_after, "radixkv_requests_total", 'finish_reason="abort"')
+    assert aborts_after - aborts_before == len(dropped)
+
+
+def test_non_streaming_disconnect_aborts(server: ServerThread) -> None:
+    """A client that times out on a non-streaming request gets it aborted."""
+    before = metric_value(
+        httpx.get(f"{server.base_url}/metrics").text,
+        "radixkv_requests_total",
+        'finish_reason="abort"',
+    )
+    with slow_steps(server.app.state.engine, 0.01):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(
+                f"{server.base_url}/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": LONG_PROMPT,
+                    "max_tokens": 300,
+                    "ignore_eos": True,
+                },
+                timeout=0.3,
+            )
+        assert_no_leak(server)
+    after = metric_value(
+        httpx.get(f"{server.base_url}/metrics").text,
+        "radixkv_requests_total",
+        'finish_reason="abort"',
+    )
+    assert after > before
+
+
+# ---------------------------------------------------------------------------------- auth
+
+
+def test_api_key() -> None:
+    app = create_app(FakeEngine(), api_key="sekrit", model_name=MODEL)
+    with ServerThread(app) as srv:
+        assert httpx.get(f"{srv.base_url}/health").status_code == 200
+        for method, path in [
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("POST", "/generate"),
+            ("GET", "/metrics"),
+            ("GET", "/cache/stats"),
+            ("POST", "/flush_cache"),
+            ("POST", "/cache/pin"),
+        ]:
+            r = httpx.request(method, f"{srv.base_url}{path}", json={})
+            assert r.status_code == 401, (path, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        wrong = httpx.get(f"{srv.base_url}/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        good = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="sekrit", max_retries=0)
+        assert [m.id for m in good.models.list().data] == [MODEL]
+        out = good.completions.create(model=MODEL, prompt="auth ok", max_tokens=2)
+        assert out.choices[0].text == "au"
+        bad = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def test_serve_flags_map_to_engine_knobs() -> None:
+    import argparse
+
+    from radixkv.server.cli import add_serve_parser, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        [
+            "serve",
+            "--port",
+            "9001",
+            "--api-key",
+            "k",
+            "--max-waiting",
+            "8",
+            "--kv-cache-tokens",
+            "4096",
+            "--page-size",
+            "8",
+            "--disable-prefix-cache",
+            "--schedule-policy",
+            "fcfs",
+            "--eviction-policy",
+            "lfu",
+            "--chunked-prefill-tokens",
+            "256",
+            "--max-running-requests",
+            "4",
+            "--attention-backend",
+            "torch",
+            "--dtype",
+            "float32",
+            "--host-cache-tokens",
+            "1024",
+            "--disk-cache-dir",
+            "/tmp/x",
+            "--disk-cache-bytes",
+            "1000000",
+        ]
+    )
+    assert (args.model, args.host, args.port, args.api_key, args.max_waiting) == (
+        "smollm2",
+        "127.0.0.1",
+        9001,
+        "k",
+        8,
+    )
+    assert engine_kwargs(args) == {
+        "kv_cache_tokens": 4096,
+        "page_size": 8,
+        "enable_prefix_cache": False,
+        "schedule_policy": "fcfs",
+        "eviction_policy": "lfu",
+        "chunked_prefill_tokens": 256,
+        "max_running_requests": 4,
+        "attention_backend": "torch",
+        "dtype": "float32",
+        "host_cache_tokens": 1024,
+        "disk_cache_dir": "/tmp/x",
+        "disk_cache_bytes": 1000000,
+    }
+    from radixkv.config import EngineConfig
+
+    assert set(engine_kwargs(args)) <= set(EngineConfig.knob_names())

