@@ -473,8 +473,8 @@ class Engine:
             self.add_request(
                 rid, ids + [ids[-1]], SamplingParams(max_tokens=1, temperature=0.0), salt
             )
-            while rid in self._requests:
-                self.step()
+            while rid in self._requests:  # other requests' outputs stay queued for step()
+                self._pending.extend(o for o in self.step() if o.request_id != rid)
         return self.tree.pin(ids, salt=salt, ttl=ttl)
 
     # -- introspection -----------------------------------------------------------------------
