@@ -8,7 +8,7 @@ between those owners; the scheduler decides *when*.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixkv.allocator import BlockAllocator, OutOfPagesError
 from radixkv.radix_tree import RadixTree
@@ -32,6 +32,8 @@ class KVManager:
         self.page_size = allocator.page_size
         self.enable_prefix_cache = enable_prefix_cache
         self.copy_pages = copy_pages
+        #: Host/disk tiers (``radixkv.tiers.TieredCache``), set by ``TieredCache.attach``.
+        self.tiers: Any = None
 
     # -- admission ---------------------------------------------------------------------------
     def match(self, seq: Sequence) -> tuple[list[int], int, object]:
@@ -44,10 +46,23 @@ class KVManager:
         return res.pages, res.num_tokens, res.node
 
     def admit(self, seq: Sequence) -> int:
-        """Attach the cached prefix to ``seq`` and lock it; returns the cached token count."""
-        pages, num, node = self.match(seq)
-        if node is not None:
-            self.tree.lock(node)
+        """Attach the cached prefix to ``seq`` and lock it; returns the cached token count.
+
+        With offload tiers, a match that continues on the host or disk is loaded back into
+        device pages first; on first admission ``seq.cached_by_tier`` gets the tokens per tier.
+        """
+        if self.tiers is not None and self.enable_prefix_cache:
+            tokens = seq.tokens[: seq.num_tokens - 1]
+            res = self.tree.match_prefix(tokens, salt=seq.salt)
+            self.tree.lock(res.node)
+            loaded = self.tiers.load_prefix(tokens, seq.salt, res)
+            pages, num, node = loaded.pages, loaded.num_tokens, loaded.node
+            if seq.cached_tokens is None:
+                seq.cached_by_tier = loaded.by_tier
+        else:
+            pages, num, node = self.match(seq)
+            if node is not None:
+                self.tree.lock(node)
         seq.lock_node = node
         seq.pages = list(pages)
         seq.num_computed = num

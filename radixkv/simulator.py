@@ -92,15 +92,43 @@ def prepare_trace(trace: Iterable[dict[str, Any]]) -> list[PreparedRequest]:
     return out
 
 
+def _sim_tiers(tree: RadixTree, alloc: BlockAllocator, host_tokens: int, disk_tokens: int) -> Any:
+    """Bookkeeping-only host/disk tiers (no KV data, no torch) under ``tree``."""
+    from radixkv.disk_store import HEADER, DiskStore
+    from radixkv.host_pool import HostPool
+    from radixkv.tiers import TieredCache
+
+    P = tree.page_size
+    host = HostPool(host_tokens // P, P) if host_tokens >= P else None
+    disk = None
+    if disk_tokens >= P:  # a simulated page file is P bytes of payload plus the header
+        disk = DiskStore(None, disk_tokens // P * (HEADER.size + P), b"\0" * 32)
+    return TieredCache(tree, alloc, None, host, disk, min_load_tokens=0)
+
+
 def replay(
-    requests: list[PreparedRequest], capacity_tokens: int, page_size: int = 1, policy: str = "lru"
+    requests: list[PreparedRequest],
+    capacity_tokens: int,
+    page_size: int = 1,
+    policy: str = "lru",
+    host_capacity_tokens: int = 0,
+    disk_capacity_tokens: int = 0,
 ) -> dict[str, Any]:
     """Replay prepared requests through a fresh RadixTree + BlockAllocator of
     ``capacity_tokens // page_size`` pages. Returns requests, prompt_tokens, cached_tokens,
-    evictions (tokens evicted), seconds (wall time of the loop). Checks that no page leaked."""
+    evictions (tokens evicted), seconds (wall time of the loop), cached_by_tier (hit tokens
+    served from the device, host and disk tiers). Checks that no page leaked.
+
+    With ``host_capacity_tokens`` / ``disk_capacity_tokens`` the evicted prefixes move to
+    bookkeeping-only host / disk tiers (write-back) and hits there are loaded back, exactly as
+    in the engine (:class:`radixkv.tiers.TieredCache`, without data and load threshold)."""
     P = page_size
     alloc = BlockAllocator(max(capacity_tokens, 0) // P, P)
     tree = RadixTree(alloc, P, policy)
+    tiers = None
+    if host_capacity_tokens >= P or disk_capacity_tokens >= P:
+        tiers = _sim_tiers(tree, alloc, host_capacity_tokens, disk_capacity_tokens)
+    by_tier = {"device": 0, "host": 0, "disk": 0}
     match = tree.match_prefix
     lock, unlock, insert, evict = tree.lock, tree.unlock, tree.insert, tree.evict
     allocate, free = alloc.allocate, alloc.free
@@ -112,10 +140,19 @@ def replay(
         seq = req.seq
         prompt_tokens += len(req.prompt)
         m = match(req.prompt, req.salt)
-        hits += m.num_tokens
         node = m.node
         lock(node)
-        mp = len(m.pages)
+        mpages = m.pages
+        if tiers is not None:
+            loaded = tiers.load_prefix(req.prompt, req.salt, m)
+            node, mpages = loaded.node, loaded.pages
+            for tier, n in loaded.by_tier.items():
+                by_tier[tier] += n
+            hits += loaded.num_tokens
+        else:
+            by_tier["device"] += m.num_tokens
+            hits += m.num_tokens
+        mp = len(mpages)
         need = (len(seq) + P - 1) // P - mp
         nfree = len(alloc._free)
         if need > nfree:
@@ -128,7 +165,7 @@ def replay(
         if full > mp + need:
             full = mp + need
             seq = seq[: full * P]
-        ret = insert(seq, m.pages + new if mp else new, req.salt)
+        ret = insert(seq, mpages + new if mp else new, req.salt)
         # Duplicates: pages we allocated for tokens the tree already had (pages[:mp] are the
         # tree's own, locked and never incref'ed). Then the trailing partial / unused pages.
         if ret // P > mp:
@@ -140,12 +177,15 @@ def replay(
     tree.reset()
     if alloc.num_free != alloc.num_pages:  # a leak is a bug
         raise RuntimeError(f"page leak: {alloc.num_used} pages still used after the replay")
+    if tiers is not None and tiers.host is not None and tiers.host.num_used:
+        raise RuntimeError(f"host page leak: {tiers.host.num_used} pages still used")
     return {
         "requests": len(requests),
         "prompt_tokens": prompt_tokens,
         "cached_tokens": hits,
         "evictions": evicted,
         "seconds": seconds,
+        "cached_by_tier": by_tier,
     }
 
 
@@ -159,6 +199,8 @@ def simulate(
     capacity_tokens: int | None,
     page_size: int = 1,
     policy: str = "lru",
+    host_capacity_tokens: int = 0,
+    disk_capacity_tokens: int = 0,
 ) -> dict[str, Any]:
     """Replay ``trace`` (request dicts or :class:`PreparedRequest`) with ``capacity_tokens`` of KV
     (``None`` = unbounded) and report the cache behaviour.
@@ -166,7 +208,9 @@ def simulate(
     Returns a dict with exactly: ``requests``, ``prompt_tokens``, ``cached_tokens`` (hit tokens),
     ``token_hit_rate`` (cached / prompt), ``optimal_hit_rate`` (same trace, unbounded capacity),
     ``evictions`` (tokens evicted), ``tokens_per_second`` (prompt tokens / wall seconds of the
-    bounded replay).
+    bounded replay). With a host or disk tier (``host_capacity_tokens`` /
+    ``disk_capacity_tokens`` > 0) it also has ``cached_tokens_by_tier`` (``{"device", "host",
+    "disk"}`` hit tokens, summing to ``cached_tokens``) and ``hit_rate_by_tier``.
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -179,9 +223,20 @@ def simulate(
     cap = unbounded if capacity_tokens is None else capacity_tokens
     if capacity_tokens is not None and capacity_tokens < 0:
         raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
-    bounded = replay(reqs, cap, page_size, policy)
-    optimal = bounded if cap >= unbounded else replay(reqs, unbounded, page_size, policy)
+    if host_capacity_tokens < 0 or disk_capacity_tokens < 0:
+        raise ValueError("host/disk capacities must be >= 0")
+    tiered = host_capacity_tokens >= page_size or disk_capacity_tokens >= page_size
+    bounded = replay(reqs, cap, page_size, policy, host_capacity_tokens, disk_capacity_tokens)
+    optimal = (
+        bounded if cap >= unbounded and not tiered else replay(reqs, unbounded, page_size, policy)
+    )
     pt = bounded["prompt_tokens"]
+    extra: dict[str, Any] = {}
+    if tiered:
+        extra["cached_tokens_by_tier"] = bounded["cached_by_tier"]
+        extra["hit_rate_by_tier"] = {
+            t: (n / pt if pt else 0.0) for t, n in bounded["cached_by_tier"].items()
+        }
     return {
         "requests": bounded["requests"],
         "prompt_tokens": pt,
@@ -190,4 +245,5 @@ def simulate(
         "optimal_hit_rate": optimal["cached_tokens"] / pt if pt else 0.0,
         "evictions": bounded["evictions"],
         "tokens_per_second": pt / bounded["seconds"] if bounded["seconds"] > 0 else 0.0,
+        **extra,
     }

@@ -1,0 +1,473 @@
+"""Offload tiers under the device prefix cache: host RAM pages, then files on disk.
+
+:class:`TieredCache` wires a :class:`~radixkv.host_pool.HostPool` and a
+:class:`~radixkv.disk_store.DiskStore` to the engine's radix tree through the tree's hooks:
+
+* device eviction (``tree.on_evict``): the node's KV is copied into host pages (the node stays in
+  the tree, host-only) instead of being dropped (``write_back``); with no host tier, or no room
+  in it, the pages go straight to disk when there is a disk tier;
+* host eviction (``tree.on_host_evict``): the host pages of a node leaving the host tier are
+  written to disk (skipped when the disk has them already);
+* ``write_through``: every node the tree creates (``tree.on_insert``) is copied to the host (and
+  the disk) at once, so later device evictions cost nothing;
+* admission (:meth:`TieredCache.load_prefix`, called by ``KVManager.admit``): a match that
+  continues through host-only nodes and then through chained-hash files on disk is loaded back
+  into device pages, all or nothing, before the request is prefilled, and reported per tier.
+  Loads shorter than ``min_load_tokens`` are skipped (recomputing them is cheaper).
+
+Ownership: every host page is free in ``host.allocator`` or held (one reference) by exactly one
+tree node's ``host_value``; device pages keep the allocator / tree / sequence ownership of
+``docs/design.md``. :meth:`TieredCache.check_integrity` verifies the host side.
+
+Disk keys are chained page hashes (:func:`~radixkv.disk_store.chain_hashes`) rooted in a
+fingerprint of the model (name, config, a sample of the weights), the KV dtype, the page size and
+the KV layout, so a restarted engine on the same directory finds its own prefixes and never uses
+another model's.
+
+Without tensors (``kv_pool=None``) the same code does pure bookkeeping: the simulator uses it to
+count hits per tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from radixkv.allocator import BlockAllocator, IntegrityError
+from radixkv.disk_store import DiskStore, chain_hashes
+from radixkv.radix_tree import MatchResult, RadixTree, TreeNode
+
+if TYPE_CHECKING:
+    from radixkv.config import EngineConfig
+    from radixkv.host_pool import HostPool
+    from radixkv.kv_pool import KVPool
+
+__all__ = ["LoadResult", "TieredCache", "engine_fingerprint"]
+
+TIERS = ("device", "host", "disk")
+
+
+@dataclass
+class LoadResult:
+    """What :meth:`TieredCache.load_prefix` hands back: the device pages of the whole usable
+    prefix (``num_tokens`` tokens), the locked node holding it, and the tokens per tier."""
+
+    pages: list[int]
+    num_tokens: int
+    node: TreeNode | None
+    by_tier: dict[str, int] = field(default_factory=dict)
+
+
+def engine_fingerprint(
+    model_name: str, kv_pool: KVPool, page_size: int, model: Any = None, config: Any = None
+) -> bytes:
+    """sha256 over the model name, its config, a sample of its weights, the KV dtype, the page
+    size and the KV layout: files written under one fingerprint are never read under another."""
+    h = hashlib.sha256()
+    parts = {
+        "model": model_name,
+        "dtype": str(kv_pool.dtype),
+        "page_size": page_size,
+        "layers": kv_pool.num_layers,
+        "kv_heads": kv_pool.num_kv_heads,
+        "head_dim": kv_pool.head_dim,
+    }
+    h.update(json.dumps(parts, sort_keys=True).encode())
+    if config is not None:
+        try:
+            text = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
+        except Exception:
+            text = repr(config)
+        h.update(text.encode())
+    if model is not None:
+        try:  # a sample of the weights: tells two random models with one config apart
+            import torch
+
+            for i, p in enumerate(model.parameters()):
+                if i >= 4:
+                    break
+                flat = p.detach().reshape(-1)[:4096].to("cpu", torch.float32)
+                h.update(flat.numpy().tobytes())
+        except Exception:
+            pass
+    return h.digest()
+
+
+class TieredCache:
+    """Host and disk tiers under a :class:`RadixTree`; see the module docstring.
+
+    Args:
+        tree: the device prefix cache (its hooks and ``host_allocator`` are set here).
+        allocator: the device page allocator.
+        kv_pool: the device KV tensors, or ``None`` for bookkeeping only (simulation).
+        host: the host page pool, or ``None`` (no host tier).
+        disk: the disk store, or ``None`` (no disk tier).
+        write_policy: ``"write_back"`` (copy to the host on device eviction) or
+            ``"write_through"`` (copy on insert).
+        fingerprint: root of the disk hash chains (32 bytes).
+        min_load_tokens: loads of fewer tokens are skipped (recomputed instead).
+    """
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        allocator: BlockAllocator | None,
+        kv_pool: KVPool | None,
+        host: HostPool | None,
+        disk: DiskStore | None,
+        write_policy: str = "write_back",
+        fingerprint: bytes = b"\0" * 32,
+        min_load_tokens: int | None = None,
+    ) -> None:
+        if write_policy not in ("write_back", "write_through"):
+            raise ValueError(f"unknown host write policy {write_policy!r}")
+        self.tree = tree
+        self.allocator = allocator
+        self.kv_pool = kv_pool
+        self.host = host
+        self.disk = disk
+        self.page_size = tree.page_size
+        self.write_policy = write_policy
+        self.fingerprint = fingerprint
+        self.min_load_tokens = 2 * self.page_size if min_load_tokens is None else min_load_tokens
+        self.counters: dict[str, int] = {
+            "host_writes": 0,  # pages copied device -> host
+            "host_loads": 0,  # admissions that loaded host pages
+            "host_load_pages": 0,
+            "disk_loads": 0,  # admissions that loaded disk pages
+            "disk_load_pages": 0,
+            "disk_write_pages": 0,  # pages handed to the disk writer
+            "loads_skipped": 0,  # continuations below min_load_tokens or without room
+            "dropped_pages": 0,  # device pages evicted with nowhere to go
+        }
+        if host is not None:
+            tree.host_allocator = host.allocator
+        tree.on_evict = self._on_evict
+        tree.on_host_evict = self._on_host_evict if disk is not None else None
+        tree.on_insert = self._on_insert if write_policy == "write_through" else None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def attach(cls, engine: Any, config: EngineConfig) -> TieredCache:
+        """Build the tiers configured in ``config`` for ``engine`` (its tree, allocator and KV
+        pool), hook them in (``engine.kv.tiers``), and return them."""
+        from radixkv.host_pool import HostPool
+
+        runner = engine.runner
+        kv_pool = getattr(runner, "kv_pool", None) or runner.pool
+        P = config.page_size
+        host = None
+        if config.host_cache_tokens:
+            num = max(1, config.host_cache_tokens // P)
+            host = HostPool.like(kv_pool, num)
+        disk = None
+        fp = engine_fingerprint(
+            str(getattr(engine, "model_name", config.model)),
+            kv_pool,
+            P,
+            getattr(runner, "model", None),
+            getattr(runner, "hf_config", None),
+        )
+        if config.disk_cache_dir:
+            page_bytes = kv_pool.bytes_per_page
+            max_pending = int(min(4096, max(16, (256 << 20) // max(1, page_bytes))))
+            disk = DiskStore(
+                config.disk_cache_dir, config.disk_cache_bytes, fp, max_pending=max_pending
+            )
+        tiers = cls(
+            engine.tree, engine.allocator, kv_pool, host, disk, config.host_write_policy, fp
+        )
+        engine.kv.tiers = tiers
+        return tiers
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def has_data(self) -> bool:
+        return self.kv_pool is not None
+
+    def _prefix_tokens(self, node: TreeNode) -> list[int]:
+        """Tokens of the path from the namespace root down to (and including) ``node``."""
+        keys: list[list[int]] = []
+        x: TreeNode | None = node
+        while x is not None and x.parent is not None and not x.is_namespace:
+            keys.append(x.key)
+            x = x.parent
+        out: list[int] = []
+        for k in reversed(keys):
+            out += k
+        return out
+
+    def _node_hashes(self, node: TreeNode) -> list[bytes]:
+        """Disk keys of ``node``'s pages (the last ``len(node.key) // P`` chained hashes)."""
+        tokens = self._prefix_tokens(node)
+        hashes = chain_hashes(self.fingerprint, tokens, self.page_size, node.salt)
+        return hashes[len(hashes) - len(node.key) // self.page_size :]
+
+    def _host_alloc(self, n: int) -> list[int] | None:
+        """``n`` host pages, evicting host-only leaves when short; None when impossible."""
+        assert self.host is not None
+        halloc = self.host.allocator
+        if n > halloc.num_pages:
+            return None
+        short = n - halloc.num_free
+        if short > 0:
+            self.tree.evict_host(short * self.page_size)
+        if halloc.num_free < n:
+            return None
+        return halloc.allocate(n)
+
+    def _copy_to_host(self, node: TreeNode, pages: list[int]) -> bool:
+        """Give ``node`` host pages holding the KV of device ``pages``; False when no room."""
+        hp = self._host_alloc(len(pages))
+        if hp is None:
+            return False
+        if self.host is not None and self.kv_pool is not None:
+            self.host.save(self.kv_pool, pages, hp)
+        self.tree.set_host_value(node, hp)
+        self.counters["host_writes"] += len(pages)
+        return True
+
+    def _write_disk(self, node: TreeNode, pages: list[int], from_host: bool) -> None:
+        """Hand ``node``'s pages (device or host ids) to the disk writer; pages already on disk
+        are only refreshed. The KV is snapshotted now, serialized by the writer thread."""
+        disk = self.disk
+        assert disk is not None
+        keys = self._node_hashes(node)
+        todo: list[int] = []
+        for i, key in enumerate(keys):
+            if disk.contains(key):
+                disk.touch(key)
+            elif not disk.pending(key):
+                todo.append(i)
+        if not todo:
+            return
+        if not self.has_data:
+            for i in todo:
+                if disk.put(keys[i], self.page_size):
+                    self.counters["disk_write_pages"] += 1
+            return
+        from radixkv.host_pool import pages_to_payloads
+
+        sel = [pages[i] for i in todo]
+        if from_host:
+            assert self.host is not None
+            k, v = self.host.read(sel)
+        else:
+            assert self.kv_pool is not None
+            k, v = self.kv_pool.read_pages(sel)
+            k, v = k.to("cpu"), v.to("cpu")
+        for j, i in enumerate(todo):
+            kj, vj = k[:, j : j + 1], v[:, j : j + 1]
+            if disk.put(keys[i], lambda kj=kj, vj=vj: pages_to_payloads(kj, vj)[0]):
+                self.counters["disk_write_pages"] += 1
+
+    # ------------------------------------------------------------------ tree hooks
+    def _on_evict(self, node: TreeNode, pages: list[int]) -> None:
+        """Device eviction of ``node``: keep its KV on the host (or the disk)."""
+        if node.host_value is not None:
+            return  # already on the host (write-through or loaded back): nothing to copy
+        if self.host is not None and self._copy_to_host(node, pages):
+            return
+        if self.disk is not None:
+            self._write_disk(node, pages, from_host=False)
+        else:
+            self.counters["dropped_pages"] += len(pages)
+
+    def _on_host_evict(self, node: TreeNode, host_pages: list[int]) -> None:
+        """``node`` leaves the host tier: its pages go to disk."""
+        if self.disk is not None and host_pages:
+            self._write_disk(node, host_pages, from_host=True)
+
+    def _on_insert(self, node: TreeNode) -> None:
+        """Write-through: copy a new node to the host (and disk) as soon as it is cached."""
+        pages = node.value
+        if pages is None:
+            return
+        if self.host is not None and node.host_value is None:
+            self._copy_to_host(node, pages)
+        if self.disk is not None:
+            self._write_disk(node, pages, from_host=False)
+
+    # ------------------------------------------------------------------ admission
+    def load_prefix(self, tokens: list[int], salt: Hashable, res: MatchResult) -> LoadResult:
+        """Extend the device match ``res`` of ``tokens`` with what the host and disk tiers hold,
+        loading it into device pages (all or nothing) and inserting it into the tree.
+
+        Precondition: ``res.node`` is locked by the caller. Postcondition: the returned node is
+        locked instead (``res.node`` unlocked when they differ) and ``pages`` are the tree's
+        device pages of the first ``num_tokens`` tokens. Nothing is loaded when the
+        continuation is shorter than ``min_load_tokens`` or device pages cannot be freed for it.
+        """
+        P = self.page_size
+        tree = self.tree
+        dev = res.num_tokens
+        by_tier = {"device": dev, "host": 0, "disk": 0}
+        keep = LoadResult(list(res.pages), dev, res.node, by_tier)
+        host_nodes = res.host_nodes if self.host is not None else []
+        host_tok = res.host_tokens if host_nodes else 0
+        max_pages = len(tokens) // P
+        start = (dev + host_tok) // P
+        disk = self.disk
+        disk_keys: list[bytes] = []
+        if disk is not None and start < max_pages and disk.num_files:
+            hashes = chain_hashes(self.fingerprint, tokens, P, salt, max_pages)
+            for i in range(start, max_pages):
+                if not disk.contains(hashes[i]):
+                    break
+                disk_keys.append(hashes[i])
+        if host_tok + len(disk_keys) * P == 0:
+            return keep
+        if host_tok + len(disk_keys) * P < self.min_load_tokens:
+            self.counters["loads_skipped"] += 1
+            return keep
+        payloads: list[bytes] = []
+        for key in disk_keys:  # read (and verify) before taking any device page
+            data = disk.get(key) if disk is not None else None
+            if data is None:
+                break
+            if self.has_data and len(data) != self.kv_pool.bytes_per_page:  # type: ignore[union-attr]
+                assert disk is not None
+                disk.discard(key, "truncated")
+                break
+            payloads.append(data)
+        nh = host_tok // P
+        need = nh + len(payloads)
+        if need == 0 or need * P < self.min_load_tokens:
+            self.counters["loads_skipped"] += 1
+            return keep
+        alloc = self.allocator
+        if host_nodes:
+            tree.host_protect(host_nodes[-1])
+        try:
+            if alloc is not None:
+                short = need - alloc.num_free
+                if short > 0:
+                    tree.evict(short * P)
+                if alloc.num_free < need:
+                    self.counters["loads_skipped"] += 1
+                    return keep
+                dev_pages = alloc.allocate(need)
+            else:  # simulation without an allocator: fake page ids
+                dev_pages = list(range(-1, -need - 1, -1))
+            # host -> device
+            if nh:
+                hp: list[int] = []
+                for hn in host_nodes:
+                    hp += hn.host_value or []
+                if self.host is not None and self.kv_pool is not None:
+                    self.host.load(self.kv_pool, hp, dev_pages[:nh])
+                at = 0
+                for hn in host_nodes:
+                    k = len(hn.key) // P
+                    tree.set_device_value(hn, dev_pages[at : at + k])
+                    at += k
+                self.counters["host_loads"] += 1
+                self.counters["host_load_pages"] += nh
+        finally:
+            if host_nodes:
+                tree.host_unprotect(host_nodes[-1])
+        total = dev + nh * P
+        if payloads:  # disk -> device, then into the tree
+            disk_pages = dev_pages[nh:]
+            if self.kv_pool is not None:
+                from radixkv.host_pool import payloads_to_pages
+
+                pool = self.kv_pool
+                k, v = payloads_to_pages(
+                    payloads,
+                    pool.num_layers,
+                    P,
+                    pool.num_kv_heads,
+                    pool.head_dim,
+                    pool.dtype,
+                )
+                pool.write_pages(disk_pages, k, v)
+            end = total + len(payloads) * P
+            prefix = list(res.pages) + dev_pages
+            ret = tree.insert(tokens[:end], prefix, salt)
+            # the tree's path ended at `total` (eviction only removes): it took every disk page
+            assert ret == total, (ret, total)
+            total = end
+            self.counters["disk_loads"] += 1
+            self.counters["disk_load_pages"] += len(payloads)
+        m = tree.match_prefix(tokens[:total], salt)
+        assert m.num_tokens == total, (m.num_tokens, total)
+        tree.lock(m.node)
+        tree.unlock(res.node)
+        by_tier["host"] = nh * P
+        by_tier["disk"] = total - dev - nh * P
+        return LoadResult(m.pages, total, m.node, by_tier)
+
+    # ------------------------------------------------------------------ administration
+    def sync(self) -> None:
+        """Wait for queued disk writes."""
+        if self.disk is not None:
+            self.disk.sync()
+
+    def flush(self) -> None:
+        """Called after ``tree.reset()`` (which already freed the host pages of every dropped
+        node): finish queued disk writes. Disk files stay: they are the persistent tier
+        (:meth:`clear_disk` removes them)."""
+        self.sync()
+
+    def clear_disk(self) -> None:
+        """Remove every file of the disk tier."""
+        if self.disk is not None:
+            self.disk.clear()
+
+    def close(self) -> None:
+        """Finish disk writes and stop the writer thread."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Host pages used/free, disk files/bytes, loads, writes, corrupt files, skips."""
+        out: dict[str, Any] = dict(self.counters)
+        out["write_policy"] = self.write_policy
+        out["min_load_tokens"] = self.min_load_tokens
+        if self.host is not None:
+            out["host_pages_total"] = self.host.num_pages
+            out["host_pages_used"] = self.host.num_used
+            out["host_pages_free"] = self.host.num_free
+            out["host_cached_tokens"] = self.tree.host_size
+        if self.disk is not None:
+            d = self.disk.stats()
+            out["disk_files"] = d["files"]
+            out["disk_bytes"] = d["bytes"]
+            out["disk_capacity_bytes"] = d["capacity_bytes"]
+            out["disk_writes"] = d["writes"]
+            out["disk_writes_dropped"] = d["writes_dropped"]
+            out["disk_pending_writes"] = d["pending_writes"]
+            out["disk_evicted_files"] = d["evicted_files"]
+            out["corrupt_files"] = d["corrupt_files"]
+            out["corrupt_by_reason"] = {
+                r: d[f"corrupt_{r}"] for r in ("truncated", "checksum", "fingerprint", "key")
+            }
+        return out
+
+    def check_integrity(self) -> None:
+        """Host side: every used host page is held by exactly one tree node (refcount 1) and
+        every tree host page is in use; the pool and the disk store pass their own checks.
+        Raises :class:`IntegrityError`."""
+        if self.host is not None:
+            self.host.check_integrity()
+            halloc = self.host.allocator
+            pages = self.tree.all_host_pages()
+            if len(pages) != len(set(pages)):
+                raise IntegrityError("a host page is held by two tree nodes")
+            held = set(pages)
+            for p in range(halloc.num_pages):
+                rc = halloc.refcount(p)
+                want = 1 if p in held else 0
+                if rc != want:
+                    raise IntegrityError(f"host page {p}: refcount {rc}, tree holds it {want}x")
+        elif self.tree.host_size:
+            raise IntegrityError("tree holds host pages but there is no host tier")
+        if self.disk is not None:
+            self.disk.check_integrity()
+
+    def __repr__(self) -> str:
+        return f"TieredCache(host={self.host!r}, disk={self.disk!r}, {self.write_policy})"
