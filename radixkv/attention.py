@@ -547,13 +547,25 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
 
-def make_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
-    """``"torch"``, ``"triton"`` or ``None`` (triton on CUDA, torch elsewhere)."""
+def make_attention_backend(
+    name: str | None, device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
+    """``"torch"``, ``"triton"`` or ``None`` (triton on CUDA, torch elsewhere).
+
+    On the torch side, low-precision dtypes get the shared-prefix cascade backend
+    (:mod:`radixkv.cascade_attention`, fused kernels, reads a shared prefix once per batch);
+    float32, the accuracy mode, gets the plain backend whose arithmetic follows transformers'
+    fp32 attention step for step, so logits stay within 1e-3 of it.
+    """
     dev = torch.device(device)
     if name is None:
         name = "triton" if dev.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttentionBackend()
+        if dtype == torch.float32:
+            return TorchAttentionBackend()
+        from radixkv.cascade_attention import CascadeTorchBackend
+
+        return CascadeTorchBackend()
     if name == "triton":
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention_backend {name!r}: use 'torch' or 'triton'")

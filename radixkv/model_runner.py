@@ -162,7 +162,9 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.backend: AttentionBackend = make_attention_backend(attention_backend, self.device)
+        self.backend: AttentionBackend = make_attention_backend(
+            attention_backend, self.device, self.dtype
+        )
         self.attention_backend = self.backend.name
 
     @property

@@ -22,10 +22,10 @@ QUESTIONS = [
 ]
 
 
-def chat_prompts(engine: Engine, questions: list[str]) -> list[list[int]]:
+def chat_prompts(engine: Engine, questions: list[str], system: str = SYSTEM) -> list[list[int]]:
     return [
         engine.apply_chat_template(
-            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            [{"role": "system", "content": system}, {"role": "user", "content": q}]
         )
         for q in questions
     ]
@@ -78,6 +78,31 @@ def test_greedy_agrees_with_transformers(real_model, knobs):
         assert engine.tree.num_evicted_tokens > 0, "the tiny pool was meant to force eviction"
     if not knobs["enable_prefix_cache"]:
         assert stats["cached_tokens_total"] == 0
+    assert_clean(engine)
+
+
+@pytest.mark.real_model
+def test_cascade_attention_greedy_agrees_with_transformers(real_model):
+    """The shared-prefix (cascade) CPU backend, forced in fp32 on a shared system prompt."""
+    from radixkv.cascade_attention import CascadeTorchBackend, build_cascade_meta
+
+    engine = Engine(real_model, page_size=16, dtype="float32", max_running_requests=3)
+    engine.runner.backend = backend = CascadeTorchBackend()
+    grouped = []
+    prepare = backend.prepare
+
+    def spy(batch, dtype):
+        meta = prepare(batch, dtype)
+        grouped.append(len(meta.groups))
+        return meta
+
+    backend.prepare = spy
+    prompts = chat_prompts(engine, QUESTIONS, system=SYSTEM + " " + SYSTEM)  # > 64 tokens
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert max(grouped) > 0, "the shared system prompt should have formed a cascade group"
+    for prompt, out in zip(prompts, outs):
+        assert_matches_transformers(real_model.hf_model, prompt, out.token_ids)
+    assert build_cascade_meta  # the module's public builder stays importable
     assert_clean(engine)
 
 

@@ -1,0 +1,312 @@
+"""Shared-prefix (cascade) paged attention for the CPU: read a shared prefix once per batch.
+
+Requests admitted from the radix tree share the *same page ids* for their common prefix (a system
+prompt, few-shot block or earlier chat turns). Attention over a sequence splits exactly into
+attention over a prefix part and over the rest, merged by their log-sum-exp:
+
+    o = (e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})
+
+So for each group of requests with common leading pages, the queries of *all* members attend to
+the shared pages in one call (the KV is gathered once, not once per request), and each request
+attends to its own remainder (its unshared cached tokens plus its new tokens, causal). Both parts
+use ATen's fused CPU flash-attention kernel, which also returns the log-sum-exp. GQA is folded
+into the query length: the ``G`` query heads of a KV head become ``G`` query rows.
+
+Invariants the metadata relies on: pages shared by ids hold identical KV (the tree owns them and
+they are never written while locked), and a shared part lies entirely inside every member's
+cached prefix, so all of a member's new tokens see all of it (no mask is needed there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixkv.attention import AttentionBackend, ForwardBatch, torch_store_kvcache
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout: float,
+    causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention ``[B, H, Lq, D]`` with its log-sum-exp ``[B, H, Lq]`` (float32).
+
+    Low-precision dtypes use ATen's fused CPU flash kernel (fast, approximate ``exp``); float32
+    is the accuracy mode and computes exactly with matmuls.
+    """
+    if q.dtype != torch.float32:
+        return _flash_cpu(q, k, v, dropout, causal, attn_mask=attn_mask, scale=scale)
+    scores = torch.matmul(q.double(), k.double().transpose(-1, -2)).mul_(scale)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    out = torch.matmul(scores.sub_(lse).exp_(), v.double())
+    return out.float(), lse.squeeze(-1).float()
+
+
+# A shared prefix shorter than this is attended per request (the split costs more than it saves).
+MIN_SHARED_TOKENS = 64
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class _SharedGroup:
+    rows: torch.Tensor  # [m] query rows of every member, request after request
+    pages: torch.Tensor  # [s] shared page ids
+    num_tokens: int  # s * page_size
+
+
+@dataclass
+class _Own:
+    """Requests attending to their own (unshared) keys in one padded call.
+
+    Query row ``r`` of request ``b`` (absolute position ``prefix_b + r``) sees key ``j`` of its run
+    (absolute position ``start_b + j``) iff ``start_b + j <= prefix_b + r``; padded query rows see
+    key 0 only (their output is dropped).
+    """
+
+    rows: torch.Tensor  # [B, n_max] query rows (padded with each request's last row)
+    valid: torch.Tensor  # [sum n] positions in rows.flatten() that are real rows
+    real_rows: torch.Tensor  # [sum n] the query rows they are
+    pages: torch.Tensor  # [B * max_pages] own pages, padded
+    length: int  # max_pages * page_size
+    allowed: torch.Tensor  # [B, n_max, length] bool
+    mask: torch.Tensor | None = None  # additive, GQA-folded, built on first use
+
+
+@dataclass
+class _Fresh:
+    rows: slice  # a prompt with nothing cached: causal over its own new K/V
+
+
+@dataclass
+class CascadeMeta:
+    out_slots: torch.Tensor
+    num_tokens: int
+    groups: list[_SharedGroup]
+    own: list[_Own]  # decodes in one call, extends after a cached prefix in another
+    fresh: list[_Fresh]
+
+
+def build_cascade_meta(batch: ForwardBatch, dtype: torch.dtype) -> CascadeMeta:
+    """Per-forward metadata: shared groups, the batched decodes and the per-request extends."""
+    P = batch.page_size
+    table = batch.page_table.tolist()
+    prefix, ext = batch.prefix_lens, batch.extend_lens
+    starts = batch.extend_starts
+    n_req = len(ext)
+    pages = [table[i][: -(-(prefix[i] + ext[i]) // P)] for i in range(n_req)]
+    # -- groups of requests whose cached prefixes start with the same page ------------------
+    shared = [0] * n_req  # tokens of request i attended through its group
+    by_first: dict[int, list[int]] = {}
+    for i in range(n_req):
+        if prefix[i] >= MIN_SHARED_TOKENS and ext[i] > 0:
+            by_first.setdefault(pages[i][0], []).append(i)
+    groups: list[_SharedGroup] = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        ref = pages[members[0]]
+        s = min(prefix[i] // P for i in members)
+        for i in members[1:]:
+            s = min(s, _common_prefix(ref, pages[i]))
+        if s * P < MIN_SHARED_TOKENS:
+            continue
+        rows: list[int] = []
+        for i in members:
+            shared[i] = s * P
+            rows.extend(range(starts[i], starts[i] + ext[i]))
+        groups.append(
+            _SharedGroup(torch.tensor(rows, dtype=torch.long), torch.tensor(ref[:s]), s * P)
+        )
+    # -- own parts ---------------------------------------------------------------------------
+    fresh = [
+        _Fresh(slice(starts[i], starts[i] + ext[i]))
+        for i in range(n_req)
+        if ext[i] and not prefix[i]
+    ]
+    dec = [i for i in range(n_req) if ext[i] == 1 and prefix[i] > 0]
+    extend = [i for i in range(n_req) if ext[i] > 1 and prefix[i] > 0]
+    own = [_own_part(ids, P, pages, prefix, ext, starts, shared) for ids in (dec, extend) if ids]
+    slots = batch.out_slots if batch.out_slots.dtype == torch.long else batch.out_slots.long()
+    return CascadeMeta(slots, batch.num_tokens, groups, own, fresh)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a fresh prompt: ``q [n, Hq, D]``, ``k, v [n, Hkv, D]``."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    if q.dtype != torch.float32:  # 4-D inputs: 3-D ones miss ATen's fused kernel
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=hq != hkv,
+        )
+        return o.squeeze(0).transpose(0, 1)
+    g = hq // hkv
+    causal = torch.ones(n, n, dtype=torch.bool).tril_().repeat_interleave(g, dim=0)
+    mask = torch.zeros(n * g, n, dtype=torch.float64).masked_fill_(~causal, float("-inf"))
+    keys, vals = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    o, _ = _flash(_fold(q, hkv), keys, vals, 0.0, False, attn_mask=mask, scale=scale)
+    return _unfold(o, torch.zeros(1, hkv, n * g), n)[0]
+
+
+def _own_part(
+    ids: list[int],
+    P: int,
+    pages: list[list[int]],
+    prefix: list[int],
+    ext: list[int],
+    starts: list[int],
+    shared: list[int],
+) -> _Own:
+    n_max = max(ext[i] for i in ids)
+    runs = [pages[i][shared[i] // P :] for i in ids]
+    max_pages = max(len(r) for r in runs)
+    length = max_pages * P
+    rows, valid, real, flat = [], [], [], []
+    for b, (i, run) in enumerate(zip(ids, runs)):
+        mine = list(range(starts[i], starts[i] + ext[i]))
+        real.extend(mine)
+        valid.extend(range(b * n_max, b * n_max + ext[i]))
+        rows.extend(mine + [mine[-1]] * (n_max - ext[i]))
+        flat.extend(run + [run[-1]] * (max_pages - len(run)))
+    q_pos = torch.tensor([[prefix[i] + r for r in range(n_max)] for i in ids])  # [B, n_max]
+    k_pos = torch.tensor([shared[i] for i in ids]).unsqueeze(1) + torch.arange(length)
+    allowed = k_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, n_max, length]
+    pad = torch.arange(n_max).unsqueeze(0) >= torch.tensor([ext[i] for i in ids]).unsqueeze(1)
+    allowed[pad] = False
+    allowed[..., 0] |= pad
+    return _Own(
+        torch.tensor(rows, dtype=torch.long).view(len(ids), n_max),
+        torch.tensor(valid, dtype=torch.long),
+        torch.tensor(real, dtype=torch.long),
+        torch.tensor(flat, dtype=torch.long),
+        length,
+        allowed,
+    )
+
+
+def _fold(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[n, Hq, D] -> [1, Hkv, n * G, D]``: GQA heads of a KV head become query rows."""
+    n, hq, d = q.shape
+    g = hq // hkv
+    return q.view(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d)
+
+
+def _unfold(o: torch.Tensor, lse: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_fold` for outputs ``[1, Hkv, n*G, D]`` and lse ``[1, Hkv, n*G]``."""
+    _, hkv, ng, d = o.shape
+    g = ng // n
+    out = o.view(hkv, n, g, d).transpose(0, 1).reshape(n, hkv * g, d)
+    return out, lse.view(hkv, n, g).transpose(0, 1).reshape(n, hkv * g)
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``[num_pages, P, Hkv, D]`` -> the pages' tokens as ``[Hkv, len * P, D]`` (a view)."""
+    run = cache.index_select(0, pages)
+    return run.view(-1, cache.shape[2], cache.shape[3]).transpose(0, 1)
+
+
+def cascade_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: CascadeMeta,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Attention of ``q [T, Hq, D]`` over the paged caches (new K/V already stored)."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    dtype = k_cache.dtype
+    q = q.to(dtype)
+    out = torch.empty(t, hq, d, dtype=dtype)
+    lse = torch.empty(t, hq, dtype=torch.float32) if meta.groups else None
+    for part in meta.own:
+        b, n_max = part.rows.shape
+        if part.mask is None:
+            allowed = part.allowed.repeat_interleave(g, dim=1).unsqueeze(1)
+            part.mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(
+                ~allowed, float("-inf")
+            )
+        keys = _gather(k_cache, part.pages).view(hkv, b, part.length, d).transpose(0, 1)
+        vals = _gather(v_cache, part.pages).view(hkv, b, part.length, d).transpose(0, 1)
+        qp = q.index_select(0, part.rows.view(-1)).view(b, n_max, hkv, g, d)
+        qp = qp.permute(0, 2, 1, 3, 4).reshape(b, hkv, n_max * g, d)
+        o, l_ = _flash(qp, keys, vals, 0.0, False, attn_mask=part.mask, scale=sm_scale)
+        o = o.view(b, hkv, n_max, g, d).permute(0, 2, 1, 3, 4).reshape(b * n_max, hq, d)
+        out.index_copy_(0, part.real_rows, o.index_select(0, part.valid))
+        if lse is not None:
+            l_ = l_.view(b, hkv, n_max, g).permute(0, 2, 1, 3).reshape(b * n_max, hq)
+            lse.index_copy_(0, part.real_rows, l_.index_select(0, part.valid))
+    for f in meta.fresh:  # never in a shared group (nothing cached), so no lse is needed
+        out[f.rows] = _causal(q[f.rows], k[f.rows].to(dtype), v[f.rows].to(dtype), sm_scale)
+    for grp in meta.groups:
+        m = grp.rows.numel()
+        keys = _gather(k_cache, grp.pages).unsqueeze(0)
+        vals = _gather(v_cache, grp.pages).unsqueeze(0)
+        o, l_ = _flash(
+            _fold(q.index_select(0, grp.rows), hkv), keys, vals, 0.0, False, scale=sm_scale
+        )
+        o_a, lse_a = _unfold(o, l_, m)
+        o_b = out.index_select(0, grp.rows).float()
+        lse_b = lse.index_select(0, grp.rows)  # type: ignore[union-attr]
+        top = torch.maximum(lse_a, lse_b)
+        w_a = (lse_a - top).exp_().unsqueeze(-1)
+        w_b = (lse_b - top).exp_().unsqueeze(-1)
+        merged = (o_a.float() * w_a + o_b * w_b) / (w_a + w_b)
+        out.index_copy_(0, grp.rows, merged.to(dtype))
+    return out
+
+
+class CascadeTorchBackend(AttentionBackend):
+    """The CPU backend: paged attention in torch with shared-prefix (cascade) grouping."""
+
+    name = "torch"
+
+    def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> CascadeMeta:
+        if batch.page_size <= 0:
+            raise ValueError("ForwardBatch.page_size must be set for the torch backend")
+        return build_cascade_meta(batch, dtype)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: CascadeMeta,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots)
+        return cascade_attention(q, k, v, k_cache, v_cache, meta, sm_scale)
