@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from radixkv.kernels import (
     choose_num_kv_splits,
     decode_attention,

@@ -85,9 +85,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine and app, then run uvicorn until interrupted. Returns the exit code."""
     import uvicorn
-    from radixkv.server.app import create_app
 
     from radixkv import Engine
+    from radixkv.server.app import create_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from radixkv.kernels import (
     choose_num_kv_splits,
     decode_attention,

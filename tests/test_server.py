@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from fake_engine import FakeEngine, FakeTokenizer, ServerThread
+
 from radixkv.server.app import create_app
 from radixkv.server.protocol import apply_chat_template
 

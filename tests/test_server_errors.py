@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from fake_engine import FakeEngine, ServerThread
+
 from radixkv.server.app import create_app
 
 MODEL = "test-model"

@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 from fake_engine import ServerThread
+
 from radixkv.server.app import create_app
 from radixkv.server.protocol import apply_chat_template
 
