@@ -73,9 +73,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @dataclass
-class _SharedGroup:
-    rows: torch.Tensor  # [m] query rows of every member, request after request
-    pages: torch.Tensor  # [s] shared page ids
+class _Shared:
+    """Groups with shared prefixes of one length, attended in one call (one batch row each)."""
+
+    rows: torch.Tensor  # [groups, m_max] query rows of every member (padded with the last one)
+    valid: torch.Tensor  # positions in rows.flatten() that are real rows
+    real_rows: torch.Tensor  # the query rows they are
+    pages: torch.Tensor  # [groups * s] the shared pages, group after group
     num_tokens: int  # s * page_size
 
 
@@ -106,7 +110,7 @@ class _Fresh:
 class CascadeMeta:
     out_slots: torch.Tensor
     num_tokens: int
-    groups: list[_SharedGroup]
+    groups: list[_Shared]
     own: list[_Own]  # decodes in one call, extends after a cached prefix in another
     fresh: list[_Fresh]
 
@@ -125,7 +129,7 @@ def build_cascade_meta(batch: ForwardBatch, dtype: torch.dtype) -> CascadeMeta:
     for i in range(n_req):
         if prefix[i] >= MIN_SHARED_TOKENS and ext[i] > 0:
             by_first.setdefault(pages[i][0], []).append(i)
-    groups: list[_SharedGroup] = []
+    by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
     for members in by_first.values():
         if len(members) < 2:
             continue
@@ -139,9 +143,12 @@ def build_cascade_meta(batch: ForwardBatch, dtype: torch.dtype) -> CascadeMeta:
         for i in members:
             shared[i] = s * P
             rows.extend(range(starts[i], starts[i] + ext[i]))
-        groups.append(
-            _SharedGroup(torch.tensor(rows, dtype=torch.long), torch.tensor(ref[:s]), s * P)
-        )
+        by_length.setdefault(s, []).append((rows, ref[:s]))
+    groups = []
+    for s, items in by_length.items():
+        padded, valid, real = _pad_rows([rows for rows, _ in items])
+        flat = [p for _, run in items for p in run]
+        groups.append(_Shared(padded, valid, real, torch.tensor(flat, dtype=torch.long), s * P))
     # -- own parts ---------------------------------------------------------------------------
     fresh = [
         _Fresh(slice(starts[i], starts[i] + ext[i]))
@@ -150,9 +157,35 @@ def build_cascade_meta(batch: ForwardBatch, dtype: torch.dtype) -> CascadeMeta:
     ]
     dec = [i for i in range(n_req) if ext[i] == 1 and prefix[i] > 0]
     extend = [i for i in range(n_req) if ext[i] > 1 and prefix[i] > 0]
-    own = [_own_part(ids, P, pages, prefix, ext, starts, shared) for ids in (dec, extend) if ids]
+    buckets = ([dec] if dec else []) + _buckets(
+        extend, [ext[i] for i in extend], [prefix[i] + ext[i] - shared[i] for i in extend]
+    )
+    own = [_own_part(ids, P, pages, prefix, ext, starts, shared) for ids in buckets]
     slots = batch.out_slots if batch.out_slots.dtype == torch.long else batch.out_slots.long()
     return CascadeMeta(slots, batch.num_tokens, groups, own, fresh)
+
+
+# Extends are padded to a common (new tokens x keys) shape; a bucket grows while its padded work
+# stays within this factor of the real work, so one long chunk does not inflate the others.
+MAX_PADDING_WASTE = 1.5
+
+
+def _buckets(ids: list[int], n: list[int], keys: list[int]) -> list[list[int]]:
+    """Split requests into padding-friendly groups (sorted by size)."""
+    order = sorted(range(len(ids)), key=lambda j: (n[j], keys[j]))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    real = n_max = k_max = 0
+    for j in order:
+        r, nm, km = real + n[j] * keys[j], max(n_max, n[j]), max(k_max, keys[j])
+        if cur and nm * km * (len(cur) + 1) > MAX_PADDING_WASTE * r:
+            out.append([ids[x] for x in cur])
+            cur, r, nm, km = [], n[j] * keys[j], n[j], keys[j]
+        cur.append(j)
+        real, n_max, k_max = r, nm, km
+    if cur:
+        out.append([ids[x] for x in cur])
+    return out
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -173,8 +206,24 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     causal = torch.ones(n, n, dtype=torch.bool).tril_().repeat_interleave(g, dim=0)
     mask = torch.zeros(n * g, n, dtype=torch.float64).masked_fill_(~causal, float("-inf"))
     keys, vals = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    o, _ = _flash(_fold(q, hkv), keys, vals, 0.0, False, attn_mask=mask, scale=scale)
-    return _unfold(o, torch.zeros(1, hkv, n * g), n)[0]
+    every = torch.arange(n)
+    o, lse = _flash(
+        _fold_rows(q, every.view(1, n), hkv), keys, vals, 0.0, False, attn_mask=mask, scale=scale
+    )
+    return _unfold_rows(o, lse, n, every)[0]
+
+
+def _pad_rows(row_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad per-item query rows to a ``[items, max]`` tensor (repeating each item's last row);
+    also returns which flattened positions are real and the real rows themselves."""
+    width = max(len(r) for r in row_lists)
+    padded, valid, real = [], [], []
+    for b, rows in enumerate(row_lists):
+        padded.extend(rows + [rows[-1]] * (width - len(rows)))
+        valid.extend(range(b * width, b * width + len(rows)))
+        real.extend(rows)
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return as_long(padded).view(len(row_lists), width), as_long(valid), as_long(real)
 
 
 def _own_part(
@@ -190,42 +239,37 @@ def _own_part(
     runs = [pages[i][shared[i] // P :] for i in ids]
     max_pages = max(len(r) for r in runs)
     length = max_pages * P
-    rows, valid, real, flat = [], [], [], []
-    for b, (i, run) in enumerate(zip(ids, runs)):
-        mine = list(range(starts[i], starts[i] + ext[i]))
-        real.extend(mine)
-        valid.extend(range(b * n_max, b * n_max + ext[i]))
-        rows.extend(mine + [mine[-1]] * (n_max - ext[i]))
+    flat: list[int] = []
+    for run in runs:
         flat.extend(run + [run[-1]] * (max_pages - len(run)))
+    rows, valid, real = _pad_rows([list(range(starts[i], starts[i] + ext[i])) for i in ids])
     q_pos = torch.tensor([[prefix[i] + r for r in range(n_max)] for i in ids])  # [B, n_max]
     k_pos = torch.tensor([shared[i] for i in ids]).unsqueeze(1) + torch.arange(length)
     allowed = k_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, n_max, length]
     pad = torch.arange(n_max).unsqueeze(0) >= torch.tensor([ext[i] for i in ids]).unsqueeze(1)
     allowed[pad] = False
     allowed[..., 0] |= pad
-    return _Own(
-        torch.tensor(rows, dtype=torch.long).view(len(ids), n_max),
-        torch.tensor(valid, dtype=torch.long),
-        torch.tensor(real, dtype=torch.long),
-        torch.tensor(flat, dtype=torch.long),
-        length,
-        allowed,
-    )
+    return _Own(rows, valid, real, torch.tensor(flat, dtype=torch.long), length, allowed)
 
 
-def _fold(q: torch.Tensor, hkv: int) -> torch.Tensor:
-    """``[n, Hq, D] -> [1, Hkv, n * G, D]``: GQA heads of a KV head become query rows."""
-    n, hq, d = q.shape
+def _fold_rows(q: torch.Tensor, rows: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Query rows ``[B, n]`` of ``q [T, Hq, D]`` as ``[B, Hkv, n * G, D]`` (GQA folded)."""
+    b, n = rows.shape
+    hq, d = q.shape[1], q.shape[2]
     g = hq // hkv
-    return q.view(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d)
+    x = q.index_select(0, rows.view(-1)).view(b, n, hkv, g, d)
+    return x.permute(0, 2, 1, 3, 4).reshape(b, hkv, n * g, d)
 
 
-def _unfold(o: torch.Tensor, lse: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`_fold` for outputs ``[1, Hkv, n*G, D]`` and lse ``[1, Hkv, n*G]``."""
-    _, hkv, ng, d = o.shape
+def _unfold_rows(
+    o: torch.Tensor, lse: torch.Tensor, n: int, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_fold_rows` keeping the ``valid`` rows: ``[R, Hq, D]``, ``[R, Hq]``."""
+    b, hkv, ng, d = o.shape
     g = ng // n
-    out = o.view(hkv, n, g, d).transpose(0, 1).reshape(n, hkv * g, d)
-    return out, lse.view(hkv, n, g).transpose(0, 1).reshape(n, hkv * g)
+    o = o.view(b, hkv, n, g, d).permute(0, 2, 1, 3, 4).reshape(b * n, hkv * g, d)
+    lse = lse.view(b, hkv, n, g).permute(0, 2, 1, 3).reshape(b * n, hkv * g)
+    return o.index_select(0, valid), lse.index_select(0, valid)
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -260,31 +304,27 @@ def cascade_attention(
             )
         keys = _gather(k_cache, part.pages).view(hkv, b, part.length, d).transpose(0, 1)
         vals = _gather(v_cache, part.pages).view(hkv, b, part.length, d).transpose(0, 1)
-        qp = q.index_select(0, part.rows.view(-1)).view(b, n_max, hkv, g, d)
-        qp = qp.permute(0, 2, 1, 3, 4).reshape(b, hkv, n_max * g, d)
+        qp = _fold_rows(q, part.rows, hkv)
         o, l_ = _flash(qp, keys, vals, 0.0, False, attn_mask=part.mask, scale=sm_scale)
-        o = o.view(b, hkv, n_max, g, d).permute(0, 2, 1, 3, 4).reshape(b * n_max, hq, d)
-        out.index_copy_(0, part.real_rows, o.index_select(0, part.valid))
+        o, l_ = _unfold_rows(o, l_, n_max, part.valid)
+        out.index_copy_(0, part.real_rows, o)
         if lse is not None:
-            l_ = l_.view(b, hkv, n_max, g).permute(0, 2, 1, 3).reshape(b * n_max, hq)
-            lse.index_copy_(0, part.real_rows, l_.index_select(0, part.valid))
+            lse.index_copy_(0, part.real_rows, l_)
     for f in meta.fresh:  # never in a shared group (nothing cached), so no lse is needed
         out[f.rows] = _causal(q[f.rows], k[f.rows].to(dtype), v[f.rows].to(dtype), sm_scale)
     for grp in meta.groups:
-        m = grp.rows.numel()
-        keys = _gather(k_cache, grp.pages).unsqueeze(0)
-        vals = _gather(v_cache, grp.pages).unsqueeze(0)
-        o, l_ = _flash(
-            _fold(q.index_select(0, grp.rows), hkv), keys, vals, 0.0, False, scale=sm_scale
-        )
-        o_a, lse_a = _unfold(o, l_, m)
-        o_b = out.index_select(0, grp.rows).float()
-        lse_b = lse.index_select(0, grp.rows)  # type: ignore[union-attr]
+        b, m_max = grp.rows.shape
+        keys = _gather(k_cache, grp.pages).view(hkv, b, grp.num_tokens, d).transpose(0, 1)
+        vals = _gather(v_cache, grp.pages).view(hkv, b, grp.num_tokens, d).transpose(0, 1)
+        o, l_ = _flash(_fold_rows(q, grp.rows, hkv), keys, vals, 0.0, False, scale=sm_scale)
+        o_a, lse_a = _unfold_rows(o, l_, m_max, grp.valid)
+        o_b = out.index_select(0, grp.real_rows).float()
+        lse_b = lse.index_select(0, grp.real_rows)  # type: ignore[union-attr]
         top = torch.maximum(lse_a, lse_b)
         w_a = (lse_a - top).exp_().unsqueeze(-1)
         w_b = (lse_b - top).exp_().unsqueeze(-1)
         merged = (o_a.float() * w_a + o_b * w_b) / (w_a + w_b)
-        out.index_copy_(0, grp.rows, merged.to(dtype))
+        out.index_copy_(0, grp.real_rows, merged.to(dtype))
     return out
 
 
