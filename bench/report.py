@@ -175,11 +175,28 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+README_START = "<!-- bench.report:start -->"
+README_END = "<!-- bench.report:end -->"
+
+
+def splice_into_readme(readme: Path, text: str) -> None:
+    """Replace what stands between the README's two bench.report markers with ``text``."""
+    body = readme.read_text(encoding="utf-8")
+    start, end = body.find(README_START), body.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{readme} lacks the markers {README_START} ... {README_END}")
+    head = body[: start + len(README_START)]
+    readme.write_text(head + "\n" + text + body[end:], encoding="utf-8")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point."""
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
     p.add_argument("results", help="JSON written by python -m bench.compare")
     p.add_argument("--output", default=None, help="write the markdown here (default: stdout)")
+    p.add_argument(
+        "--readme", default=None, help="also splice it into this README between its markers"
+    )
     args = p.parse_args(argv)
     results = json.loads(Path(args.results).read_text(encoding="utf-8"))
     text = render(results)
@@ -187,8 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text, encoding="utf-8")
         print(f"wrote {args.output}")
-    else:
+    elif not args.readme:
         print(text, end="")
+    if args.readme:
+        splice_into_readme(Path(args.readme), text)
+        print(f"updated {args.readme}")
     return 0
 
 
