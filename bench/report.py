@@ -186,7 +186,11 @@ def splice_into_readme(readme: Path, text: str) -> None:
     if start < 0 or end < start:
         raise SystemExit(f"{readme} lacks the markers {README_START} ... {README_END}")
     head = body[: start + len(README_START)]
-    readme.write_text(head + "\n" + text + body[end:], encoding="utf-8")
+    lines = text.splitlines()
+    if lines and lines[0].startswith("## "):  # the README supplies the section heading
+        lines = lines[1:]
+    nested = "\n".join("#" + ln if ln.startswith("### ") else ln for ln in lines)
+    readme.write_text(head + "\n" + nested.strip("\n") + "\n" + body[end:], encoding="utf-8")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

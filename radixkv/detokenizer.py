@@ -21,7 +21,11 @@ class IncrementalDetokenizer:
 
     def update(self, output_ids: list[int], final: bool) -> tuple[str, bool]:
         """Decode ``output_ids``; returns (new text delta, whether a stop string was hit)."""
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        if self.tokenizer is None:  # token-id-only models: no text
+            return "", False
+        text = self.tokenizer.decode(
+            output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
         stopped = False
         if self.stop:
             search_from = max(0, self.emitted - self._hold)
@@ -33,8 +37,8 @@ class IncrementalDetokenizer:
             end = len(text)
         else:
             end = len(text) - self._hold
-            if text.endswith("\ufffd"):
-                end = min(end, len(text) - 1)
+            partial = len(text) - len(text.rstrip("\ufffd"))  # bytes of an unfinished character
+            end = min(end, len(text) - partial)
         if end <= self.emitted:
             return "", stopped
         delta = text[self.emitted : end]

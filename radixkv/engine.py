@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -30,6 +31,7 @@ from radixkv.sampling import SamplingParams, SequenceState
 from radixkv.scheduler import Scheduler
 
 Prompt = str | list[int]
+logger = logging.getLogger(__name__)
 
 
 def _eos_token_ids(loaded: Any) -> set[int]:
@@ -226,6 +228,20 @@ class Engine:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch.entries:
+            stuck = self.scheduler.running or self.scheduler.waiting
+            if stuck:
+                # Work exists but nothing could be scheduled: no page can be freed (pinned
+                # prefixes hold the rest of the pool), so no later step would differ. Fail the
+                # oldest request rather than spin forever.
+                seq = stuck[0]
+                logger.warning(
+                    "request %s cannot fit in the KV cache (%d tokens pinned); aborting it",
+                    seq.request_id,
+                    self.tree.protected_size,
+                )
+                self.abort(seq.request_id)
+                outputs.extend(self._pending)
+                self._pending = []
             return outputs
         self.counters["steps"] += 1
         self.counters["forward_tokens"] += batch.num_tokens
@@ -306,7 +322,8 @@ class Engine:
         outputs: list[StepOutput],
     ) -> None:
         index = torch.tensor(rows, dtype=torch.long)
-        picked = logits.index_select(0, index) if len(rows) != logits.shape[0] else logits
+        identity = rows == list(range(logits.shape[0]))
+        picked = logits if identity else logits.index_select(0, index)
         sampled = self.sampler.sample(
             picked,
             [

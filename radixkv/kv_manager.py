@@ -55,7 +55,11 @@ class KVManager:
             tokens = seq.tokens[: seq.num_tokens - 1]
             res = self.tree.match_prefix(tokens, salt=seq.salt)
             self.tree.lock(res.node)
-            loaded = self.tiers.load_prefix(tokens, seq.salt, res)
+            try:
+                loaded = self.tiers.load_prefix(tokens, seq.salt, res)
+            except BaseException:
+                self.tree.unlock(res.node)
+                raise
             pages, num, node = loaded.pages, loaded.num_tokens, loaded.node
             if seq.cached_tokens is None:
                 seq.cached_by_tier = loaded.by_tier

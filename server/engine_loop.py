@@ -316,6 +316,14 @@ class EngineLoop:
 
     def _run(self) -> None:
         logger.info("engine thread started")
+        try:
+            self._loop_forever()
+        except Exception:  # never leave streams hanging on a dead thread
+            logger.exception("engine thread crashed")
+            self._fail_all(500, "the engine thread crashed; see the server log")
+            raise
+
+    def _loop_forever(self) -> None:
         while True:
             with self._cond:
                 while not self._commands and not self._stopping and not self._busy():

@@ -65,7 +65,7 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True, **_: object) -> str:
         data = bytes(i for i in ids if not (skip_special_tokens and i == self.eos_token_id))
         return data.decode("utf-8", errors="replace")
 

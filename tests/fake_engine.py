@@ -33,7 +33,7 @@ class FakeTokenizer:
         """Token ids of ``text``."""
         return [b + _OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, **_: object) -> str:
         """Text of ``ids`` (special tokens dropped)."""
         return bytes(i - _OFFSET for i in ids if _OFFSET <= i < VOCAB_SIZE).decode(
             "utf-8", errors="replace"

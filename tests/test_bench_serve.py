@@ -360,7 +360,7 @@ class _ByteishTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [3 + b for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, **_: object) -> str:
         return "".join(f" t{i}" for i in ids if not (skip_special_tokens and i < 3))
 
     def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:

@@ -273,3 +273,30 @@ def test_bad_values_raise_clear_errors(tiny_model):
     while engine.has_unfinished():
         engine.step()
     assert_clean(engine)
+
+
+def test_forked_sample_reads_its_own_logits_next_to_a_chunked_prefill(tiny_model):
+    """n > 1 finishing its prompt in the step where another prompt is mid-chunk (regression)."""
+    short, long_ = rand_prompts(1, 10, seed=8)[0], rand_prompts(1, 100, seed=9)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = make_engine(tiny_model).generate([short], params)[0].token_ids
+    engine = make_engine(tiny_model, chunked_prefill_tokens=32, schedule_policy="fcfs")
+    forked = SamplingParams(n=2, max_tokens=6, temperature=0.0, ignore_eos=True)
+    out, _ = engine.generate([short, long_], [forked, params])
+    assert [c.token_ids for c in out.outputs] == [alone, alone]
+    assert_clean(engine)
+
+
+def test_request_that_cannot_fit_beside_pins_is_aborted_not_spun(tiny_model):
+    engine = make_engine(tiny_model, kv_cache_tokens=64, page_size=4)
+    pinned = rand_prompts(1, 40, seed=10)[0]
+    assert engine.pin_prefix(pinned) == 40
+    engine.add_request("big", rand_prompts(1, 30, seed=11)[0], SamplingParams(max_tokens=20))
+    outs = []
+    for _ in range(200):
+        outs += engine.step()
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished(), "the engine spun on a request that can never fit"
+    assert outs and outs[-1].finish_reason == "abort"
+    engine.check_integrity()

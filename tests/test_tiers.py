@@ -32,7 +32,7 @@ class _Tok:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [3 + ord(c) % 240 for c in text]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, **_: object) -> str:
         return " ".join(str(i) for i in ids)
 
 
