@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.attention import AttentionBackend, ForwardBatch, torch_store_kvcache
+from radixkv.prefix import common_prefix_len
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -56,20 +57,6 @@ def _flash(
 
 # A shared prefix shorter than this is attended per request (the split costs more than it saves).
 MIN_SHARED_TOKENS = 64
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 @dataclass
@@ -136,7 +123,7 @@ def build_cascade_meta(batch: ForwardBatch, dtype: torch.dtype) -> CascadeMeta:
         ref = pages[members[0]]
         s = min(prefix[i] // P for i in members)
         for i in members[1:]:
-            s = min(s, _common_prefix(ref, pages[i]))
+            s = min(s, common_prefix_len(ref, pages[i]))
         if s * P < MIN_SHARED_TOKENS:
             continue
         rows: list[int] = []

@@ -45,6 +45,14 @@ class KVManager:
         res = self.tree.match_prefix(tokens[: len(tokens) - 1], salt=seq.salt)
         return res.pages, res.num_tokens, res.node
 
+    def peek(self, seq: Sequence) -> tuple[int, object]:
+        """Cached tokens ``admit`` would reuse from the device (and the node there), without
+        touching the tree: for ordering and deferring waiting sequences."""
+        if not self.enable_prefix_cache:
+            return 0, None
+        tokens = seq.tokens
+        return self.tree.peek_prefix(tokens[: len(tokens) - 1], salt=seq.salt)
+
     def admit(self, seq: Sequence) -> int:
         """Attach the cached prefix to ``seq`` and lock it; returns the cached token count.
 

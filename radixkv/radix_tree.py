@@ -483,6 +483,30 @@ class RadixTree:
             node = self.root
         return MatchResult(pages, pos, node, host_path, host_tokens)
 
+    def peek_prefix(self, tokens: Sequence[int], salt: Hashable = None) -> tuple[int, TreeNode]:
+        """Length of the longest device-resident cached prefix of ``tokens`` (page aligned) and
+        the deepest node wholly inside it. Changes nothing: no access refresh, no hit count, no
+        split. For scheduling decisions, which must not skew eviction order."""
+        if type(tokens) is not list:
+            tokens = list(tokens)
+        P = self.page_size
+        n = len(tokens) - len(tokens) % P
+        start = self._namespace(salt, create=False)
+        if start is None or n == 0:
+            return 0, self.root
+        node, pos = start, 0
+        while pos < n:
+            child = node.children.get(tokens[pos] if P == 1 else tuple(tokens[pos : pos + P]))
+            if child is None or child.value is None:
+                break
+            key = child.key
+            end = pos + len(key)
+            if end > n or tokens[pos:end] != key:
+                m = self._common_len(key, tokens, pos, n - pos)
+                return pos + m - m % P, (self.root if node is start else node)
+            pos, node = end, child
+        return pos, (self.root if node is start else node)
+
     def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: Hashable = None) -> int:
         """Cache ``tokens`` (truncated to a page multiple) held in ``pages`` under ``salt``.
 

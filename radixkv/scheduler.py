@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from radixkv.config import EngineConfig
 from radixkv.kv_manager import KVManager
+from radixkv.prefix import common_prefix_len
 from radixkv.request import SeqStatus, Sequence
 
 # A waiting request that shares at least this many not-yet-cached tokens with a request being
@@ -21,21 +22,6 @@ DEDUPE_MIN_TOKENS = 32
 # Longest-prefix-match ordering costs a tree match per waiting request; past this queue length
 # the scheduler falls back to arrival order (as SGLang does).
 LPM_MAX_QUEUE = 128
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists (slice compares, O(log n) of them)."""
-    hi = min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 0  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 @dataclass
@@ -146,7 +132,7 @@ class Scheduler:
         preempted = [s for s in waiting if s.preemptions]  # resumed work goes first
         rest = [s for s in waiting if not s.preemptions]
         if policy == "lpm":
-            rest.sort(key=lambda s: -self.kv.match(s)[1])  # stable: ties keep arrival order
+            rest.sort(key=lambda s: -self.kv.peek(s)[0])  # stable: ties keep arrival order
         else:  # dfs-weight: walk the tree, heaviest subtrees (most waiting requests) first
             rest = self._dfs_weight_order(rest)
         return preempted + rest
@@ -158,7 +144,7 @@ class Scheduler:
         children: dict[int, list[object]] = {}
         root = None
         for seq in seqs:
-            node = self.kv.match(seq)[2]
+            node = self.kv.peek(seq)[1]
             at_node.setdefault(id(node), []).append(seq)
             while node is not None:
                 key = id(node)
@@ -186,7 +172,7 @@ class Scheduler:
         """In-batch prefix dedupe: wait while another request is computing our shared prefix."""
         if not self.kv.enable_prefix_cache or not prefilling:
             return False
-        cached = self.kv.match(seq)[1]
+        cached = self.kv.peek(seq)[0]
         tokens = seq.tokens
         for other in prefilling:
             if other.salt != seq.salt:

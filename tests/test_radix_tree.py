@@ -475,3 +475,28 @@ def test_random_operations_against_reference(page_size: int, policy: str, ops: l
         pins = {k: v for k, v in pins.items() if v > clock.now}
         check_all(tree, alloc)
         assert set(cached_prefixes(tree)) == set(ref)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_peek_prefix_agrees_with_match_and_changes_nothing(page_size):
+    alloc, tree = make(num_pages=64, page_size=page_size)
+    P = page_size
+    a = list(range(100, 100 + 8 * P))
+    b = a[: 4 * P] + list(range(500, 500 + 4 * P))
+    for seq in (a, b):
+        tree.insert(seq, alloc.allocate(len(seq) // P))
+    probes = [a, b, a[: 6 * P] + [9] * (2 * P), a[: 4 * P + 1], [7] * (3 * P), a[:P] + [1]]
+    nodes_before = tree.num_nodes()
+    peeked = [tree.peek_prefix(probe)[0] for probe in probes]
+    assert tree.num_nodes() == nodes_before, "peek must not split nodes"
+    assert peeked == [tree.match_prefix(probe).num_tokens for probe in probes]
+    # peek does not refresh LRU: the first-inserted leaf is still evicted first
+    alloc2, tree2 = make(num_pages=64, page_size=P)
+    x, y = [1] * (2 * P), [2] * (2 * P)
+    tree2.insert(x, alloc2.allocate(2))
+    tree2.insert(y, alloc2.allocate(2))
+    tree2.peek_prefix(x)
+    tree2.evict(2 * P)
+    assert tree2.match_prefix(x).num_tokens == 0 and tree2.match_prefix(y).num_tokens == 2 * P
+    tree.check_integrity()
+    tree2.check_integrity()

@@ -111,15 +111,25 @@ def wait_idle(server: ServerThread, timeout: float = 30.0) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def slow_steps(engine: Any, delay: float) -> Iterator[None]:
-    """Slow the fake engine down so that a client can hang up mid-request (no-op on the real)."""
-    if not is_fake(engine):
-        yield
+    """Slow the engine's steps down so that a client can hang up mid-request."""
+    if is_fake(engine):
+        engine.step_delay = delay
+        try:
+            yield
+        finally:
+            engine.step_delay = 0.0
         return
-    engine.step_delay = delay
+    step = engine.step
+
+    def slow_step() -> Any:
+        time.sleep(delay)
+        return step()
+
+    engine.step = slow_step  # the engine thread looks ``step`` up on every call
     try:
         yield
     finally:
-        engine.step_delay = 0.0
+        del engine.step
 
 
 def assert_no_leak(server: ServerThread) -> None:
