@@ -24,7 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixkv.attention import AttentionBackend, ForwardBatch, torch_store_kvcache
+from radixkv.attention import (
+    AttentionBackend,
+    ForwardBatch,
+    _group_eye,
+    torch_store_kvcache,
+)
 from radixkv.prefix import common_prefix_len
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -259,6 +264,32 @@ def _unfold_rows(
     return o.index_select(0, valid), lse.index_select(0, valid)
 
 
+def _decode_blockdiag(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: _Own, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query row per request: scores against the gathered ``[L, Hkv*D]`` cache rows with a
+    block-diagonal query (every KV head at once, no transpose copies), then a float32 softmax.
+    For decode this beats the fused kernel, whose query tiles are mostly empty at 1 row."""
+    b = part.rows.shape[0]
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    dtype = k_cache.dtype
+    keys = k_cache.index_select(0, part.pages).view(b, part.length, hkv * d)
+    vals = v_cache.index_select(0, part.pages).view(b, part.length, hkv * d)
+    if part.mask is None:
+        part.mask = torch.zeros(b, 1, part.length, dtype=dtype).masked_fill_(
+            ~part.allowed, float("-inf")
+        )
+    eye = _group_eye(hq, hkv, dtype, q.device, scale)
+    qbd = (q.index_select(0, part.rows.view(-1)).unsqueeze(2) * eye).view(b, hq, hkv * d)
+    scores = torch.baddbmm(part.mask, qbd, keys.transpose(1, 2)).float()
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = scores.sub_(lse.unsqueeze(-1)).exp_().to(dtype)
+    out = torch.bmm(probs, vals).view(b, hq, hkv, d)
+    heads = torch.arange(hq)
+    return out[:, heads, heads // (hq // hkv)], lse
+
+
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """``[num_pages, P, Hkv, D]`` -> the pages' tokens as ``[Hkv, len * P, D]`` (a view)."""
     run = cache.index_select(0, pages)
@@ -284,6 +315,12 @@ def cascade_attention(
     lse = torch.empty(t, hq, dtype=torch.float32) if meta.groups else None
     for part in meta.own:
         b, n_max = part.rows.shape
+        if n_max == 1 and dtype != torch.float32:
+            o, l_ = _decode_blockdiag(q, k_cache, v_cache, part, sm_scale)
+            out.index_copy_(0, part.real_rows, o)
+            if lse is not None:
+                lse.index_copy_(0, part.real_rows, l_)
+            continue
         if part.mask is None:
             allowed = part.allowed.repeat_interleave(g, dim=1).unsqueeze(1)
             part.mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(
