@@ -29,6 +29,7 @@ from radixkv.request import (
 )
 from radixkv.sampling import SamplingParams, SequenceState
 from radixkv.scheduler import Scheduler
+from radixkv.tokenizer_lock import LockedTokenizer
 
 Prompt = str | list[int]
 logger = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class Engine:
         cfg = self.config
         loaded = load_model(model) if isinstance(model, str) else model
         self.model_name = loaded.name
-        self.tokenizer = loaded.tokenizer
+        # the server encodes on its event loop while this engine's thread decodes
+        self.tokenizer = LockedTokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
         device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
         kv_tokens = cfg.kv_cache_tokens

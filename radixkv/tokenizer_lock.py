@@ -1,0 +1,42 @@
+"""A tokenizer shared by threads: the server's event loop encodes while the engine thread decodes.
+
+Hugging Face fast tokenizers are Rust objects that raise "Already borrowed" when two threads use
+one at the same moment (e.g. an encode that sets truncation while a decode runs). Every method
+call through :class:`LockedTokenizer` holds one lock; attributes are passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class LockedTokenizer:
+    """Wraps a tokenizer so that its method calls are serialised across threads."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        object.__setattr__(self, "_tokenizer", tokenizer)
+        object.__setattr__(self, "_lock", threading.RLock())
+
+    @property
+    def wrapped(self) -> Any:
+        return self._tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._tokenizer, name)
+        if not callable(value):
+            return value
+        lock = self._lock
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return value(*args, **kwargs)
+
+        return locked
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)

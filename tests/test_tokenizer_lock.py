@@ -1,0 +1,74 @@
+"""The engine's tokenizer is shared by the server's event loop and the engine thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from radixkv.tokenizer_lock import LockedTokenizer
+
+
+class Recorder:
+    """A tokenizer stand-in that fails if two calls ever overlap."""
+
+    eos_token_id = 2
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.calls = 0
+
+    def _enter(self) -> None:
+        assert not self.busy, "two threads inside the tokenizer at once"
+        self.busy = True
+        self.calls += 1
+        time.sleep(0.0002)  # release the GIL while "inside", as the Rust tokenizer does
+
+    def encode(self, text: str, **_: object) -> list[int]:
+        self._enter()
+        try:
+            return list(text.encode())
+        finally:
+            self.busy = False
+
+    def decode(self, ids: list[int], **_: object) -> str:
+        self._enter()
+        try:
+            return bytes(ids).decode(errors="replace")
+        finally:
+            self.busy = False
+
+
+def test_calls_are_serialised_and_attributes_pass_through():
+    inner = Recorder()
+    tok = LockedTokenizer(inner)
+    assert tok.eos_token_id == 2 and tok.wrapped is inner
+    errors: list[BaseException] = []
+
+    def hammer(fn, arg):
+        try:
+            for _ in range(300):
+                fn(arg)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=hammer, args=(tok.encode, "hello world")),
+        threading.Thread(target=hammer, args=(tok.decode, [104, 105])),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and inner.calls == 600
+
+
+@pytest.mark.real_model
+def test_engine_wraps_the_real_tokenizer(real_model):
+    from radixkv import Engine
+
+    engine = Engine(real_model, dtype="float32", kv_cache_tokens=256)
+    assert isinstance(engine.tokenizer, LockedTokenizer)
+    ids = engine.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert engine.tokenizer.decode(ids).startswith("<|im_start|>")
