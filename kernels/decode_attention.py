@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .store_kv import check_head_dim, check_kv_cache, dot_config, tile_dot
+from .store_kv import check_kv_cache, check_query, dot_config, tile_dot
 
 __all__ = ["choose_num_kv_splits", "decode_attention"]
 
@@ -215,13 +215,7 @@ def decode_attention(
         ``o [B, Hq, D]`` in ``q``'s dtype (accumulated in float32).
     """
     _, page_size, hkv, d = check_kv_cache(k_cache, v_cache)
-    assert q.dim() == 3, f"q must be [B, Hq, D], got {tuple(q.shape)}"
-    batch, hq, qd = q.shape
-    check_head_dim(qd)
-    assert qd == d, f"q head_dim {qd} != cache head_dim {d}"
-    assert hq % hkv == 0, f"Hq={hq} must be a multiple of Hkv={hkv}"
-    assert q.dtype == k_cache.dtype, f"q dtype {q.dtype} != cache dtype {k_cache.dtype}"
-    assert q.stride(2) == 1, "q must be contiguous in head_dim"
+    batch, hq = check_query(q, k_cache, "B")
     assert page_table.dim() == 2 and page_table.shape[0] == batch, (
         f"page_table must be [B={batch}, max_pages], got {tuple(page_table.shape)}"
     )

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .store_kv import check_head_dim, check_kv_cache, dot_config, tile_dot
+from .store_kv import check_kv_cache, check_query, dot_config, tile_dot
 
 __all__ = ["extend_attention"]
 
@@ -213,13 +213,7 @@ def extend_attention(
         ``o [T, Hq, D]`` in ``q``'s dtype (accumulated in float32).
     """
     _, page_size, hkv, d = check_kv_cache(k_cache, v_cache)
-    assert q.dim() == 3, f"q must be [T, Hq, D], got {tuple(q.shape)}"
-    _, hq, qd = q.shape
-    check_head_dim(qd)
-    assert qd == d, f"q head_dim {qd} != cache head_dim {d}"
-    assert hq % hkv == 0, f"Hq={hq} must be a multiple of Hkv={hkv}"
-    assert q.dtype == k_cache.dtype, f"q dtype {q.dtype} != cache dtype {k_cache.dtype}"
-    assert q.stride(2) == 1, "q must be contiguous in head_dim"
+    _, hq = check_query(q, k_cache, "T")
     batch = page_table.shape[0]
     assert page_table.dim() == 2 and page_table.stride(1) == 1, (
         "page_table must be [B, max_pages] with contiguous rows"

@@ -48,6 +48,20 @@ def tile_dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
         return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
+def check_query(q: torch.Tensor, k_cache: torch.Tensor, rows: str) -> tuple[int, int]:
+    """Check ``q [rows, Hq, D]`` against the cache (head dim, GQA ratio, dtype, layout).
+    Returns ``(rows, Hq)``."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    assert q.dim() == 3, f"q must be [{rows}, Hq, D], got {tuple(q.shape)}"
+    n, hq, qd = q.shape
+    check_head_dim(qd)
+    assert qd == d, f"q head_dim {qd} != cache head_dim {d}"
+    assert hq % hkv == 0, f"Hq={hq} must be a multiple of Hkv={hkv}"
+    assert q.dtype == k_cache.dtype, f"q dtype {q.dtype} != cache dtype {k_cache.dtype}"
+    assert q.stride(2) == 1, "q must be contiguous in head_dim"
+    return n, hq
+
+
 def check_head_dim(head_dim: int) -> None:
     """Assert that ``head_dim`` is a power of two of at least 16 (what the kernels' tiles need)."""
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
