@@ -254,15 +254,41 @@ def _decode_group_attention(
         vbuf = v_cache.index_select(0, group.page_idx)
     keys = kbuf.view(b, group.padded_len, hkv * d)
     values = vbuf.view(b, group.padded_len, hkv * d)
-    # Block-diagonal query: row h holds q[h] (pre-scaled) in the columns of KV head h // G, so
-    # one batched matmul against the [L, Hkv*D] cache rows scores every head at once.
+    return blockdiag_decode(q.to(dtype), keys, values, group.mask, sm_scale)[0]
+
+
+def blockdiag_decode(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    sm_scale: float,
+    with_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode attention of ``q [B, Hq, D]`` (one row per request) over gathered cache rows
+    ``keys, values [B, L, Hkv*D]`` with an additive ``mask [B, 1, L]``.
+
+    Block-diagonal query: row ``h`` holds ``q[h]`` (pre-scaled) in the columns of KV head
+    ``h // G``, so one batched matmul against the ``[L, Hkv*D]`` rows scores every head at once,
+    with no transpose copies. The softmax runs in float32; ``with_lse`` also returns the
+    log-sum-exp ``[B, Hq]`` (for merging partial attentions), else ``None``.
+    """
+    b, hq, d = q.shape
+    hkv = keys.shape[2] // d
+    dtype = keys.dtype
     eye = _group_eye(hq, hkv, dtype, q.device, sm_scale)
-    qbd = (q.to(dtype).unsqueeze(2) * eye).view(b, hq, hkv * d)
-    scores = torch.baddbmm(group.mask, qbd, keys.transpose(1, 2))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    qbd = (q.unsqueeze(2) * eye).view(b, hq, hkv * d)
+    scores = torch.baddbmm(mask, qbd, keys.transpose(1, 2))
+    lse = None
+    if with_lse:
+        scores = scores.float()
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = scores.sub_(lse.unsqueeze(-1)).exp_().to(dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
     out = torch.bmm(probs, values).view(b, hq, hkv, d)
     heads = torch.arange(hq, device=q.device)
-    return out[:, heads, heads // (hq // hkv)]
+    return out[:, heads, heads // (hq // hkv)], lse
 
 
 def _extend_attention_one(

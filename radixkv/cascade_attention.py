@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from radixkv.attention import (
     AttentionBackend,
     ForwardBatch,
-    _group_eye,
+    blockdiag_decode,
     torch_store_kvcache,
 )
 from radixkv.prefix import common_prefix_len
@@ -267,27 +267,20 @@ def _unfold_rows(
 def _decode_blockdiag(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, part: _Own, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query row per request: scores against the gathered ``[L, Hkv*D]`` cache rows with a
-    block-diagonal query (every KV head at once, no transpose copies), then a float32 softmax.
-    For decode this beats the fused kernel, whose query tiles are mostly empty at 1 row."""
+    """Decode own-parts (one query row per request) through :func:`blockdiag_decode`, which
+    beats the fused kernel here: at one row its query tiles are mostly empty."""
     b = part.rows.shape[0]
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k_cache.shape[2]
-    dtype = k_cache.dtype
-    keys = k_cache.index_select(0, part.pages).view(b, part.length, hkv * d)
-    vals = v_cache.index_select(0, part.pages).view(b, part.length, hkv * d)
+    width = k_cache.shape[2] * k_cache.shape[3]
+    keys = k_cache.index_select(0, part.pages).view(b, part.length, width)
+    vals = v_cache.index_select(0, part.pages).view(b, part.length, width)
     if part.mask is None:
-        part.mask = torch.zeros(b, 1, part.length, dtype=dtype).masked_fill_(
+        part.mask = torch.zeros(b, 1, part.length, dtype=k_cache.dtype).masked_fill_(
             ~part.allowed, float("-inf")
         )
-    eye = _group_eye(hq, hkv, dtype, q.device, scale)
-    qbd = (q.index_select(0, part.rows.view(-1)).unsqueeze(2) * eye).view(b, hq, hkv * d)
-    scores = torch.baddbmm(part.mask, qbd, keys.transpose(1, 2)).float()
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = scores.sub_(lse.unsqueeze(-1)).exp_().to(dtype)
-    out = torch.bmm(probs, vals).view(b, hq, hkv, d)
-    heads = torch.arange(hq)
-    return out[:, heads, heads // (hq // hkv)], lse
+    o, lse = blockdiag_decode(
+        q.index_select(0, part.rows.view(-1)), keys, vals, part.mask, scale, True
+    )
+    return o, lse  # type: ignore[return-value]
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
