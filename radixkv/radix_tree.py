@@ -846,23 +846,20 @@ class RadixTree:
     # ------------------------------------------------------------------ inspection
     def all_pages(self) -> list[int]:
         """Every device page owned by the tree (each appears once)."""
-        out: list[int] = []
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if node.value is not None:
-                out += node.value
-            stack.extend(node.children.values())
-        return out
+        return self._collect("value")
 
     def all_host_pages(self) -> list[int]:
         """Every host page owned by the tree (each appears once)."""
+        return self._collect("host_value")
+
+    def _collect(self, attr: str) -> list[int]:
         out: list[int] = []
         stack = [self.root]
         while stack:
             node = stack.pop()
-            if node.host_value is not None:
-                out += node.host_value
+            pages = getattr(node, attr)
+            if pages is not None:
+                out += pages
             stack.extend(node.children.values())
         return out
 

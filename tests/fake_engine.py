@@ -16,6 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixkv.request import StepOutput
+
 EOS_ID = 2
 _OFFSET = 3
 VOCAB_SIZE = 256 + _OFFSET
@@ -53,22 +55,6 @@ class FakeTokenizer:
         if not tokenize:
             return text
         return {"input_ids": self.encode(text), "attention_mask": [1] * len(text.encode())}
-
-
-@dataclass
-class FakeStepOutput:
-    """Same fields as ``radixkv.request.StepOutput``."""
-
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    cached_tokens_by_tier: dict[str, int]
-    logprobs: list[float] | None = None
 
 
 @dataclass
@@ -127,7 +113,7 @@ class FakeEngine:
         self._requests: dict[str, list[_Seq]] = {}
         self._waiting: list[_Seq] = []
         self._running: list[_Seq] = []
-        self._pending: list[FakeStepOutput] = []
+        self._pending: list[StepOutput] = []
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
 
@@ -187,7 +173,7 @@ class FakeEngine:
         """Whether any request waits or runs."""
         return bool(self._waiting or self._running)
 
-    def step(self) -> list[FakeStepOutput]:
+    def step(self) -> list[StepOutput]:
         """Admit waiting sequences, then emit one token for every running one."""
         if self.fail_steps > 0:
             self.fail_steps -= 1
@@ -245,7 +231,7 @@ class FakeEngine:
         while len(seq.shared) + len(seq.owned) < need:
             seq.owned.append(self._alloc())
 
-    def _advance(self, seq: _Seq, outputs: list[FakeStepOutput]) -> None:
+    def _advance(self, seq: _Seq, outputs: list[StepOutput]) -> None:
         params = seq.params
         pos = len(seq.output) + seq.index
         token = seq.prompt[pos % len(seq.prompt)]
@@ -305,8 +291,8 @@ class FakeEngine:
 
     def _out(
         self, seq: _Seq, tokens: list[int], delta: str, logprobs: list[float] | None = None
-    ) -> FakeStepOutput:
-        return FakeStepOutput(
+    ) -> StepOutput:
+        return StepOutput(
             request_id=seq.request_id,
             index=seq.index,
             new_token_ids=tokens,
