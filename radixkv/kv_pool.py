@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from radixkv.hugepages import huge_zeros
+
 
 class KVPool:
     """Device memory for the KV cache of every layer, addressed by integer page ids.
@@ -47,12 +49,13 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        # zeros (not empty) so that padding pages never hold NaNs that a masked read could leak.
+        # zeros (not empty) so that padding pages never hold NaNs that a masked read could leak;
+        # on the CPU in huge pages, since a decode step reads pages scattered over the pool.
         self.k: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            huge_zeros(shape, dtype, self.device) for _ in range(num_layers)
         ]
         self.v: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            huge_zeros(shape, dtype, self.device) for _ in range(num_layers)
         ]
 
     @staticmethod

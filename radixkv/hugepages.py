@@ -1,0 +1,73 @@
+"""Transparent huge pages for large CPU tensors (the KV pool, the weights).
+
+A decode step reads every running request's KV pages, scattered over a pool of hundreds of MB,
+and streams all the weights: with 4 KiB pages nearly every KV page read misses the TLB. On Linux
+with THP in ``madvise`` mode (the common default) a region only gets 2 MiB pages if it is
+advised *before* it is first touched, so these helpers allocate, advise, then fill.
+
+Elsewhere (other OSes, THP ``never``, CUDA tensors) they just allocate normally.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+
+import torch
+
+__all__ = ["huge_zeros", "huge_copy", "advise_huge"]
+
+log = logging.getLogger(__name__)
+
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+_MIN_BYTES = 4 * _HUGE  # smaller tensors are not worth it
+_libc: ctypes.CDLL | None = None
+
+
+def advise_huge(t: torch.Tensor) -> bool:
+    """``madvise(MADV_HUGEPAGE)`` the 2 MiB-aligned interior of ``t``'s storage (CPU, Linux).
+
+    Returns whether the call was made and succeeded. Pages already touched are not converted
+    (the kernel's khugepaged may do it later), so call this before writing to ``t``.
+    """
+    global _libc
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    nbytes = t.untyped_storage().nbytes()
+    if nbytes < _MIN_BYTES:
+        return False
+    start = t.untyped_storage().data_ptr()
+    lo = (start + _HUGE - 1) // _HUGE * _HUGE
+    hi = (start + nbytes) // _HUGE * _HUGE
+    if hi <= lo:
+        return False
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        rc = _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
+    except (OSError, AttributeError) as exc:  # no libc symbol: nothing to do
+        log.debug("madvise unavailable: %s", exc)
+        return False
+    return rc == 0
+
+
+def huge_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``torch.zeros`` whose CPU memory is advised for huge pages before it is first touched."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    advise_huge(t)
+    return t.zero_()
+
+
+def huge_copy(src: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``src`` in memory advised for huge pages (``src`` itself if small
+    or not on the CPU)."""
+    if src.device.type != "cpu" or src.numel() * src.element_size() < _MIN_BYTES:
+        return src
+    t = torch.empty(src.shape, dtype=src.dtype)
+    if not advise_huge(t):
+        return src
+    return t.copy_(src)
