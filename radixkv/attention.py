@@ -574,14 +574,18 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 def make_attention_backend(
-    name: str | None, device: torch.device | str, dtype: torch.dtype = torch.float32
+    name: str | None,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int | None = None,
 ) -> AttentionBackend:
     """``"torch"``, ``"triton"`` or ``None`` (triton on CUDA, torch elsewhere).
 
-    On the torch side, low-precision dtypes get the shared-prefix cascade backend
-    (:mod:`radixkv.cascade_attention`, fused kernels, reads a shared prefix once per batch);
-    float32, the accuracy mode, gets the plain backend whose arithmetic follows transformers'
-    fp32 attention step for step, so logits stay within 1e-3 of it.
+    On the CPU (``"torch"``), bfloat16 pools get the native paged-attention kernel
+    (:mod:`radixkv.native_attention`, K/V read in place) when it builds and serves ``head_dim``,
+    else the shared-prefix cascade backend (:mod:`radixkv.cascade_attention`, ATen's fused
+    kernels); float32, the accuracy mode, gets the plain backend whose arithmetic follows
+    transformers' fp32 attention step for step, so logits stay within 1e-3 of it.
     """
     dev = torch.device(device)
     if name is None:
@@ -589,6 +593,10 @@ def make_attention_backend(
     if name == "torch":
         if dtype == torch.float32:
             return TorchAttentionBackend()
+        from radixkv.native_attention import NativeAttentionBackend, native_attention_supported
+
+        if dev.type == "cpu" and native_attention_supported(dtype, head_dim):
+            return NativeAttentionBackend()
         from radixkv.cascade_attention import CascadeTorchBackend
 
         return CascadeTorchBackend()

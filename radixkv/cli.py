@@ -183,13 +183,19 @@ def _run_prepare_model(args: argparse.Namespace) -> int:
         print(f"radixkv prepare-model: {exc}", file=sys.stderr)
         return 2
     print(f"{loaded.name}: ready")
+    from radixkv import native
+
+    if native.load() is None:  # the engine falls back to pure-torch attention
+        print(f"native CPU kernels: unavailable ({native.build_error()})", file=sys.stderr)
+    else:
+        print("native CPU kernels: built")
     return 0
 
 
 def add_prepare_model_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepare-model",
-        help="load a model once so its dequantised weights are cached for fast starts",
+        help="load a model once so its dequantised weights (and the native CPU kernels) are cached",
     )
     p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
     p.set_defaults(func=_run_prepare_model)

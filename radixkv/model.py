@@ -219,6 +219,42 @@ class DecoderLayer(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return x + self.down_proj(F.silu(gate).mul_(up))
 
+    def forward_fused(
+        self,
+        ops: Any,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        backend: AttentionBackend,
+        meta: Any,
+    ) -> torch.Tensor:
+        """The same layer through the native fused bf16 ops (:mod:`radixkv.native`).
+
+        ``x`` is the residual stream, updated in place; ``pending`` is the previous layer's MLP
+        output, not yet added (its add is fused into this layer's input RMSNorm). ``cos``/``sin``
+        are float32 ``[T, D]``. Returns this layer's MLP output, pending for the next.
+        """
+        t = x.shape[0]
+        eps = self.input_layernorm.eps
+        w_in = self.input_layernorm.weight
+        h = (
+            ops.rms_norm(x, w_in, eps)
+            if pending is None
+            else ops.add_rms_norm(x, pending, w_in, eps)
+        )
+        qkv = self.qkv_proj(h)
+        ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.sm_scale)
+        post = self.post_attention_layernorm
+        h = ops.add_rms_norm(x, self.o_proj(o.reshape(t, self.q_size)), post.weight, post.eps)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+
 
 class LlamaModel(nn.Module):
     """Decoder-only Llama-family causal LM over a paged KV pool."""
@@ -237,6 +273,8 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
+        # bf16 on the CPU runs norms, RoPE and SiLU through radixkv.native's fused ops when built
+        self.use_fused_ops = True
         self.requires_grad_(False)
 
     @classmethod
@@ -299,6 +337,11 @@ class LlamaModel(nn.Module):
         """Run one step; returns float32 logits ``[B, vocab]`` (or ``[T, vocab]``)."""
         dtype = self.embed_tokens.weight.dtype
         meta = backend.prepare(batch, dtype)
+        ops = self._fused_ops()
+        if ops is not None:
+            return self._forward_fused(
+                ops, batch, k_caches, v_caches, backend, meta, return_all_logits
+            )
         cos, sin = self.rotary.lookup(batch.positions, dtype)
         x = self.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.layers):
@@ -308,3 +351,39 @@ class LlamaModel(nn.Module):
             if rows != list(range(x.shape[0])):
                 x = x.index_select(0, torch.tensor(rows, dtype=torch.long, device=x.device))
         return self.lm_head(self.norm(x)).float()
+
+    def _fused_ops(self) -> Any | None:
+        """The native fused ops when this model runs in bf16 on the CPU and they are built."""
+        w = self.embed_tokens.weight
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not self.use_fused_ops:
+            return None
+        from radixkv import native
+
+        return native.load()
+
+    def _forward_fused(
+        self,
+        ops: Any,
+        batch: ForwardBatch,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        meta: Any,
+        return_all_logits: bool,
+    ) -> torch.Tensor:
+        cos, sin = self.rotary.lookup(batch.positions, torch.float32)
+        cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
+        x = self.embed_tokens(batch.input_ids)
+        pending = None
+        for i, layer in enumerate(self.layers):
+            pending = layer.forward_fused(
+                ops, x, pending, cos, sin, k_caches[i], v_caches[i], backend, meta
+            )
+        assert pending is not None
+        if not return_all_logits:
+            rows = batch.last_token_rows
+            if rows != list(range(x.shape[0])):
+                idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+                x, pending = x.index_select(0, idx), pending.index_select(0, idx)
+        h = ops.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
+        return self.lm_head(h).float()

@@ -163,7 +163,7 @@ class ModelRunner:
             self.device,
         )
         self.backend: AttentionBackend = make_attention_backend(
-            attention_backend, self.device, self.dtype
+            attention_backend, self.device, self.dtype, self.config.head_dim
         )
         self.attention_backend = self.backend.name
 

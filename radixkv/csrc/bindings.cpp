@@ -1,0 +1,15 @@
+// Python bindings of radixkv's native CPU kernels (built by radixkv/native.py).
+#include <torch/extension.h>
+
+#include "cpu_attention.h"
+#include "cpu_fused.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "Paged attention over the KV pool for a step's decodes and extends (bf16, CPU)");
+  m.def("has_fast_path", &has_fast_path, "Whether the AVX512-BF16 path serves this head dim");
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows (float32 math)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of the residual");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [rows, 2 * n] bf16 tensor");
+  m.def("rope_", &rope_, "In-place rotate-half RoPE on the first heads of each bf16 row");
+}

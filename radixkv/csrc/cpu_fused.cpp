@@ -1,0 +1,154 @@
+// Fused elementwise layers of the bf16 CPU forward pass: each reads and writes its activations
+// once instead of once per torch op (a bf16 RMSNorm in torch is six passes and three temporaries).
+// All arithmetic is float32; results are rounded to bf16 once.
+//
+//   rms_norm(x, w)             y = x / sqrt(mean(x^2) + eps) * w
+//   add_rms_norm(res, x, w)    res += x (bf16, in place); y = rms_norm(res, w)
+//   silu_mul(gate_up)          y = silu(gate) * up, gate_up = [gate | up] along the last dim
+//   rope_(qkv, cos, sin, n, d) rotate-half RoPE, in place, on the first n heads of each row;
+//                              sin is sign-folded ([-sin | sin]) as radixkv.model builds it
+
+#include "cpu_fused.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline float to_f(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline bf16 to_bf(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return static_cast<bf16>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+void check_bf16_2d(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 &&
+                  t.stride(1) == 1,
+              what, ": expected a CPU bfloat16 [rows, dim] tensor with contiguous rows");
+}
+
+bf16* data(const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); }
+
+// y[r] = norm(src[r]) * w for rows [begin, end)
+void norm_rows(const bf16* src, int64_t src_stride, const bf16* w, bf16* dst, int64_t h,
+               float eps, int64_t begin, int64_t end) {
+  std::vector<float> wf(h);
+  for (int64_t i = 0; i < h; ++i) wf[i] = to_f(w[i]);
+  for (int64_t r = begin; r < end; ++r) {
+    const bf16* x = src + r * src_stride;
+    float ss = 0.f;
+    for (int64_t i = 0; i < h; ++i) {
+      const float v = to_f(x[i]);
+      ss += v * v;
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+    bf16* y = dst + r * h;
+    for (int64_t i = 0; i < h; ++i) y[i] = to_bf(to_f(x[i]) * inv * wf[i]);
+  }
+}
+
+constexpr int64_t kRowGrain = 16;
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_bf16_2d(x, "rms_norm");
+  const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(weight.numel() == h && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kBFloat16,
+              "rms_norm: weight must be a contiguous bfloat16 vector of the row size");
+  auto y = at::empty({rows, h}, x.options());
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    norm_rows(data(x), x.stride(0), data(weight), data(y), h, static_cast<float>(eps), b, e);
+  });
+  return y;
+}
+
+at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                        double eps) {
+  check_bf16_2d(residual, "add_rms_norm (residual)");
+  check_bf16_2d(x, "add_rms_norm (x)");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual and x shapes differ");
+  const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(weight.numel() == h && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kBFloat16,
+              "add_rms_norm: weight must be a contiguous bfloat16 vector of the row size");
+  auto y = at::empty({rows, h}, x.options());
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    bf16* res = data(residual);
+    const bf16* xs = data(x);
+    for (int64_t r = b; r < e; ++r) {
+      bf16* dst = res + r * residual.stride(0);
+      const bf16* src = xs + r * x.stride(0);
+      for (int64_t i = 0; i < h; ++i) dst[i] = to_bf(to_f(dst[i]) + to_f(src[i]));
+    }
+    norm_rows(res, residual.stride(0), data(weight), data(y), h, static_cast<float>(eps), b, e);
+  });
+  return y;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_bf16_2d(gate_up, "silu_mul");
+  const int64_t rows = gate_up.size(0), two = gate_up.size(1);
+  TORCH_CHECK(two % 2 == 0, "silu_mul: the last dim must hold gate and up halves");
+  const int64_t n = two / 2;
+  auto y = at::empty({rows, n}, gate_up.options());
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const bf16* g = data(gate_up) + r * gate_up.stride(0);
+      const bf16* u = g + n;
+      bf16* dst = data(y) + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float gv = to_f(g[i]);
+        dst[i] = to_bf(gv / (1.f + std::exp(-gv)) * to_f(u[i]));
+      }
+    }
+  });
+  return y;
+}
+
+void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+           int64_t head_dim) {
+  check_bf16_2d(qkv, "rope_");
+  const int64_t rows = qkv.size(0);
+  TORCH_CHECK(head_dim % 2 == 0 && num_heads * head_dim <= qkv.size(1),
+              "rope_: num_heads * head_dim exceeds the row");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * head_dim &&
+                  sin.numel() == rows * head_dim,
+              "rope_: cos and sin must be contiguous float32 [rows, head_dim]");
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+    std::vector<float> lo(half), hi(half);
+    for (int64_t r = b; r < e; ++r) {
+      const float* c = cos.data_ptr<float>() + r * head_dim;
+      const float* s = sin.data_ptr<float>() + r * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        bf16* x = data(qkv) + r * qkv.stride(0) + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          lo[i] = to_f(x[i]);
+          hi[i] = to_f(x[i + half]);
+        }
+        for (int64_t i = 0; i < half; ++i) {
+          x[i] = to_bf(lo[i] * c[i] + hi[i] * s[i]);
+          x[i + half] = to_bf(hi[i] * c[i + half] + lo[i] * s[i + half]);
+        }
+      }
+    }
+  });
+}

@@ -1,0 +1,234 @@
+"""The native CPU paged-attention kernel (radixkv/csrc/cpu_attention.cpp) against torch oracles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv import native
+from radixkv.attention import make_attention_backend, torch_extend_attention
+from radixkv.cascade_attention import CascadeTorchBackend
+from radixkv.model_runner import ModelRunner, RequestSlice
+from radixkv.native_attention import (
+    NativeAttentionBackend,
+    native_attention_supported,
+    native_paged_attention,
+)
+
+
+@pytest.fixture(scope="module")
+def module():
+    m = native.load()
+    # gcc and the Python headers are part of every supported machine: a build failure here is a
+    # defect to see, not a reason to skip.
+    assert m is not None, f"native kernels failed to build: {native.build_error()}"
+    return m
+
+
+def make_case(page, hq, hkv, d, reqs, seed=0):
+    """Random bf16 pool + shuffled page tables for ``reqs = [(prefix, new), ...]``."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(p + n) // page) for p, n in reqs]
+    num_pages = sum(need) + 3
+    k_cache = torch.randn(num_pages, page, hkv, d, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(num_pages, page, hkv, d, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.zeros(len(reqs), max(need), dtype=torch.int32)
+    off = 0
+    for i, k in enumerate(need):
+        table[i, :k] = torch.tensor(perm[off : off + k])
+        off += k
+    q = (2 * torch.randn(sum(n for _, n in reqs), hq, d, generator=g)).to(torch.bfloat16)
+    starts, acc = [], 0
+    for _, n in reqs:
+        starts.append(acc)
+        acc += n
+    return q, k_cache, v_cache, table, [p for p, _ in reqs], [n for _, n in reqs], starts
+
+
+# fresh prompts, decodes, extends after a cached prefix; lengths on and off page boundaries
+MIXED = [(0, 37), (100, 1), (63, 5), (16, 1), (0, 1), (200, 70), (5, 130), (64, 64)]
+
+
+def reference(q, k_cache, v_cache, table, prefix, ext, starts, scale):
+    return torch_extend_attention(
+        q.float(),
+        k_cache.float(),
+        v_cache.float(),
+        table,
+        torch.tensor(prefix),
+        torch.tensor(ext),
+        torch.tensor(starts),
+        scale,
+    )
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("d", [64, 128, 80])  # 80: the portable path
+def test_matches_reference(module, page, hq, hkv, d):
+    case = make_case(page, hq, hkv, d, MIXED, seed=page + hq + d)
+    q, k_cache, v_cache, table, prefix, ext, starts = case
+    scale = d**-0.5
+    out = native_paged_attention(q, k_cache, v_cache, table, prefix, ext, starts, scale)
+    ref = reference(*case, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref).abs()
+    # bf16 output rounding is ~4e-3 at |o| ~ 1; P is rounded to bf16 as in flash kernels
+    assert err.max().item() < 2.5e-2, err.max().item()
+    assert err.mean().item() < 2e-3, err.mean().item()
+    assert module.has_fast_path(d) == (d in (64, 128)) or not module.has_fast_path(64)
+
+
+def test_long_prefill_and_long_decode(module):
+    """Many key blocks (online softmax rescaling), a 1,000-token causal prompt and decodes."""
+    case = make_case(16, 9, 3, 64, [(0, 1000), (1500, 1), (900, 3)], seed=7)
+    out = native_paged_attention(*case, 0.125)
+    ref = reference(*case, 0.125)
+    assert (out.float() - ref).abs().max().item() < 2.5e-2
+
+
+def test_peaked_scores_stay_finite(module):
+    """Large logits (a query aligned with one key) must not overflow exp."""
+    q, k_cache, v_cache, table, prefix, ext, starts = make_case(16, 4, 4, 64, [(40, 2)], seed=1)
+    q = (q.float() * 40).to(torch.bfloat16)
+    out = native_paged_attention(q, k_cache, v_cache, table, prefix, ext, starts, 0.125)
+    ref = reference(q, k_cache, v_cache, table, prefix, ext, starts, 0.125)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max().item() < 3e-2
+
+
+def test_bad_inputs_raise_clear_errors(module):
+    q, k_cache, v_cache, table, prefix, ext, starts = make_case(16, 4, 4, 64, [(10, 2)])
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        native_paged_attention(q, k_cache.float(), v_cache.float(), table, prefix, ext, starts, 0.1)
+    with pytest.raises(RuntimeError, match="page table"):
+        native_paged_attention(q, k_cache, v_cache, table, [100], ext, starts, 0.1)
+    with pytest.raises(RuntimeError, match="one prefix_len"):
+        native_paged_attention(q, k_cache, v_cache, table, prefix + [0], ext, starts, 0.1)
+
+
+def test_backend_selection(module):
+    assert native_attention_supported(torch.bfloat16, 64)
+    assert not native_attention_supported(torch.float32, 64)
+    assert isinstance(
+        make_attention_backend("torch", "cpu", torch.bfloat16, 64), NativeAttentionBackend
+    )
+    # a head dim without a fast path keeps the cascade backend (the portable path is an oracle)
+    assert isinstance(
+        make_attention_backend("torch", "cpu", torch.bfloat16, 80), CascadeTorchBackend
+    )
+
+
+def test_disabled_by_env_falls_back(monkeypatch):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("RADIXKV_NATIVE", "0")
+    assert native.load() is None
+    assert "RADIXKV_NATIVE" in (native.build_error() or "")
+    assert isinstance(
+        make_attention_backend("torch", "cpu", torch.bfloat16, 64), CascadeTorchBackend
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_d64():
+    """A small random Llama with head_dim 64 (the kernel's fast path) and GQA 3."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=384,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(99)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_model_native_vs_cascade_backend(module, llama_d64):
+    """Whole-model logits of a mixed batch agree between the two bf16 CPU backends."""
+    page = 16
+    a = ModelRunner(llama_d64, num_pages=32, page_size=page, dtype=torch.bfloat16)
+    b = ModelRunner(llama_d64, num_pages=32, page_size=page, dtype=torch.bfloat16)
+    assert isinstance(a.backend, NativeAttentionBackend)
+    b.backend = CascadeTorchBackend()
+    prompt = list(range(5, 90))
+    first = [RequestSlice(prompt, 0, [1, 2, 3, 4, 5, 6])]
+    steps = [
+        first,
+        [  # cache-hit extend after 80 cached tokens, plus a decode and a fresh prompt
+            RequestSlice(list(range(200, 230)), 80, [1, 2, 3, 4, 5, 7, 8]),
+            RequestSlice([17], 85, [1, 2, 3, 4, 5, 6]),
+            RequestSlice(list(range(30, 50)), 0, [9, 10]),
+        ],
+    ]
+    for reqs in steps:
+        la = a.forward(a.build_batch(reqs))
+        lb = b.forward(b.build_batch(reqs))
+        scale = lb.abs().max().item()
+        assert (la - lb).abs().max().item() < 0.05 * scale
+        assert torch.equal(la.argmax(-1), lb.argmax(-1))
+
+
+# -- fused elementwise ops (radixkv/csrc/cpu_fused.cpp) ------------------------------------------
+
+
+def bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_fused_rms_norm_and_residual_add(module):
+    x, w = bf16(37, 576, seed=1), bf16(576, seed=2)
+    ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()
+    torch.testing.assert_close(module.rms_norm(x, w, 1e-5).float(), ref, atol=2e-2, rtol=1e-2)
+    residual, delta = bf16(37, 576, seed=3), bf16(37, 576, seed=4)
+    expect = residual + delta  # the residual stream is rounded to bf16 as in torch
+    res = residual.clone()
+    y = module.add_rms_norm(res, delta, w, 1e-5)
+    assert torch.equal(res, expect)
+    ref = expect.float() * torch.rsqrt(expect.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(y.float(), ref * w.float(), atol=2e-2, rtol=1e-2)
+
+
+def test_fused_silu_mul(module):
+    gu = bf16(9, 2 * 1536, seed=5)
+    ref = torch.nn.functional.silu(gu[:, :1536].float()) * gu[:, 1536:].float()
+    torch.testing.assert_close(module.silu_mul(gu).float(), ref, atol=1e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        module.silu_mul(gu.float())
+
+
+def test_fused_rope_in_place_matches_apply_rope(module):
+    from radixkv.model import ModelConfig, RotaryEmbedding, apply_rope
+
+    cfg = ModelConfig(
+        vocab_size=8,
+        hidden_size=576,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+    )
+    cos, sin = RotaryEmbedding(cfg).lookup(torch.tensor([0, 7, 300, 2000]), torch.float32)
+    qkv = bf16(4, 960, seed=6)
+    ref = apply_rope(qkv[:, :768].float().view(4, 12, 64), cos, sin)
+    out = qkv.clone()
+    module.rope_(out, cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous(), 12, 64)
+    torch.testing.assert_close(out[:, :768].float().view(4, 12, 64), ref, atol=2e-2, rtol=1e-2)
+    assert torch.equal(out[:, 768:], qkv[:, 768:]), "V columns must be left alone"
+
+
+def test_model_fused_ops_vs_torch_ops(module, llama_d64):
+    """bf16 logits with the fused norm/RoPE/SiLU ops agree with the plain torch ops."""
+    runner = ModelRunner(llama_d64, num_pages=16, page_size=16, dtype=torch.bfloat16)
+    batch = runner.build_batch([RequestSlice(list(range(3, 70)), 0, [4, 2, 9, 1, 5])])
+    fused = runner.forward(batch)
+    runner.model.use_fused_ops = False
+    plain = runner.forward(batch)
+    assert (fused - plain).abs().max().item() < 0.05 * plain.abs().max().item()
