@@ -4,9 +4,10 @@ On a GPU: achieved memory bandwidth of the Triton decode kernel (bytes of K/V re
 few batch/context sizes in bfloat16, against the device's copy bandwidth (a large tensor copy,
 bytes read + written / time), timed with CUDA events.
 
-On the CPU: the torch attention backend (``radixkv.attention.torch_decode_attention`` /
-``torch_extend_attention``; the torch oracles of ``radixkv.kernels`` when that module is absent)
-against a naive attention over contiguous per-request K/V (torch SDPA), with the time ratio.
+On the CPU: the fp32 torch attention backend (``radixkv.attention.torch_decode_attention`` /
+``torch_extend_attention``) and the bf16 native kernel (``radixkv.native_attention``, the CPU
+default) against a naive attention over contiguous per-request K/V (torch SDPA, same dtype), with
+the time ratio.
 
 Run from the repository root: ``python bench/bench_kernels.py`` (``--iters N`` to change repeats).
 """
@@ -206,14 +207,50 @@ def naive_extend(
     return out
 
 
-def load_cpu_backend() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor], str]:
-    """The torch backend's decode/extend functions, or the oracles when it is not there."""
+Backend = tuple[str, torch.dtype, Callable[..., torch.Tensor], Callable[..., torch.Tensor]]
+
+
+def load_cpu_backends() -> list[Backend]:
+    """(name, dtype, decode_fn, extend_fn) of each CPU paged-attention path to time."""
     try:
         from radixkv.attention import torch_decode_attention, torch_extend_attention
     except ImportError as exc:
         print(f"note: radixkv.attention unavailable ({exc}); timing the torch oracles instead")
-        return decode_attention_ref, extend_attention_ref, "radixkv.kernels.*_ref"
-    return torch_decode_attention, torch_extend_attention, "radixkv.attention.torch_*"
+        return [
+            ("radixkv.kernels.*_ref", torch.float32, decode_attention_ref, extend_attention_ref)
+        ]
+    backends: list[Backend] = [
+        (
+            "radixkv.attention.torch_* (fp32)",
+            torch.float32,
+            torch_decode_attention,
+            torch_extend_attention,
+        )
+    ]
+    from radixkv import native
+    from radixkv.native_attention import native_paged_attention
+
+    if native.load() is None:
+        print(f"note: native CPU kernels unavailable ({native.build_error()})")
+        return backends
+
+    def native_decode(q, k_cache, v_cache, table, seq_lens, scale):  # noqa: ANN001, ANN202
+        lens = [int(x) for x in seq_lens.tolist()]
+        b = len(lens)
+        return native_paged_attention(
+            q, k_cache, v_cache, table, [n - 1 for n in lens], [1] * b, list(range(b)), scale
+        )
+
+    def native_extend(q, k_cache, v_cache, table, prefix, ext, starts, scale):  # noqa: ANN001, ANN202
+        as_list = lambda t: [int(x) for x in t.tolist()]  # noqa: E731
+        return native_paged_attention(
+            q, k_cache, v_cache, table, as_list(prefix), as_list(ext), as_list(starts), scale
+        )
+
+    backends.append(
+        ("radixkv native paged_attention (bf16)", torch.bfloat16, native_decode, native_extend)
+    )
+    return backends
 
 
 def _i32(values: list[int]) -> torch.Tensor:
@@ -221,14 +258,26 @@ def _i32(values: list[int]) -> torch.Tensor:
 
 
 def bench_cpu(iters: int) -> None:
+    for backend in load_cpu_backends():
+        bench_cpu_backend(iters, *backend)
+    print("ratio = paged backend time / naive contiguous time (lower is better; 1.0 = parity)")
+
+
+def bench_cpu_backend(
+    iters: int,
+    name: str,
+    dtype: torch.dtype,
+    decode_fn: Callable[..., torch.Tensor],
+    extend_fn: Callable[..., torch.Tensor],
+) -> None:
+    """One paged backend against SDPA over contiguous K/V of the same dtype."""
     device = torch.device("cpu")
-    dtype = torch.float32
     hkv, group, d, page_size = 4, 4, 64, 16
     hq = hkv * group
     scale = d**-0.5
-    decode_fn, extend_fn, name = load_cpu_backend()
+    print()
     print(
-        f"CPU ({torch.get_num_threads()} threads), fp32, Hq={hq}, Hkv={hkv}, D={d}, page={page_size}"
+        f"CPU ({torch.get_num_threads()} threads), {dtype}, Hq={hq}, Hkv={hkv}, D={d}, page={page_size}"
     )
     print(f"paged backend: {name}; baseline: SDPA over contiguous per-request K/V")
     print(
@@ -237,23 +286,23 @@ def bench_cpu(iters: int) -> None:
     for batch, ctx in [(1, 2048), (8, 512), (8, 2048), (32, 1024)]:
         lens = [ctx] * batch
         prob = make_problem(lens, page_size, hkv, d, dtype, device)
-        q = torch.randn(batch, hq, d)
+        q = torch.randn(batch, hq, d).to(dtype)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         args = (q, prob.k_cache, prob.v_cache, prob.page_table, seq_lens, scale)
         paged_ms = cpu_time_ms(lambda args=args: decode_fn(*args), iters)
         naive_ms = cpu_time_ms(lambda q=q, prob=prob: naive_decode(q, prob, scale), iters)
-        err = (decode_fn(*args) - naive_decode(q, prob, scale)).abs().max().item()
+        err = (decode_fn(*args).float() - naive_decode(q, prob, scale).float()).abs().max().item()
         print(
             f"{'decode':>7} {batch:>6} {ctx:>12} {paged_ms:>9.2f} {naive_ms:>9.2f}"
             f" {paged_ms / naive_ms:>6.2f} {err:>8.1e}"
         )
-    for batch, prefix_len, ext_len in [(1, 0, 512), (2, 512, 256), (4, 1024, 64)]:
+    for batch, prefix_len, ext_len in [(1, 0, 512), (1, 0, 1024), (2, 512, 256), (4, 1024, 64)]:
         prefix = [prefix_len] * batch
         ext = [ext_len] * batch
         prob = make_problem(
             [p + e for p, e in zip(prefix, ext, strict=True)], page_size, hkv, d, dtype, device
         )
-        q = torch.randn(sum(ext), hq, d)
+        q = torch.randn(sum(ext), hq, d).to(dtype)
         starts = [sum(ext[:i]) for i in range(batch)]
         args = (
             q,
@@ -272,13 +321,13 @@ def bench_cpu(iters: int) -> None:
             ),
             iters,
         )
-        err = (extend_fn(*args) - naive_extend(q, prob, prefix, ext, scale)).abs().max().item()
+        ref = naive_extend(q, prob, prefix, ext, scale).float()
+        err = (extend_fn(*args).float() - ref).abs().max().item()
         ctx = f"{prefix_len}+{ext_len}"
         print(
             f"{'extend':>7} {batch:>6} {ctx:>12} {paged_ms:>9.2f} {naive_ms:>9.2f}"
             f" {paged_ms / naive_ms:>6.2f} {err:>8.1e}"
         )
-    print("ratio = paged backend time / naive contiguous time (lower is better; 1.0 = parity)")
 
 
 def main() -> None:
