@@ -42,6 +42,11 @@ void check_bf16_2d(const at::Tensor& t, const char* what) {
               what, ": expected a CPU bfloat16 [rows, dim] tensor with contiguous rows");
 }
 
+void check_norm_weight(const at::Tensor& w, int64_t h, const char* what) {
+  TORCH_CHECK(w.numel() == h && w.is_contiguous() && w.scalar_type() == at::kBFloat16, what,
+              ": weight must be a contiguous bfloat16 vector of the row size");
+}
+
 bf16* data(const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); }
 
 // y[r] = norm(src[r]) * w for rows [begin, end)
@@ -69,9 +74,7 @@ constexpr int64_t kRowGrain = 16;
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_bf16_2d(x, "rms_norm");
   const int64_t rows = x.size(0), h = x.size(1);
-  TORCH_CHECK(weight.numel() == h && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kBFloat16,
-              "rms_norm: weight must be a contiguous bfloat16 vector of the row size");
+  check_norm_weight(weight, h, "rms_norm");
   auto y = at::empty({rows, h}, x.options());
   at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
     norm_rows(data(x), x.stride(0), data(weight), data(y), h, static_cast<float>(eps), b, e);
@@ -85,9 +88,7 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Ten
   check_bf16_2d(x, "add_rms_norm (x)");
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual and x shapes differ");
   const int64_t rows = x.size(0), h = x.size(1);
-  TORCH_CHECK(weight.numel() == h && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kBFloat16,
-              "add_rms_norm: weight must be a contiguous bfloat16 vector of the row size");
+  check_norm_weight(weight, h, "add_rms_norm");
   auto y = at::empty({rows, h}, x.options());
   at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
     bf16* res = data(residual);
