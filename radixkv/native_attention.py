@@ -110,13 +110,13 @@ class NativeAttentionBackend(AttentionBackend):
         sm_scale: float,
     ) -> torch.Tensor:
         torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots)
-        return self.module.paged_attention(
-            q.to(k_cache.dtype).contiguous(),
+        return native_paged_attention(
+            q,
             k_cache,
             v_cache,
             meta.page_table,
             meta.prefix_lens,
             meta.extend_lens,
             meta.extend_starts,
-            float(sm_scale),
+            sm_scale,
         )
