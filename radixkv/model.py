@@ -347,9 +347,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_caches[i], v_caches[i], backend, meta)
         if not return_all_logits:
-            rows = batch.last_token_rows
-            if rows != list(range(x.shape[0])):
-                x = x.index_select(0, torch.tensor(rows, dtype=torch.long, device=x.device))
+            (x,) = _last_token_rows(batch, x)
         return self.lm_head(self.norm(x)).float()
 
     def _fused_ops(self) -> Any | None:
@@ -381,9 +379,15 @@ class LlamaModel(nn.Module):
             )
         assert pending is not None
         if not return_all_logits:
-            rows = batch.last_token_rows
-            if rows != list(range(x.shape[0])):
-                idx = torch.tensor(rows, dtype=torch.long, device=x.device)
-                x, pending = x.index_select(0, idx), pending.index_select(0, idx)
+            x, pending = _last_token_rows(batch, x, pending)
         h = ops.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
         return self.lm_head(h).float()
+
+
+def _last_token_rows(batch: ForwardBatch, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows of each request's last new token in each of ``xs`` (``[T, ...]`` tensors)."""
+    rows = batch.last_token_rows
+    if rows == list(range(xs[0].shape[0])):
+        return xs
+    idx = torch.tensor(rows, dtype=torch.long, device=xs[0].device)
+    return tuple(x.index_select(0, idx) for x in xs)
