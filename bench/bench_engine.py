@@ -17,8 +17,8 @@ import time
 import torch
 
 from radixkv import Engine, SamplingParams
-from radixkv.model_loader import load_model
-from radixkv.workloads import generated_shared_prefix
+from radixkv.model.loader import load_model
+from radixkv.sim.workloads import generated_shared_prefix
 
 
 def run_radixkv(loaded, prompts, warmup, output_len, **knobs) -> dict:

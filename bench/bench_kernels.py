@@ -4,8 +4,8 @@ On a GPU: achieved memory bandwidth of the Triton decode kernel (bytes of K/V re
 few batch/context sizes in bfloat16, against the device's copy bandwidth (a large tensor copy,
 bytes read + written / time), timed with CUDA events.
 
-On the CPU: the fp32 torch attention backend (``radixkv.attention.torch_decode_attention`` /
-``torch_extend_attention``) and the bf16 native kernel (``radixkv.native_attention``, the CPU
+On the CPU: the fp32 torch attention backend (``radixkv.model.attention.base.torch_decode_attention`` /
+``torch_extend_attention``) and the bf16 native kernel (``radixkv.model.attention.native_backend``, the CPU
 default) against a naive attention over contiguous per-request K/V (torch SDPA, same dtype), with
 the time ratio.
 
@@ -213,22 +213,27 @@ Backend = tuple[str, torch.dtype, Callable[..., torch.Tensor], Callable[..., tor
 def load_cpu_backends() -> list[Backend]:
     """(name, dtype, decode_fn, extend_fn) of each CPU paged-attention path to time."""
     try:
-        from radixkv.attention import torch_decode_attention, torch_extend_attention
+        from radixkv.model.attention.torch_backend import (
+            torch_decode_attention,
+            torch_extend_attention,
+        )
     except ImportError as exc:
-        print(f"note: radixkv.attention unavailable ({exc}); timing the torch oracles instead")
+        print(
+            f"note: radixkv.model.attention.base unavailable ({exc}); timing the torch oracles instead"
+        )
         return [
             ("radixkv.kernels.*_ref", torch.float32, decode_attention_ref, extend_attention_ref)
         ]
     backends: list[Backend] = [
         (
-            "radixkv.attention.torch_* (fp32)",
+            "radixkv.model.attention.base.torch_* (fp32)",
             torch.float32,
             torch_decode_attention,
             torch_extend_attention,
         )
     ]
-    from radixkv import native
-    from radixkv.native_attention import native_paged_attention
+    from radixkv.model import native
+    from radixkv.model.attention.native_backend import native_paged_attention
 
     if native.load() is None:
         print(f"note: native CPU kernels unavailable ({native.build_error()})")

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from radixkv.model_loader import load_model
-from radixkv.model_runner import ModelRunner, RequestSlice
+from radixkv.model.loader import load_model
+from radixkv.model.runner import ModelRunner, RequestSlice
 
 # metric name -> (tokens per call, callable)
 Cases = dict[str, tuple[int, Callable[[], object]]]

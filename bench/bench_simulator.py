@@ -18,8 +18,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from radixkv.simulator import prepare_trace, replay, unbounded_capacity
-from radixkv.workloads import generated_shared_prefix
+from radixkv.sim.simulator import prepare_trace, replay, unbounded_capacity
+from radixkv.sim.workloads import generated_shared_prefix
 
 
 def main(argv: Sequence[str] | None = None) -> int:

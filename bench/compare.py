@@ -244,7 +244,7 @@ def _load_tokenizer(model: str) -> Any:
         path = Path(model).expanduser()
         if path.is_dir():
             return AutoTokenizer.from_pretrained(path)
-        from radixkv.model_loader import cache_dir
+        from radixkv.model.loader import cache_dir
 
         for d in sorted(cache_dir().glob("SmolLM2-135M-Instruct*")):
             if model.lower().startswith("smollm2") and (d / "tokenizer_config.json").exists():
@@ -272,7 +272,7 @@ def _token_trace(trace: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, 
 def _simulate(
     trace: list[dict[str, Any]], spec: ServerSpec, page_size: int, tokenizer: Any
 ) -> dict[str, Any]:
-    from radixkv.simulator import simulate
+    from radixkv.sim.simulator import simulate
 
     if not trace:
         return {}

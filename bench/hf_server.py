@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
-    from radixkv.model_loader import load_model
+    from radixkv.model.loader import load_model
 
     loaded = load_model(args.model, dtype=args.dtype)
     app = create_app(loaded.hf_model, loaded.tokenizer, args.served_model_name or loaded.name)

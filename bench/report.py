@@ -155,7 +155,7 @@ def render(results: dict[str, Any]) -> str:
         results_table(results),
         "",
         "*hit rate* = cached prompt tokens / prompt tokens as reported by the server "
-        "(`usage.prompt_tokens_details.cached_tokens`). *sim optimal* = `radixkv.simulator` on the "
+        "(`usage.prompt_tokens_details.cached_tokens`). *sim optimal* = `radixkv.sim.simulator` on the "
         "trace that row sent, unbounded capacity; *sim @ capacity* = the simulator at the row's "
         "device KV capacity (a sequential replay: concurrent requests that arrive before their "
         "shared prefix is computed can miss on the server). Speedups are ratios of request "

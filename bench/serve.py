@@ -16,7 +16,7 @@ tokens / sum of prompt tokens, as the server reports them).
 Workloads:
 
 * ``generated-shared-prefix`` (``--gsp-*``), ``few-shot`` (``--fs-*``): built by
-  :mod:`radixkv.workloads`; token-id prompts on the completions endpoint, text on chat;
+  :mod:`radixkv.sim.workloads`; token-id prompts on the completions endpoint, text on chat;
 * ``multi-turn`` (``--mt-*``): ``--mt-clients`` conversations of ``--mt-rounds`` rounds; a
   client's next round is sent only once its previous answer arrived and contains that real answer
   (text prompts: history of user turns and answers joined by spaces, or chat messages);
@@ -233,7 +233,7 @@ def _from_request_dicts(reqs: list[dict[str, Any]]) -> list[Session]:
 
 
 def _multi_turn_sessions(cfg: BenchConfig) -> list[Session]:
-    from radixkv.workloads import WORDS
+    from radixkv.sim.workloads import WORDS
 
     rng = np.random.default_rng(cfg.seed)
 
@@ -277,7 +277,7 @@ def _sharegpt_sessions(cfg: BenchConfig) -> list[Session]:
 
 def build_sessions(cfg: BenchConfig) -> list[Session]:
     """Turn the config's workload into sessions with start offsets (seconds)."""
-    from radixkv import workloads as wl
+    from radixkv.sim import workloads as wl
 
     cfg.validate()
     common: dict[str, Any] = dict(seed=cfg.seed, text=cfg.text_prompts, vocab_range=_vocab(cfg))
@@ -599,7 +599,7 @@ def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, 
 
 
 def sent_trace(results: list[RequestResult]) -> list[dict[str, Any]]:
-    """The requests as actually sent, in send order, as a :mod:`radixkv.workloads` trace.
+    """The requests as actually sent, in send order, as a :mod:`radixkv.sim.workloads` trace.
 
     Chat prompts become their message contents joined by spaces (approximate: the server's chat
     template is not known here). ``output_text`` is the real answer for multi-turn replays.

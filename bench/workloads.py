@@ -5,7 +5,7 @@
     python -m bench.workloads multi-turn --seed 0 --output mt.jsonl --num-clients 16 --num-rounds 4
     python -m bench.workloads few-shot --seed 0 --output fs.jsonl --text
 
-See :mod:`radixkv.workloads` for the request fields. The same arguments give the same file.
+See :mod:`radixkv.sim.workloads` for the request fields. The same arguments give the same file.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from radixkv import workloads
+from radixkv.sim import workloads
 
 
 def _common(p: argparse.ArgumentParser) -> None:

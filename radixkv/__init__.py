@@ -1,7 +1,7 @@
 """radixkv: a prefix-caching KV store and LLM serving engine.
 
 ``from radixkv import Engine, SamplingParams`` — imported lazily, so the pure-Python cache
-structures (``radixkv.radix_tree``, ``radixkv.allocator``, the simulator) never pull in torch.
+structures (``radixkv.cache.radix_tree``, ``radixkv.cache.allocator``, the simulator) never pull in torch.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ __all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "__versi
 
 if TYPE_CHECKING:
     from radixkv.config import EngineConfig
-    from radixkv.engine import Engine
-    from radixkv.request import RequestOutput
-    from radixkv.sampling import SamplingParams
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.request import RequestOutput
+    from radixkv.engine.sampling import SamplingParams
 
 _LAZY = {
-    "Engine": "radixkv.engine",
+    "Engine": "radixkv.engine.engine",
     "EngineConfig": "radixkv.config",
-    "SamplingParams": "radixkv.sampling",
-    "RequestOutput": "radixkv.request",
+    "SamplingParams": "radixkv.engine.sampling",
+    "RequestOutput": "radixkv.engine.request",
 }
 
 

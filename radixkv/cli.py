@@ -31,7 +31,7 @@ def _parse_capacities(text: str) -> list[int]:
 
 
 def _parse_policies(text: str) -> list[str]:
-    from radixkv.radix_tree import EVICTION_POLICIES
+    from radixkv.cache.radix_tree import EVICTION_POLICIES
 
     pols = [p.strip() for p in text.split(",") if p.strip()]
     bad = [p for p in pols if p not in EVICTION_POLICIES]
@@ -67,8 +67,8 @@ def _plot_sweep(rows: list[dict[str, Any]], optimal: float, path: str, title: st
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from radixkv.simulator import RESULT_KEYS, prepare_trace, simulate
-    from radixkv.workloads import read_jsonl
+    from radixkv.sim.simulator import RESULT_KEYS, prepare_trace, simulate
+    from radixkv.sim.workloads import read_jsonl
 
     if args.page_size < 1:
         print("radixkv simulate: --page-size must be >= 1", file=sys.stderr)
@@ -175,7 +175,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 # ---------------------------------------------------------------------------- prepare-model
 def _run_prepare_model(args: argparse.Namespace) -> int:
-    from radixkv.model_loader import ModelNotFoundError, load_model
+    from radixkv.model.loader import ModelNotFoundError, load_model
 
     try:
         loaded = load_model(args.model)
@@ -183,7 +183,7 @@ def _run_prepare_model(args: argparse.Namespace) -> int:
         print(f"radixkv prepare-model: {exc}", file=sys.stderr)
         return 2
     print(f"{loaded.name}: ready")
-    from radixkv import native
+    from radixkv.model import native
 
     if native.load() is None:  # the engine falls back to pure-torch attention
         print(f"native CPU kernels: unavailable ({native.build_error()})", file=sys.stderr)

@@ -13,7 +13,7 @@ WRITE_POLICIES = ("write_back", "write_through")
 
 @dataclass
 class EngineConfig:
-    """What an :class:`~radixkv.engine.Engine` is built from.
+    """What an :class:`~radixkv.engine.engine.Engine` is built from.
 
     ``kv_cache_tokens`` sizes the device KV pool (rounded down to whole pages);
     ``kv_cache_memory_gb``, when given, sizes it from a memory budget instead.

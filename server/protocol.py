@@ -373,7 +373,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[
 
 def make_sampling_params(kwargs: dict[str, Any]) -> Any:
     """Build the engine's ``SamplingParams``; a bad value becomes a 400 naming the field."""
-    from radixkv.sampling import SamplingParams
+    from radixkv.engine.sampling import SamplingParams
 
     try:
         params = SamplingParams(**kwargs)

@@ -51,7 +51,7 @@ def real_model():
     """SmolLM2-135M-Instruct loaded once per session through radixkv's loader (float32)."""
     import torch
 
-    from radixkv.model_loader import load_model
+    from radixkv.model.loader import load_model
 
     return load_model("smollm2", dtype=torch.float32)
 
@@ -73,6 +73,6 @@ class ByteTokenizer:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_llama):
     """The tiny random Llama as a LoadedModel (what ``Engine(model=...)`` accepts)."""
-    from radixkv.model_loader import LoadedModel
+    from radixkv.model.loader import LoadedModel
 
     return LoadedModel(tiny_llama, ByteTokenizer(), tiny_llama.config, "tiny-llama")

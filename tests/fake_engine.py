@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.request import StepOutput
+from radixkv.engine.request import StepOutput
 
 EOS_ID = 2
 _OFFSET = 3

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.allocator import BlockAllocator, IntegrityError, OutOfPagesError
+from radixkv.cache.allocator import BlockAllocator, IntegrityError, OutOfPagesError
 
 
 def test_allocate_free_roundtrip() -> None:

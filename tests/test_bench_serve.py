@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from bench.serve import ARRAY_KEYS, METRIC_KEYS, BenchConfig, main, run_benchmark
-from radixkv.simulator import hash_tokenize
+from radixkv.sim.simulator import hash_tokenize
 
 PAGE = 4
 
@@ -377,8 +377,8 @@ def _real_app(kv_cache_tokens: int, page_size: int) -> tuple[Any, Any]:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from radixkv.engine import Engine
-        from radixkv.model_loader import LoadedModel
+        from radixkv.engine.engine import Engine
+        from radixkv.model.loader import LoadedModel
 
         torch.manual_seed(0)
         cfg = LlamaConfig(
@@ -399,12 +399,12 @@ def _real_app(kv_cache_tokens: int, page_size: int) -> tuple[Any, Any]:
             attention_backend="torch",
             dtype="float32",
         )
-        from radixkv.sampling import SamplingParams
+        from radixkv.engine.sampling import SamplingParams
 
         engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0.0))
         engine.flush_cache()
     except Exception as e:  # pragma: no cover - depends on the engine's progress
-        pytest.skip(f"radixkv.engine.Engine cannot run a tiny random Llama yet: {e!r}")
+        pytest.skip(f"radixkv.engine.engine.Engine cannot run a tiny random Llama yet: {e!r}")
     return create_app(engine, model_name="tiny"), engine
 
 
@@ -417,7 +417,7 @@ def _prom(text: str, name: str) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_tokens", [4096, 160])
 def test_real_server_hit_rate_matches_metrics_and_simulator(kv_cache_tokens: int) -> None:
-    from radixkv.simulator import simulate
+    from radixkv.sim.simulator import simulate
 
     page = 4
     app, engine = _real_app(kv_cache_tokens, page)

@@ -10,9 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv.cascade_attention import MIN_SHARED_TOKENS, CascadeTorchBackend, build_cascade_meta
 from radixkv.kernels.reference import extend_attention_ref
-from radixkv.model_runner import RequestSlice, build_forward_batch
+from radixkv.model.attention.cascade_backend import (
+    MIN_SHARED_TOKENS,
+    CascadeTorchBackend,
+    build_cascade_meta,
+)
+from radixkv.model.runner import RequestSlice, build_forward_batch
 
 
 def run_case(page_size: int, hq: int, hkv: int, dtype: torch.dtype, seed: int) -> None:

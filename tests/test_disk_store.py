@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.allocator import IntegrityError
-from radixkv.disk_store import HEADER, DiskStore, chain_hashes
+from radixkv.cache.allocator import IntegrityError
+from radixkv.cache.disk_store import HEADER, DiskStore, chain_hashes
 
 FP = hashlib.sha256(b"model-a").digest()
 FP2 = hashlib.sha256(b"model-b").digest()

@@ -84,7 +84,7 @@ def test_greedy_agrees_with_transformers(real_model, knobs):
 @pytest.mark.real_model
 def test_cascade_attention_greedy_agrees_with_transformers(real_model):
     """The shared-prefix (cascade) CPU backend, forced in fp32 on a shared system prompt."""
-    from radixkv.cascade_attention import CascadeTorchBackend, build_cascade_meta
+    from radixkv.model.attention.cascade_backend import CascadeTorchBackend, build_cascade_meta
 
     engine = Engine(real_model, page_size=16, dtype="float32", max_running_requests=3)
     engine.runner.backend = backend = CascadeTorchBackend()

@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from radixkv import model_loader
-from radixkv.model_loader import INSTALL_HINT, ModelNotFoundError, load_model
+from radixkv.model import loader as model_loader
+from radixkv.model.loader import INSTALL_HINT, ModelNotFoundError, load_model
 
 
 @pytest.mark.real_model

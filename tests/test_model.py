@@ -7,13 +7,10 @@ import random
 import pytest
 import torch
 
-from radixkv.attention import (
-    torch_decode_attention,
-    torch_extend_attention,
-    torch_store_kvcache,
-)
-from radixkv.kv_pool import KVPool
-from radixkv.model_runner import ModelRunner, RequestSlice
+from radixkv.model.attention.base import torch_store_kvcache
+from radixkv.model.attention.torch_backend import torch_decode_attention, torch_extend_attention
+from radixkv.model.kv_pool import KVPool
+from radixkv.model.runner import ModelRunner, RequestSlice
 
 PAGE = 16
 

@@ -1,19 +1,20 @@
-"""The native CPU paged-attention kernel (radixkv/csrc/cpu_attention.cpp) against torch oracles."""
+"""The native CPU paged-attention kernel (radixkv/model/csrc/cpu_attention.cpp) against torch oracles."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from radixkv import native
-from radixkv.attention import make_attention_backend, torch_extend_attention
-from radixkv.cascade_attention import CascadeTorchBackend
-from radixkv.model_runner import ModelRunner, RequestSlice
-from radixkv.native_attention import (
+from radixkv.model import native
+from radixkv.model.attention.cascade_backend import CascadeTorchBackend
+from radixkv.model.attention.factory import make_attention_backend
+from radixkv.model.attention.native_backend import (
     NativeAttentionBackend,
     native_attention_supported,
     native_paged_attention,
 )
+from radixkv.model.attention.torch_backend import torch_extend_attention
+from radixkv.model.runner import ModelRunner, RequestSlice
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,7 @@ def test_model_native_vs_cascade_backend(module, llama_d64):
         assert torch.equal(la.argmax(-1), lb.argmax(-1))
 
 
-# -- fused elementwise ops (radixkv/csrc/cpu_fused.cpp) ------------------------------------------
+# -- fused elementwise ops (radixkv/model/csrc/cpu_fused.cpp) ------------------------------------------
 
 
 def bf16(*shape, seed=0):
@@ -203,7 +204,7 @@ def test_fused_silu_mul(module):
 
 
 def test_fused_rope_in_place_matches_apply_rope(module):
-    from radixkv.model import ModelConfig, RotaryEmbedding, apply_rope
+    from radixkv.model.llama import ModelConfig, RotaryEmbedding, apply_rope
 
     cfg = ModelConfig(
         vocab_size=8,

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixkv.allocator import BlockAllocator, IntegrityError
-from radixkv.radix_tree import RadixTree, TreeNode
+from radixkv.cache.allocator import BlockAllocator, IntegrityError
+from radixkv.cache.radix_tree import RadixTree, TreeNode
 
 
 class FakeClock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv.sampling import Sampler, SamplingParams, SequenceState
+from radixkv.engine.sampling import Sampler, SamplingParams, SequenceState
 
 VOCAB = 50
 

@@ -40,8 +40,8 @@ def build_tiny_engine() -> Any:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from radixkv.engine import Engine
-        from radixkv.model_loader import LoadedModel
+        from radixkv.engine.engine import Engine
+        from radixkv.model.loader import LoadedModel
     except Exception as exc:  # pragma: no cover - depends on the engine's progress
         pytest.skip(f"radixkv.Engine is not importable: {exc!r}")
     torch.manual_seed(0)

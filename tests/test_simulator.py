@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from radixkv.cli import main
-from radixkv.simulator import RESULT_KEYS, hash_tokenize, prepare_trace, simulate
-from radixkv.workloads import generated_shared_prefix, multi_turn, write_jsonl
+from radixkv.sim.simulator import RESULT_KEYS, hash_tokenize, prepare_trace, simulate
+from radixkv.sim.workloads import generated_shared_prefix, multi_turn, write_jsonl
 
 
 def _lcp(a: list[int], b: list[int]) -> int:

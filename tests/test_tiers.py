@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixkv.allocator import BlockAllocator
-from radixkv.disk_store import DiskStore, chain_hashes
-from radixkv.host_pool import HostPool
-from radixkv.radix_tree import RadixTree
-from radixkv.simulator import simulate
-from radixkv.tiers import TieredCache
+from radixkv.cache.allocator import BlockAllocator
+from radixkv.cache.disk_store import DiskStore, chain_hashes
+from radixkv.cache.host_pool import HostPool
+from radixkv.cache.radix_tree import RadixTree
+from radixkv.cache.tiers import TieredCache
+from radixkv.sim.simulator import simulate
 
 P = 16
 SYS_LEN = 512
@@ -39,7 +39,7 @@ class _Tok:
 def _tiny(seed: int, name: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from radixkv.model_loader import LoadedModel
+    from radixkv.model.loader import LoadedModel
 
     config = LlamaConfig(
         vocab_size=256,

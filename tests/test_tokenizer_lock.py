@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from radixkv.tokenizer_lock import LockedTokenizer
+from radixkv.engine.tokenizer_lock import LockedTokenizer
 
 
 class Recorder:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from radixkv import workloads
-from radixkv.workloads import (
+from radixkv.sim import workloads
+from radixkv.sim.workloads import (
     WORDS,
     few_shot,
     generated_shared_prefix,

@@ -1,4 +1,4 @@
-// Python bindings of radixkv's native CPU kernels (built by radixkv/native.py).
+// Python bindings of radixkv's native CPU kernels (built by radixkv/model/native.py).
 #include <torch/extension.h>
 
 #include "cpu_attention.h"

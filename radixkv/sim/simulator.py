@@ -27,8 +27,8 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.allocator import BlockAllocator
-from radixkv.radix_tree import EVICTION_POLICIES, RadixTree
+from radixkv.cache.allocator import BlockAllocator
+from radixkv.cache.radix_tree import EVICTION_POLICIES, RadixTree
 
 __all__ = [
     "RESULT_KEYS",
@@ -94,9 +94,9 @@ def prepare_trace(trace: Iterable[dict[str, Any]]) -> list[PreparedRequest]:
 
 def _sim_tiers(tree: RadixTree, alloc: BlockAllocator, host_tokens: int, disk_tokens: int) -> Any:
     """Bookkeeping-only host/disk tiers (no KV data, no torch) under ``tree``."""
-    from radixkv.disk_store import HEADER, DiskStore
-    from radixkv.host_pool import HostPool
-    from radixkv.tiers import TieredCache
+    from radixkv.cache.disk_store import HEADER, DiskStore
+    from radixkv.cache.host_pool import HostPool
+    from radixkv.cache.tiers import TieredCache
 
     P = tree.page_size
     host = HostPool(host_tokens // P, P) if host_tokens >= P else None
@@ -121,7 +121,7 @@ def replay(
 
     With ``host_capacity_tokens`` / ``disk_capacity_tokens`` the evicted prefixes move to
     bookkeeping-only host / disk tiers (write-back) and hits there are loaded back, exactly as
-    in the engine (:class:`radixkv.tiers.TieredCache`, without data and load threshold)."""
+    in the engine (:class:`radixkv.cache.tiers.TieredCache`, without data and load threshold)."""
     P = page_size
     alloc = BlockAllocator(max(capacity_tokens, 0) // P, P)
     tree = RadixTree(alloc, P, policy)

@@ -1,10 +1,10 @@
-"""Host-memory KV pages: the second tier under the device :class:`~radixkv.kv_pool.KVPool`.
+"""Host-memory KV pages: the second tier under the device :class:`~radixkv.model.kv_pool.KVPool`.
 
 A :class:`HostPool` holds ``num_pages`` pages laid out like the device pool but with the layer as
 the leading dimension: ``k, v [num_layers, num_pages, page_size, num_kv_heads, head_dim]``, in
 pinned memory when the device is a GPU (so device <-> host copies can be asynchronous DMA).
 Page ids ``0..num_pages-1`` are handed out by :attr:`HostPool.allocator`, a
-:class:`~radixkv.allocator.BlockAllocator`; the radix tree owns one reference per page stored in
+:class:`~radixkv.cache.allocator.BlockAllocator`; the radix tree owns one reference per page stored in
 a node's ``host_value``.
 
 Copies are batched: one gather over all layers per direction (``save``: device -> host,
@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from radixkv.allocator import BlockAllocator, IntegrityError
+from radixkv.cache.allocator import BlockAllocator, IntegrityError
 
 if TYPE_CHECKING:
     import torch
 
-    from radixkv.kv_pool import KVPool
+    from radixkv.model.kv_pool import KVPool
 
 __all__ = ["HostPool", "pages_to_payloads", "payloads_to_pages"]
 

@@ -24,13 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixkv.attention import (
-    AttentionBackend,
-    ForwardBatch,
-    blockdiag_decode,
-    torch_store_kvcache,
-)
-from radixkv.prefix import common_prefix_len
+from radixkv.cache.prefix import common_prefix_len
+from radixkv.model.attention.base import AttentionBackend, ForwardBatch, torch_store_kvcache
+from radixkv.model.attention.torch_backend import blockdiag_decode
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from radixkv.cache.prefix import common_prefix_len
 from radixkv.config import EngineConfig
-from radixkv.kv_manager import KVManager
-from radixkv.prefix import common_prefix_len
-from radixkv.request import SeqStatus, Sequence
+from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.request import SeqStatus, Sequence
 
 # A waiting request that shares at least this many not-yet-cached tokens with a request being
 # prefilled waits for that prefill to reach the tree instead of computing the same tokens again.

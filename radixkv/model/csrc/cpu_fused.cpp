@@ -6,7 +6,7 @@
 //   add_rms_norm(res, x, w)    res += x (bf16, in place); y = rms_norm(res, w)
 //   silu_mul(gate_up)          y = silu(gate) * up, gate_up = [gate | up] along the last dim
 //   rope_(qkv, cos, sin, n, d) rotate-half RoPE, in place, on the first n heads of each row;
-//                              sin is sign-folded ([-sin | sin]) as radixkv.model builds it
+//                              sin is sign-folded ([-sin | sin]) as radixkv.model.llama builds it
 
 #include "cpu_fused.h"
 

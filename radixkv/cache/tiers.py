@@ -1,7 +1,7 @@
 """Offload tiers under the device prefix cache: host RAM pages, then files on disk.
 
-:class:`TieredCache` wires a :class:`~radixkv.host_pool.HostPool` and a
-:class:`~radixkv.disk_store.DiskStore` to the engine's radix tree through the tree's hooks:
+:class:`TieredCache` wires a :class:`~radixkv.cache.host_pool.HostPool` and a
+:class:`~radixkv.cache.disk_store.DiskStore` to the engine's radix tree through the tree's hooks:
 
 * device eviction (``tree.on_evict``): the node's KV is copied into host pages (the node stays in
   the tree, host-only) instead of being dropped (``write_back``); with no host tier, or no room
@@ -19,7 +19,7 @@ Ownership: every host page is free in ``host.allocator`` or held (one reference)
 tree node's ``host_value``; device pages keep the allocator / tree / sequence ownership of
 ``docs/design.md``. :meth:`TieredCache.check_integrity` verifies the host side.
 
-Disk keys are chained page hashes (:func:`~radixkv.disk_store.chain_hashes`) rooted in a
+Disk keys are chained page hashes (:func:`~radixkv.cache.disk_store.chain_hashes`) rooted in a
 fingerprint of the model (name, config, a sample of the weights), the KV dtype, the page size and
 the KV layout, so a restarted engine on the same directory finds its own prefixes and never uses
 another model's.
@@ -36,14 +36,14 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from radixkv.allocator import BlockAllocator, IntegrityError
-from radixkv.disk_store import DiskStore, chain_hashes
-from radixkv.radix_tree import MatchResult, RadixTree, TreeNode
+from radixkv.cache.allocator import BlockAllocator, IntegrityError
+from radixkv.cache.disk_store import DiskStore, chain_hashes
+from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeNode
 
 if TYPE_CHECKING:
+    from radixkv.cache.host_pool import HostPool
     from radixkv.config import EngineConfig
-    from radixkv.host_pool import HostPool
-    from radixkv.kv_pool import KVPool
+    from radixkv.model.kv_pool import KVPool
 
 __all__ = ["LoadResult", "TieredCache", "engine_fingerprint"]
 
@@ -154,7 +154,7 @@ class TieredCache:
     def attach(cls, engine: Any, config: EngineConfig) -> TieredCache:
         """Build the tiers configured in ``config`` for ``engine`` (its tree, allocator and KV
         pool), hook them in (``engine.kv.tiers``), and return them."""
-        from radixkv.host_pool import HostPool
+        from radixkv.cache.host_pool import HostPool
 
         runner = engine.runner
         kv_pool = getattr(runner, "kv_pool", None) or runner.pool
@@ -249,7 +249,7 @@ class TieredCache:
                 if disk.put(keys[i], self.page_size):
                     self.counters["disk_write_pages"] += 1
             return
-        from radixkv.host_pool import pages_to_payloads
+        from radixkv.cache.host_pool import pages_to_payloads
 
         sel = [pages[i] for i in todo]
         if from_host:
@@ -373,7 +373,7 @@ class TieredCache:
         if payloads:  # disk -> device, then into the tree
             disk_pages = dev_pages[nh:]
             if self.kv_pool is not None:
-                from radixkv.host_pool import payloads_to_pages
+                from radixkv.cache.host_pool import payloads_to_pages
 
                 pool = self.kv_pool
                 k, v = payloads_to_pages(

@@ -1,6 +1,6 @@
 """The native CPU attention backend: one C++ call per layer, K/V read in place from the pages.
 
-``radixkv/csrc/cpu_attention.cpp`` (built by :mod:`radixkv.native`) computes, for every new token
+``radixkv/model/csrc/cpu_attention.cpp`` (built by :mod:`radixkv.model.native`) computes, for every new token
 of a step, attention over its request's cached prefix and its own new tokens (causal), walking
 the page table instead of gathering pages into a contiguous copy. It handles decodes, extends
 after a cached prefix and fresh prompts in the same call, with flash-style online softmax,
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from radixkv import native
-from radixkv.attention import AttentionBackend, ForwardBatch, torch_store_kvcache
+from radixkv.model import native
+from radixkv.model.attention.base import AttentionBackend, ForwardBatch, torch_store_kvcache
 
 __all__ = ["NativeAttentionBackend", "native_attention_supported", "native_paged_attention"]
 
@@ -46,7 +46,7 @@ def native_paged_attention(
 ) -> torch.Tensor:
     """``q [T, Hq, D] -> o [T, Hq, D]`` (bf16) over the pages; new K/V must already be stored.
 
-    Same contract as :func:`radixkv.attention.torch_extend_attention` (causal over each
+    Same contract as :func:`radixkv.model.attention.base.torch_extend_attention` (causal over each
     request's new tokens, full over its cached prefix), with plain lists for the lengths.
     Raises ``RuntimeError`` if the native module is unavailable.
     """

@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from radixkv.allocator import IntegrityError
+from radixkv.cache.allocator import IntegrityError
 
 __all__ = ["DiskStore", "HEADER", "MAGIC", "chain_hashes"]
 

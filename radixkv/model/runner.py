@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from radixkv.attention import AttentionBackend, ForwardBatch, make_attention_backend
-from radixkv.kv_pool import KVPool
-from radixkv.model import LlamaModel, ModelConfig
+from radixkv.model.attention.base import AttentionBackend, ForwardBatch
+from radixkv.model.attention.factory import make_attention_backend
+from radixkv.model.kv_pool import KVPool
+from radixkv.model.llama import LlamaModel, ModelConfig
 
 __all__ = ["ModelRunner", "RequestSlice", "ForwardBatch", "build_forward_batch", "default_dtype"]
 
@@ -112,7 +113,7 @@ class ModelRunner:
     """Owns the model, its KV pool and the attention backend.
 
     Args:
-        model: a :class:`~radixkv.model_loader.LoadedModel` (or anything with ``hf_model`` /
+        model: a :class:`~radixkv.model.loader.LoadedModel` (or anything with ``hf_model`` /
             ``config``), or a transformers config when ``state_dict`` is given.
         state_dict: weights in transformers' naming (only with a config as ``model``).
         kv_cache_tokens: KV capacity in tokens (rounded up to pages); or give ``num_pages``.

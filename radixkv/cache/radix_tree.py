@@ -76,7 +76,7 @@ from typing import Any
 
 from sortedcontainers import SortedList
 
-from radixkv.allocator import BlockAllocator, IntegrityError
+from radixkv.cache.allocator import BlockAllocator, IntegrityError
 
 __all__ = ["EVICTION_POLICIES", "MatchResult", "RadixTree", "TreeNode"]
 

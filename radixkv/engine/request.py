@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from radixkv.detokenizer import IncrementalDetokenizer
-    from radixkv.sampling import SamplingParams
+    from radixkv.engine.detokenizer import IncrementalDetokenizer
+    from radixkv.engine.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from radixkv.allocator import BlockAllocator, OutOfPagesError
-from radixkv.radix_tree import RadixTree
+from radixkv.cache.allocator import BlockAllocator, OutOfPagesError
+from radixkv.cache.radix_tree import RadixTree
 
 if TYPE_CHECKING:
-    from radixkv.request import Sequence
+    from radixkv.engine.request import Sequence
 
 
 class KVManager:
@@ -32,7 +32,7 @@ class KVManager:
         self.page_size = allocator.page_size
         self.enable_prefix_cache = enable_prefix_cache
         self.copy_pages = copy_pages
-        #: Host/disk tiers (``radixkv.tiers.TieredCache``), set by ``TieredCache.attach``.
+        #: Host/disk tiers (``radixkv.cache.tiers.TieredCache``), set by ``TieredCache.attach``.
         self.tiers: Any = None
 
     # -- admission ---------------------------------------------------------------------------

@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 
-from radixkv.allocator import BlockAllocator
+from radixkv.cache.allocator import BlockAllocator
+from radixkv.cache.radix_tree import RadixTree
 from radixkv.config import EngineConfig
-from radixkv.detokenizer import IncrementalDetokenizer
-from radixkv.kv_manager import KVManager
-from radixkv.model_runner import RequestSlice
-from radixkv.radix_tree import RadixTree
-from radixkv.request import (
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.request import (
     CompletionOutput,
     RequestOutput,
     SeqStatus,
@@ -27,9 +26,10 @@ from radixkv.request import (
     StepOutput,
     now,
 )
-from radixkv.sampling import SamplingParams, SequenceState
-from radixkv.scheduler import Scheduler
-from radixkv.tokenizer_lock import LockedTokenizer
+from radixkv.engine.sampling import SamplingParams, SequenceState
+from radixkv.engine.scheduler import Scheduler
+from radixkv.engine.tokenizer_lock import LockedTokenizer
+from radixkv.model.runner import RequestSlice
 
 Prompt = str | list[int]
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Engine:
     schedule_policy="lpm", eviction_policy="lru", chunked_prefill_tokens=2048,
     max_running_requests=128, attention_backend=None, dtype=None, ...)`` — see
     :class:`~radixkv.config.EngineConfig` for every knob. ``model`` may also be an already loaded
-    :class:`~radixkv.model_loader.LoadedModel` (tests use a tiny random Llama that way).
+    :class:`~radixkv.model.loader.LoadedModel` (tests use a tiny random Llama that way).
     The engine is not thread-safe: one thread drives it (the server has a loop thread).
     """
 
@@ -75,10 +75,10 @@ class Engine:
 
     # -- construction ------------------------------------------------------------------------
     def _build(self, model: Any) -> None:
-        from radixkv.kv_pool import KVPool
-        from radixkv.model_loader import load_model
-        from radixkv.model_runner import ModelRunner, default_dtype
-        from radixkv.sampling import Sampler
+        from radixkv.engine.sampling import Sampler
+        from radixkv.model.kv_pool import KVPool
+        from radixkv.model.loader import load_model
+        from radixkv.model.runner import ModelRunner, default_dtype
 
         cfg = self.config
         loaded = load_model(model) if isinstance(model, str) else model
@@ -118,7 +118,7 @@ class Engine:
         )
         self.tiers = None
         if cfg.host_cache_tokens or cfg.disk_cache_dir:
-            from radixkv.tiers import TieredCache
+            from radixkv.cache.tiers import TieredCache
 
             self.tiers = TieredCache.attach(self, cfg)
         self.scheduler = Scheduler(cfg, self.kv)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixkv.hugepages import huge_zeros
+from radixkv.model.hugepages import huge_zeros
 
 
 class KVPool:

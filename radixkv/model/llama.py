@@ -5,7 +5,7 @@ Supports Llama / SmolLM / Mistral-style / Qwen2 (QKV bias) decoder-only models: 
 embeddings. Weights come from a transformers model's state dict; Q/K/V are fused into one
 ``Linear`` and gate/up into another, so a layer runs four matmuls.
 
-The attention reads and writes the KV pool through a :class:`~radixkv.attention.ForwardBatch`,
+The attention reads and writes the KV pool through a :class:`~radixkv.model.attention.base.ForwardBatch`,
 so one forward can mix requests that extend (prefill after a cached prefix) and requests that
 decode one token.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixkv.attention import AttentionBackend, ForwardBatch
+from radixkv.model.attention.base import AttentionBackend, ForwardBatch
 
 __all__ = ["ModelConfig", "LlamaModel", "RMSNorm", "RotaryEmbedding"]
 
@@ -231,7 +231,7 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         meta: Any,
     ) -> torch.Tensor:
-        """The same layer through the native fused bf16 ops (:mod:`radixkv.native`).
+        """The same layer through the native fused bf16 ops (:mod:`radixkv.model.native`).
 
         ``x`` is the residual stream, updated in place; ``pending`` is the previous layer's MLP
         output, not yet added (its add is fused into this layer's input RMSNorm). ``cos``/``sin``
@@ -273,7 +273,7 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
-        # bf16 on the CPU runs norms, RoPE and SiLU through radixkv.native's fused ops when built
+        # bf16 on the CPU runs norms, RoPE and SiLU through radixkv.model.native's fused ops when built
         self.use_fused_ops = True
         self.requires_grad_(False)
 
@@ -355,7 +355,7 @@ class LlamaModel(nn.Module):
         w = self.embed_tokens.weight
         if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not self.use_fused_ops:
             return None
-        from radixkv import native
+        from radixkv.model import native
 
         return native.load()
 

@@ -1,7 +1,7 @@
-"""radixkv's native CPU kernels (``radixkv/csrc``), compiled on first use.
+"""radixkv's native CPU kernels (``radixkv/model/csrc``), compiled on first use.
 
 The C++ sources are built with ``torch.utils.cpp_extension`` for the host CPU (``-march=native``)
-into ``<cache dir>/torch_extensions`` (see :func:`radixkv.model_loader.cache_dir`); later imports
+into ``<cache dir>/torch_extensions`` (see :func:`radixkv.model.loader.cache_dir`); later imports
 load the built module in milliseconds. ``radixkv prepare-model`` (run by ``setup.sh``) builds them
 ahead of the first request.
 
@@ -31,7 +31,7 @@ _state: dict[str, Any] = {}
 def _build() -> Any:
     from torch.utils import cpp_extension
 
-    from radixkv.model_loader import cache_dir
+    from radixkv.model.loader import cache_dir
 
     build_dir = cache_dir() / "torch_extensions" / _MODULE_NAME
     build_dir.mkdir(parents=True, exist_ok=True)

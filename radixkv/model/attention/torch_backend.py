@@ -1,117 +1,26 @@
-"""Paged attention backends and the :class:`ForwardBatch` they consume.
+"""The pure-PyTorch paged attention backend (``"torch"``; the CPU's float32 accuracy mode).
 
-Two backends implement the same per-layer call ``forward(layer, q, k, v, meta) -> o``:
+Decodes of a step are batched into one padded computation: the pages of every decoding request
+are gathered with one ``index_select`` per layer into a reusable workspace, scores are one
+``baddbmm`` against a block-diagonal query (all KV heads at once, no transposes of the gathered
+cache) and the weighted sum one ``bmm``. Extends (prefill of new tokens after a cached prefix) run
+per request through ``F.scaled_dot_product_attention``; a request with no cached prefix attends to
+its fresh K/V directly (causal), without reading the cache back. Its arithmetic follows
+transformers' fp32 attention step for step.
 
-* ``"torch"`` (default on CPU): pure PyTorch. Decodes of a step are batched into one padded
-  computation: the pages of every decoding request are gathered with one ``index_select`` per
-  layer into a reusable workspace, scores are one ``baddbmm`` against a block-diagonal query
-  (all KV heads at once, no transposes of the gathered cache) and the weighted sum one ``bmm``.
-  Extends (prefill of new tokens after a cached prefix) run per request through
-  ``F.scaled_dot_product_attention``; a request with no cached prefix attends to its fresh K/V
-  directly (causal), without reading the cache back.
-* ``"triton"`` (default on CUDA): ``radixkv.kernels.store_kvcache / decode_attention /
-  extend_attention``.
-
-All index tensors a step needs are built once per forward (:meth:`prepare`), not per layer.
-The standalone :func:`torch_decode_attention` / :func:`torch_extend_attention` /
-:func:`torch_store_kvcache` have the kernels' signatures (see docs/design.md) so the kernel
-benchmark can compare against them.
+All index tensors a step needs are built once per forward (``prepare``), not per layer. The
+standalone :func:`torch_decode_attention` / :func:`torch_extend_attention` have the kernels'
+signatures (see docs/design.md) so the kernel benchmark can compare against them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-__all__ = [
-    "ForwardBatch",
-    "AttentionBackend",
-    "TorchAttentionBackend",
-    "TritonAttentionBackend",
-    "make_attention_backend",
-    "torch_store_kvcache",
-    "torch_decode_attention",
-    "torch_extend_attention",
-]
-
-
-@dataclass
-class ForwardBatch:
-    """One model step over a batch of requests (see docs/design.md, "Model runner").
-
-    Attributes:
-        input_ids: ``[T]`` int64, the new tokens of every request, request after request.
-        positions: ``[T]`` int64, absolute positions of those tokens.
-        extend_lens: new tokens per request (1 for a decode).
-        prefix_lens: tokens already in the KV pool before this step, per request.
-        page_table: ``[B, max_pages]`` int32 page ids (padded with 0).
-        out_slots: ``[T]`` int64, the slot each new token's K/V goes to.
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    extend_lens: list[int]
-    prefix_lens: list[int]
-    page_table: torch.Tensor
-    out_slots: torch.Tensor
-    page_size: int = 0
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def batch_size(self) -> int:
-        """Number of requests."""
-        return len(self.extend_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of new tokens ``T``."""
-        return int(self.input_ids.shape[0])
-
-    @property
-    def seq_lens(self) -> list[int]:
-        """``prefix_lens + extend_lens`` per request."""
-        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
-
-    @property
-    def extend_starts(self) -> list[int]:
-        """Row of each request's first new token in ``input_ids``."""
-        starts, acc = [], 0
-        for e in self.extend_lens:
-            starts.append(acc)
-            acc += e
-        return starts
-
-    @property
-    def last_token_rows(self) -> list[int]:
-        """Row of each request's last new token."""
-        rows, acc = [], 0
-        for e in self.extend_lens:
-            acc += e
-            rows.append(acc - 1)
-        return rows
-
-
-# --------------------------------------------------------------------------------------------
-# Pure-torch building blocks
-# --------------------------------------------------------------------------------------------
-
-
-def torch_store_kvcache(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out_slots: torch.Tensor,
-) -> None:
-    """Write ``k, v [T, Hkv, D]`` into the slots ``out_slots [T]`` of the paged caches."""
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    slots = out_slots if out_slots.dtype == torch.long else out_slots.long()
-    k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
-
+from radixkv.model.attention.base import AttentionBackend, ForwardBatch, torch_store_kvcache
 
 _EYE_CACHE: dict[tuple[int, int, torch.dtype, torch.device, float], torch.Tensor] = {}
 
@@ -427,34 +336,6 @@ def torch_extend_attention(
     return out.to(q.dtype)
 
 
-# --------------------------------------------------------------------------------------------
-# Backends
-# --------------------------------------------------------------------------------------------
-
-
-class AttentionBackend:
-    """Interface: ``prepare`` once per forward, then ``forward`` per layer."""
-
-    name = "base"
-
-    def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> Any:
-        """Build the per-forward metadata."""
-        raise NotImplementedError
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: Any,
-        sm_scale: float,
-    ) -> torch.Tensor:
-        """Store ``k, v [T, Hkv, D]`` in the caches and attend: ``q [T, Hq, D] -> [T, Hq, D]``."""
-        raise NotImplementedError
-
-
 class TorchAttentionBackend(AttentionBackend):
     """Pure PyTorch paged attention (CPU default)."""
 
@@ -490,116 +371,3 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots)
         return _run_torch_attention(q, k, v, k_cache, v_cache, meta, sm_scale, self.workspace)
-
-
-@dataclass
-class TritonAttnMeta:
-    """Per-forward int32 index tensors for the Triton kernels."""
-
-    out_slots: torch.Tensor
-    page_table: torch.Tensor
-    seq_lens: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
-    extend_starts: torch.Tensor
-    all_decode: bool
-
-
-class TritonAttentionBackend(AttentionBackend):
-    """Calls ``radixkv.kernels`` (store_kvcache, decode_attention, extend_attention)."""
-
-    name = "triton"
-
-    def __init__(self) -> None:
-        from radixkv import kernels
-
-        missing = [
-            f
-            for f in ("store_kvcache", "decode_attention", "extend_attention")
-            if not hasattr(kernels, f)
-        ]
-        if missing:
-            raise ImportError(f"radixkv.kernels lacks {missing}: the triton backend needs them")
-        self.kernels = kernels
-
-    def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> TritonAttnMeta:
-        dev = batch.input_ids.device
-
-        def i32(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.int32, device=dev)
-
-        return TritonAttnMeta(
-            out_slots=batch.out_slots.long(),
-            page_table=batch.page_table.to(torch.int32).contiguous(),
-            seq_lens=i32(batch.seq_lens),
-            prefix_lens=i32(batch.prefix_lens),
-            extend_lens=i32(batch.extend_lens),
-            extend_starts=i32(batch.extend_starts),
-            all_decode=all(n == 1 for n in batch.extend_lens),
-        )
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: TritonAttnMeta,
-        sm_scale: float,
-    ) -> torch.Tensor:
-        kern = self.kernels
-        kern.store_kvcache(
-            k.to(k_cache.dtype).contiguous(),
-            v.to(v_cache.dtype).contiguous(),
-            k_cache,
-            v_cache,
-            meta.out_slots,
-        )
-        qc = q.contiguous()
-        if meta.all_decode:
-            return kern.decode_attention(
-                qc, k_cache, v_cache, meta.page_table, meta.seq_lens, sm_scale
-            )
-        return kern.extend_attention(
-            qc,
-            k_cache,
-            v_cache,
-            meta.page_table,
-            meta.prefix_lens,
-            meta.extend_lens,
-            meta.extend_starts,
-            sm_scale,
-        )
-
-
-def make_attention_backend(
-    name: str | None,
-    device: torch.device | str,
-    dtype: torch.dtype = torch.float32,
-    head_dim: int | None = None,
-) -> AttentionBackend:
-    """``"torch"``, ``"triton"`` or ``None`` (triton on CUDA, torch elsewhere).
-
-    On the CPU (``"torch"``), bfloat16 pools get the native paged-attention kernel
-    (:mod:`radixkv.native_attention`, K/V read in place) when it builds and serves ``head_dim``,
-    else the shared-prefix cascade backend (:mod:`radixkv.cascade_attention`, ATen's fused
-    kernels); float32, the accuracy mode, gets the plain backend whose arithmetic follows
-    transformers' fp32 attention step for step, so logits stay within 1e-3 of it.
-    """
-    dev = torch.device(device)
-    if name is None:
-        name = "triton" if dev.type == "cuda" else "torch"
-    if name == "torch":
-        if dtype == torch.float32:
-            return TorchAttentionBackend()
-        from radixkv.native_attention import NativeAttentionBackend, native_attention_supported
-
-        if dev.type == "cpu" and native_attention_supported(dtype, head_dim):
-            return NativeAttentionBackend()
-        from radixkv.cascade_attention import CascadeTorchBackend
-
-        return CascadeTorchBackend()
-    if name == "triton":
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention_backend {name!r}: use 'torch' or 'triton'")

@@ -1,0 +1,114 @@
+"""The attention interface: :class:`ForwardBatch` (what a step computes) and
+:class:`AttentionBackend` (``prepare`` once per forward, ``forward`` per layer).
+
+Backends live beside this module (``torch_backend``, ``native_backend``, ``cascade_backend``,
+``triton_backend``) and import it; :mod:`radixkv.model.attention.factory` picks one. Nothing here
+imports a backend, so the package has no import cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ForwardBatch", "AttentionBackend", "torch_store_kvcache"]
+
+
+@dataclass
+class ForwardBatch:
+    """One model step over a batch of requests (see docs/design.md, "Model runner").
+
+    Attributes:
+        input_ids: ``[T]`` int64, the new tokens of every request, request after request.
+        positions: ``[T]`` int64, absolute positions of those tokens.
+        extend_lens: new tokens per request (1 for a decode).
+        prefix_lens: tokens already in the KV pool before this step, per request.
+        page_table: ``[B, max_pages]`` int32 page ids (padded with 0).
+        out_slots: ``[T]`` int64, the slot each new token's K/V goes to.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    page_table: torch.Tensor
+    out_slots: torch.Tensor
+    page_size: int = 0
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def batch_size(self) -> int:
+        """Number of requests."""
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of new tokens ``T``."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """``prefix_lens + extend_lens`` per request."""
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def extend_starts(self) -> list[int]:
+        """Row of each request's first new token in ``input_ids``."""
+        starts, acc = [], 0
+        for e in self.extend_lens:
+            starts.append(acc)
+            acc += e
+        return starts
+
+    @property
+    def last_token_rows(self) -> list[int]:
+        """Row of each request's last new token."""
+        rows, acc = [], 0
+        for e in self.extend_lens:
+            acc += e
+            rows.append(acc - 1)
+        return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Pure-torch building blocks
+# --------------------------------------------------------------------------------------------
+
+
+def torch_store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,
+) -> None:
+    """Write ``k, v [T, Hkv, D]`` into the slots ``out_slots [T]`` of the paged caches."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    slots = out_slots if out_slots.dtype == torch.long else out_slots.long()
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+class AttentionBackend:
+    """Interface: ``prepare`` once per forward, then ``forward`` per layer."""
+
+    name = "base"
+
+    def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> Any:
+        """Build the per-forward metadata."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        """Store ``k, v [T, Hkv, D]`` in the caches and attend: ``q [T, Hq, D] -> [T, Hq, D]``."""
+        raise NotImplementedError

@@ -1,0 +1,183 @@
+"""The package layering of docs/design.md, enforced: no import cycles, no import against the layers.
+
+An AST scan of every module under ``radixkv/``, ``server/`` (``radixkv.server``) and ``kernels/``
+(``radixkv.kernels``); import-linter/grimp would only see ``radixkv/`` because the other two folders
+are mapped in by setuptools' ``package-dir``. Imports under ``if TYPE_CHECKING:`` are annotations,
+not dependencies, and are skipped; imports inside functions (lazy imports) count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"radixkv": ROOT / "radixkv", "radixkv.server": ROOT / "server", "radixkv.kernels": ROOT / "kernels"}
+
+# layer -> the layers it may import (itself always allowed). The package root ``radixkv`` only
+# re-exports lazily (importlib), so importing it is a dependency on the engine.
+ALLOWED: dict[str, set[str]] = {
+    "radixkv.config": set(),
+    "radixkv.kernels": set(),
+    "radixkv.cache": {"radixkv.config"},
+    "radixkv.sim": {"radixkv.config", "radixkv.cache"},
+    "radixkv.model": {"radixkv.config", "radixkv.cache", "radixkv.kernels"},
+    "radixkv.engine": {"radixkv.config", "radixkv.cache", "radixkv.model"},
+    "radixkv.server": {
+        "radixkv",
+        "radixkv.config",
+        "radixkv.cache",
+        "radixkv.model",
+        "radixkv.engine",
+        "radixkv.sim",
+    },
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for pkg, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([pkg, *parts])
+            if pkg == "radixkv" and parts and parts[0] in ("server", "kernels"):
+                continue
+            mods[name] = path
+    return mods
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Internal modules ``name`` imports (resolved to the deepest existing module)."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def resolve(target: str) -> str | None:
+        while target and target not in mods:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "radixkv" and (m := resolve(alias.name)):
+                    found.add(m)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name if is_pkg else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "radixkv":
+                return
+            for alias in node.names:
+                m = resolve(f"{module}.{alias.name}")
+                if m:
+                    found.add(m)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    found.discard(name)
+    return found
+
+
+def _layer(module: str) -> str:
+    for layer in sorted(ALLOWED, key=len, reverse=True):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return module  # radixkv, radixkv.cli, radixkv.__main__: the top, may import anything
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def test_scanner_sees_every_folder(graph: dict[str, set[str]]) -> None:
+    for must in (
+        "radixkv.cache.radix_tree",
+        "radixkv.engine.engine",
+        "radixkv.model.attention.factory",
+        "radixkv.server.app",
+        "radixkv.kernels.decode_attention",
+    ):
+        assert must in graph
+    assert "radixkv.model.attention.base" in graph["radixkv.model.attention.torch_backend"]
+
+
+def test_no_import_against_the_layers(graph: dict[str, set[str]]) -> None:
+    bad = []
+    for importer, targets in graph.items():
+        layer = _layer(importer)
+        if layer not in ALLOWED:
+            continue
+        for target in targets:
+            tl = _layer(target)
+            if tl != layer and tl not in ALLOWED[layer]:
+                bad.append(f"{importer} -> {target}")
+    assert not bad, "imports against the layering of docs/design.md:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
+    # Tarjan's strongly connected components; a component of two or more modules is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_checks_can_fail() -> None:
+    """The cycle and layer checks fire on a graph that breaks them."""
+    assert _layer("radixkv.cache.tiers") == "radixkv.cache"
+    assert "radixkv.model" not in ALLOWED["radixkv.cache"]
+    with pytest.raises(AssertionError):
+        test_no_import_cycles({"a": {"b"}, "b": {"a"}})
+    with pytest.raises(AssertionError):
+        test_no_import_against_the_layers({"radixkv.cache.tiers": {"radixkv.model.kv_pool"}})
