@@ -1,0 +1,99 @@
+"""Pins of the radix tree: locks with an expiry.
+
+``pin`` locks the matched node once (re-pinning the same node only extends its expiry, ``inf`` =
+no ttl); expired pins are unlocked lazily (on ``evict``, ``pin``, ``unpin``, ``reset``,
+``check_integrity`` and the size properties) using the tree's injectable ``clock``. Finite
+expiries sit in a heap; an entry whose node's expiry changed since it was pushed is stale and
+skipped. :class:`Pins` is a mixin of :class:`radixkv.cache.radix_tree.RadixTree`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Hashable, Sequence
+
+from radixkv.cache.tree_node import TreeNode
+
+__all__ = ["Pins"]
+
+
+class Pins:
+    """Mixin: pin/unpin prefixes of a ``RadixTree`` with an optional ttl.
+
+    Invariant: ``_num_pins`` is the number of nodes with ``pin_expiry is not None``, each of
+    which holds exactly one lock; every finite expiry has an entry in ``_pin_heap``.
+    """
+
+    page_size: int
+    root: TreeNode
+    clock: Callable[[], float]
+    _pin_heap: list[tuple[float, int, TreeNode]]
+    _num_pins: int
+
+    @property
+    def num_pins(self) -> int:
+        """Number of pinned nodes."""
+        self._expire_pins()
+        return self._num_pins
+
+    def pin(self, tokens: Sequence[int], salt: Hashable = None, ttl: float | None = None) -> int:
+        """Pin the cached prefix of ``tokens``: never evicted until ``ttl`` seconds pass (``None``
+        = until :meth:`unpin`). Pinning an already pinned node extends its expiry. Returns the
+        number of tokens pinned (0 when nothing is cached)."""
+        self._expire_pins()
+        res = self.match_prefix(tokens, salt)
+        node = res.node
+        if node is None or node is self.root:
+            return 0
+        expiry = math.inf if ttl is None else self.clock() + ttl
+        if node.pin_expiry is None:
+            self.lock(node)
+            self._num_pins += 1
+            node.pin_expiry = expiry
+        elif expiry > node.pin_expiry:
+            node.pin_expiry = expiry
+        else:
+            return res.num_tokens
+        if expiry != math.inf:
+            heapq.heappush(self._pin_heap, (expiry, node.uid, node))
+        return res.num_tokens
+
+    def unpin(self, tokens: Sequence[int], salt: Hashable = None) -> int:
+        """Remove every pin on the cached path of ``tokens``; returns the number of pins removed."""
+        self._expire_pins()
+        if type(tokens) is not list:
+            tokens = list(tokens)
+        n = len(tokens) - len(tokens) % self.page_size
+        start = self._namespace(salt, create=False)
+        if start is None or n == 0:
+            return 0
+        node, _, _ = self._walk(start, tokens, n, hit=False)
+        removed = 0
+        while node is not start and node is not None:
+            parent = node.parent
+            if node.pin_expiry is not None:
+                self._unpin_node(node)
+                removed += 1
+            node = parent
+        return removed
+
+    def _unpin_node(self, node: TreeNode) -> None:
+        node.pin_expiry = None
+        self._num_pins -= 1
+        self.unlock(node)
+
+    def _expire_pins(self) -> None:
+        heap = self._pin_heap
+        if not heap:
+            return
+        now = self.clock()
+        while heap and heap[0][0] <= now:
+            expiry, _, node = heapq.heappop(heap)
+            # Stale entries: the pin was extended or removed since this entry was pushed.
+            if node.pin_expiry == expiry:
+                self._unpin_node(node)
+
+    def expire_pins(self) -> None:
+        """Drop pins whose ttl has passed (otherwise done lazily)."""
+        self._expire_pins()

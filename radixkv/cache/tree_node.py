@@ -1,0 +1,133 @@
+"""The radix tree's node and match result (plain data; mutate only through ``RadixTree``).
+
+A :class:`TreeNode` is one edge: ``key`` token ids, ``value`` device pages, ``host_value`` host
+pages, lock and eviction bookkeeping. :class:`NamespaceKey` is the child key under ``root`` of a
+salted namespace. See :mod:`radixkv.cache.radix_tree` for the invariants the tree keeps over them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MatchResult", "NamespaceKey", "TreeNode"]
+
+
+@dataclass(frozen=True)
+class NamespaceKey:
+    """Child key of ``root`` for a salted namespace (never equal to a token or page tuple)."""
+
+    salt: Hashable
+
+
+class TreeNode:
+    """One edge of the radix tree.
+
+    Fields (read them freely; mutate only through :class:`RadixTree`):
+
+    * ``key``: token ids of this edge (``len(key) == len(value) * page_size``; empty only for the
+      root and namespace nodes);
+    * ``value``: page ids holding ``key`` (owned by the tree, one allocator reference each);
+    * ``parent`` / ``children``: ``children`` maps the first page of a child's key (token or
+      tuple) to the child;
+    * ``lock_ref``: locks held on this node or any descendant (0 = evictable);
+    * ``last_access``: logical time of the last match/insert through this node;
+    * ``hit_count``: number of ``match_prefix`` calls that went through this node;
+    * ``created``: creation order (a split keeps the original order for the new upper half);
+    * ``pin_expiry``: ``None`` when not pinned, else the clock time the pin expires (``inf`` =
+      no ttl); a pinned node holds one lock;
+    * ``salt``: namespace of the node; ``is_namespace``: True for namespace nodes;
+    * ``host_value``: host page ids holding ``key`` (``None`` when not on the host tier);
+      ``value`` is ``None`` when the node is host-only;
+    * ``dev_children``: number of device-resident children; ``host_ref``: host protections.
+    """
+
+    __slots__ = (
+        "key",
+        "value",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access",
+        "hit_count",
+        "created",
+        "uid",
+        "pin_expiry",
+        "salt",
+        "is_namespace",
+        "evict_entry",
+        "host_value",
+        "host_entry",
+        "host_ref",
+        "dev_children",
+    )
+
+    def __init__(
+        self,
+        key: list[int],
+        value: list[int] | None,
+        parent: TreeNode | None,
+        uid: int,
+        salt: Hashable = None,
+    ) -> None:
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[Any, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+        self.created = uid
+        self.uid = uid
+        self.pin_expiry: float | None = None
+        self.salt = salt
+        self.is_namespace = False
+        # The tuple currently stored in the tree's evictable-leaf SortedList, or None.
+        self.evict_entry: tuple | None = None
+        self.host_value: list[int] | None = None
+        # The tuple currently stored in the tree's host-leaf SortedList, or None.
+        self.host_entry: tuple | None = None
+        self.host_ref = 0
+        self.dev_children = 0
+
+    @property
+    def on_device(self) -> bool:
+        """True when the node's KV is in device pages (``value`` is not None)."""
+        return self.value is not None
+
+    @property
+    def on_host(self) -> bool:
+        """True when the node's KV is in host pages (``host_value`` is not None)."""
+        return self.host_value is not None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens on this edge."""
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        dev = "-" if self.value is None else len(self.value)
+        host = "" if self.host_value is None else f", host_pages={len(self.host_value)}"
+        return (
+            f"TreeNode(uid={self.uid}, tokens={len(self.key)}, pages={dev}{host}, "
+            f"lock_ref={self.lock_ref}, children={len(self.children)})"
+        )
+
+
+@dataclass
+class MatchResult:
+    """Result of :meth:`RadixTree.match_prefix`.
+
+    ``pages`` hold the first ``num_tokens`` tokens of the query (``num_tokens == len(pages) *
+    page_size``). ``node`` is the lock handle: the node whose path from the namespace root is
+    exactly the matched prefix (``tree.root`` when nothing matched; locking root is a no-op).
+    Everything here is device resident. ``host_nodes`` are the host-only nodes that continue the
+    match (in path order, ``host_tokens`` tokens in all); they are not locked by ``lock(node)``.
+    """
+
+    pages: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    node: TreeNode | None = None
+    host_nodes: list[TreeNode] = field(default_factory=list)
+    host_tokens: int = 0
