@@ -18,7 +18,8 @@ class EngineConfig:
     ``kv_cache_tokens`` sizes the device KV pool (rounded down to whole pages);
     ``kv_cache_memory_gb``, when given, sizes it from a memory budget instead.
     ``None`` for ``attention_backend`` / ``dtype`` / ``device`` picks the measured default of the
-    machine (torch + bfloat16 on CPU, triton on CUDA).
+    machine (triton + bfloat16 on CUDA; torch on CPU, in bfloat16 where the CPU has native bf16,
+    AVX512-BF16 or AMX, else float32).
     """
 
     model: str = "smollm2"

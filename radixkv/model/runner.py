@@ -12,6 +12,7 @@ Typical use (the engine's view)::
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,17 +22,29 @@ import torch
 
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch
 from radixkv.model.attention.factory import make_attention_backend
+from radixkv.model.host_cpu import has_native_bf16
 from radixkv.model.kv_pool import KVPool
 from radixkv.model.llama import LlamaModel, ModelConfig
 
-__all__ = ["ModelRunner", "RequestSlice", "ForwardBatch", "build_forward_batch", "default_dtype"]
+__all__ = [
+    "ModelRunner",
+    "RequestSlice",
+    "ForwardBatch",
+    "build_forward_batch",
+    "default_dtype",
+    "warn_if_emulated_bf16",
+]
+
+log = logging.getLogger(__name__)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    """bfloat16 where it is fast (CUDA; CPUs with AVX512-BF16/AMX), else float32.
+    """bfloat16 where it is fast (CUDA; CPUs with AVX512-BF16/AMX-BF16), else float32.
 
-    On the 2-core AVX512 reference machine bf16 matmuls run ~4.5x faster than fp32 (see
-    docs/model.md), so bf16 is the CPU default whenever the CPU has native bf16 support.
+    On a 2-core AVX512-BF16 host bf16 matmuls run ~4.5x faster than fp32, so bf16 is the CPU
+    default whenever the CPU computes bf16 natively (:func:`radixkv.model.host_cpu.has_native_bf16`);
+    on an AVX2-only host (no native bf16) torch emulates bf16 and fp32 is the fast dtype.
+    ``RADIXKV_DTYPE`` (float32/bfloat16/float16) overrides the CPU default.
     """
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -39,11 +52,18 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     env = os.environ.get("RADIXKV_DTYPE")
     if env:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[env]
-    try:
-        has_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except Exception:
-        has_bf16 = False
-    return torch.bfloat16 if has_bf16 else torch.float32
+    return torch.bfloat16 if has_native_bf16() else torch.float32
+
+
+def warn_if_emulated_bf16(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Log one warning line when bf16 is asked for on a CPU without native bf16; True if so."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or has_native_bf16():
+        return False
+    log.warning(
+        "dtype bfloat16 on a CPU without native bf16 (no avx512_bf16/amx_bf16): it is emulated "
+        "and slow here (2-3x slower than float32); use dtype float32 on this host"
+    )
+    return True
 
 
 @dataclass
@@ -140,6 +160,7 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
+        warn_if_emulated_bf16(self.dtype, self.device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if state_dict is None:
