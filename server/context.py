@@ -1,0 +1,110 @@
+"""The shared request path of every route family: model check, submit (with the queue's
+4xx/503 answers), collect a whole answer, guard a stream (abort on disconnect or error)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from .engine_loop import EngineLoop, EngineRequestError, QueueFullError, RequestStream
+from .metrics import ServerMetrics
+from .protocol import APIError, error_body
+from .streaming import SSE_DONE, ClientDisconnected, Collected, Seq, sse, unless_disconnected
+
+
+@dataclass
+class ServerContext:
+    """What the routes of one app share: the engine, its loop thread, metrics and names.
+
+    ``auth`` is the ``dependencies`` list of every route that needs the API key (all but
+    ``/health``); ``accepted_names`` are the model names requests may ask for.
+    """
+
+    engine: Any
+    engine_loop: EngineLoop
+    metrics: ServerMetrics
+    served_name: str
+    accepted_names: set[str]
+    created: int
+    auth: list[Any]
+
+    def check_model(self, name: str) -> None:
+        if name not in self.accepted_names:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist. This server serves `{self.served_name}`.",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: Any,
+        salt: str | None,
+        arrival: float,
+    ) -> RequestStream:
+        try:
+            return await self.engine_loop.add_request(
+                request_id, prompt, params, salt=salt, arrival=arrival
+            )
+        except ValueError as exc:
+            self.metrics.rejected.labels(reason="invalid").inc()
+            raise APIError(400, str(exc)) from exc
+        except QueueFullError as exc:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise APIError(503, str(exc), type="server_error", code="queue_full") from exc
+        except EngineRequestError as exc:
+            raise APIError(exc.status_code, exc.message, type="server_error") from exc
+
+    async def collect(self, request: Request, stream: RequestStream, n: int) -> Collected:
+        """Gather a whole request; abort it if the client disconnects."""
+        result = Collected(seqs=[Seq() for _ in range(n)])
+
+        async def consume() -> None:
+            async for out in stream.outputs():
+                result.add(out)
+
+        try:
+            await unless_disconnected(request, consume())
+        except ClientDisconnected:
+            self.engine_loop.abort(stream.request_id)
+            raise
+        except EngineRequestError as exc:
+            self.engine_loop.release(stream.request_id)
+            raise APIError(exc.status_code, exc.message, type="server_error") from exc
+        except BaseException:
+            self.engine_loop.abort(stream.request_id)
+            raise
+        self.engine_loop.release(stream.request_id)
+        return result
+
+    async def guarded_stream(
+        self, stream: RequestStream, body: Callable[[], AsyncIterator[str]]
+    ) -> AsyncIterator[str]:
+        """Run a streaming body; on disconnect or error the engine request is aborted."""
+        completed = False
+        try:
+            async for chunk in body():
+                yield chunk
+            completed = True
+        except EngineRequestError as exc:
+            completed = True  # the loop already dropped it from the engine
+            yield sse(error_body(exc.message, type="server_error", code=exc.status_code))
+            yield SSE_DONE
+        finally:
+            if completed:
+                self.engine_loop.release(stream.request_id)
+            else:
+                self.engine_loop.abort(stream.request_id)
+
+    def token_str(self, token_id: int) -> str:
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if tokenizer is None:
+            return f"<{token_id}>"
+        return str(tokenizer.decode([token_id]))

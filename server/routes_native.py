@@ -1,0 +1,97 @@
+"""The SGLang-style native route: ``POST /generate`` (text or token ids in, ``meta_info`` out)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .context import ServerContext
+from .protocol import (
+    GenerateRequest,
+    check_prompt_not_empty,
+    make_sampling_params,
+    new_id,
+    resolve_max_tokens,
+    tokenize_text,
+)
+from .streaming import SSE_DONE, Collected, Seq, SSEResponse, sse
+
+
+def native_routes(ctx: ServerContext) -> APIRouter:
+    """The ``/generate`` route of one app (behind ``ctx.auth``)."""
+    engine = ctx.engine
+    auth = ctx.auth
+    submit, collect, guarded_stream = ctx.submit, ctx.collect, ctx.guarded_stream
+    router = APIRouter()
+
+    @router.post("/generate", dependencies=auth)
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        prompt = body.prompt()
+        param = "text" if body.text is not None else "input_ids"
+        check_prompt_not_empty(prompt, param)
+        prompt_len = len(prompt) if isinstance(prompt, list) else len(tokenize_text(engine, prompt))
+        check_prompt_not_empty([0] * prompt_len, param)
+        sp = body.sampling_params
+        max_tokens = resolve_max_tokens(
+            prompt_len, sp.requested_max_tokens(), engine.max_model_len, default=None
+        )
+        params = make_sampling_params(
+            sp.engine_kwargs(
+                max_tokens=max_tokens,
+                default_temperature=1.0,
+                logprobs=0 if body.return_logprob else None,
+            )
+        )
+        rid = new_id("gen")
+        stream = await submit(rid, prompt, params, body.salt, arrival)
+        n = sp.n
+
+        def item(result: Collected, index: int) -> dict[str, Any]:
+            seq = result.seqs[index]
+            reason = seq.finish_reason
+            finish: dict[str, Any] | None = None
+            if reason is not None:
+                finish = {"type": reason}
+                if reason == "length":
+                    finish["length"] = max_tokens
+            meta: dict[str, Any] = {
+                "id": rid,
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": len(seq.token_ids),
+                "cached_tokens": result.cached_tokens,
+                "cached_tokens_details": dict(result.cached_by_tier),
+                "finish_reason": finish,
+                "e2e_latency": time.monotonic() - arrival,
+            }
+            if body.return_logprob:
+                meta["output_token_logprobs"] = list(seq.logprobs)
+            out: dict[str, Any] = {
+                "text": seq.text,
+                "output_ids": list(seq.token_ids),
+                "meta_info": meta,
+            }
+            if n > 1:
+                out["index"] = index
+            return out
+
+        if not body.stream:
+            result = await collect(request, stream, n)
+            items = [item(result, i) for i in range(n)]
+            return JSONResponse(items if n > 1 else items[0])
+
+        async def body_iter() -> AsyncIterator[str]:
+            result = Collected(seqs=[Seq() for _ in range(n)])
+            async for out in stream.outputs():
+                result.add(out)
+                if out.new_token_ids or out.finished:
+                    yield sse(item(result, int(getattr(out, "index", 0) or 0)))
+            yield SSE_DONE
+
+        return SSEResponse(guarded_stream(stream, body_iter))
+
+    return router

@@ -1,0 +1,275 @@
+"""OpenAI-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .context import ServerContext
+from .protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    apply_chat_template,
+    check_prompt_not_empty,
+    make_sampling_params,
+    new_id,
+    now,
+    resolve_max_tokens,
+    tokenize_text,
+)
+from .streaming import SSE_DONE, Collected, Seq, SSEResponse, sse
+
+
+def openai_routes(ctx: ServerContext) -> APIRouter:
+    """The OpenAI routes of one app (all behind ``ctx.auth``)."""
+    engine = ctx.engine
+    served_name = ctx.served_name
+    auth = ctx.auth
+    check_model, submit, collect = ctx.check_model, ctx.submit, ctx.collect
+    guarded_stream, token_str = ctx.guarded_stream, ctx.token_str
+    router = APIRouter()
+
+    def completion_logprobs(
+        token_ids: list[int], logprobs: list[float], top: int, offset: int
+    ) -> dict[str, Any]:
+        tokens = [token_str(t) for t in token_ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        lps = list(logprobs) + [None] * (len(tokens) - len(logprobs))
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps[: len(tokens)],
+            "top_logprobs": [
+                {t: lp} if top > 0 and lp is not None else {} for t, lp in zip(tokens, lps)
+            ],
+            "text_offset": offsets,
+        }
+
+    @router.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        check_model(body.model)
+        prompt = body.single_prompt()
+        check_prompt_not_empty(prompt)
+        prompt_len = len(prompt) if isinstance(prompt, list) else len(tokenize_text(engine, prompt))
+        check_prompt_not_empty(prompt if isinstance(prompt, list) else [0] * prompt_len)
+        max_tokens = resolve_max_tokens(
+            prompt_len,
+            body.max_tokens,
+            engine.max_model_len,
+            default=DEFAULT_COMPLETION_MAX_TOKENS,
+        )
+        params = make_sampling_params(
+            body.engine_kwargs(
+                max_tokens=max_tokens, default_temperature=1.0, logprobs=body.logprobs
+            )
+        )
+        rid = new_id("cmpl")
+        stream = await submit(rid, prompt, params, body.cache_salt, arrival)
+        top = body.logprobs or 0
+        want_logprobs = body.logprobs is not None
+
+        if not body.stream:
+            result = await collect(request, stream, body.n)
+            choices = []
+            for i, seq in enumerate(result.seqs):
+                choices.append(
+                    {
+                        "index": i,
+                        "text": seq.text,
+                        "logprobs": completion_logprobs(seq.token_ids, seq.logprobs, top, 0)
+                        if want_logprobs
+                        else None,
+                        "finish_reason": seq.finish_reason,
+                    }
+                )
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": now(),
+                    "model": served_name,
+                    "choices": choices,
+                    "usage": result.usage(),
+                }
+            )
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        created_at = now()
+
+        async def body_iter() -> AsyncIterator[str]:
+            result = Collected(seqs=[Seq() for _ in range(body.n)])
+            async for out in stream.outputs():
+                seq = result.seqs[int(getattr(out, "index", 0) or 0)]
+                offset = len(seq.text)
+                result.add(out)
+                if not (out.new_text or out.finished or out.new_token_ids):
+                    continue
+                chunk: dict[str, Any] = {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created_at,
+                    "model": served_name,
+                    "choices": [
+                        {
+                            "index": int(getattr(out, "index", 0) or 0),
+                            "text": out.new_text or "",
+                            "logprobs": completion_logprobs(
+                                list(out.new_token_ids or ()), list(out.logprobs or ()), top, offset
+                            )
+                            if want_logprobs
+                            else None,
+                            "finish_reason": out.finish_reason if out.finished else None,
+                        }
+                    ],
+                }
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+            if include_usage:
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created_at,
+                        "model": served_name,
+                        "choices": [],
+                        "usage": result.usage(),
+                    }
+                )
+            yield SSE_DONE
+
+        return SSEResponse(guarded_stream(stream, body_iter))
+
+    # ---------------------------------------------------------------- OpenAI: chat
+
+    def chat_logprobs(token_ids: list[int], logprobs: list[float], top: int) -> dict[str, Any]:
+        content = []
+        for tid, lp in zip(token_ids, logprobs):
+            tok = token_str(tid)
+            entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+            content.append({**entry, "top_logprobs": [entry] if top > 0 else []})
+        return {"content": content}
+
+    @router.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        check_model(body.model)
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
+        prompt_ids = apply_chat_template(tokenizer, [m.template_dict() for m in body.messages])
+        check_prompt_not_empty(prompt_ids, "messages")
+        max_tokens = resolve_max_tokens(
+            len(prompt_ids), body.requested_max_tokens(), engine.max_model_len, default=None
+        )
+        top = body.top_logprobs or 0
+        params = make_sampling_params(
+            body.engine_kwargs(
+                max_tokens=max_tokens,
+                default_temperature=1.0,
+                logprobs=top if body.logprobs else None,
+            )
+        )
+        rid = new_id("chatcmpl")
+        stream = await submit(rid, prompt_ids, params, body.cache_salt, arrival)
+
+        if not body.stream:
+            result = await collect(request, stream, body.n)
+            choices = []
+            for i, seq in enumerate(result.seqs):
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": seq.text},
+                        "logprobs": chat_logprobs(seq.token_ids, seq.logprobs, top)
+                        if body.logprobs
+                        else None,
+                        "finish_reason": seq.finish_reason,
+                    }
+                )
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "chat.completion",
+                    "created": now(),
+                    "model": served_name,
+                    "choices": choices,
+                    "usage": result.usage(),
+                }
+            )
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        created_at = now()
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None, lp: Any) -> str:
+            payload: dict[str, Any] = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created_at,
+                "model": served_name,
+                "choices": [
+                    {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                ],
+            }
+            if include_usage:
+                payload["usage"] = None
+            return sse(payload)
+
+        async def body_iter() -> AsyncIterator[str]:
+            result = Collected(seqs=[Seq() for _ in range(body.n)])
+            for i in range(body.n):
+                result.seqs[i].sent_role = True
+                yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+            async for out in stream.outputs():
+                index = int(getattr(out, "index", 0) or 0)
+                result.add(out)
+                lp = (
+                    chat_logprobs(list(out.new_token_ids or ()), list(out.logprobs or ()), top)
+                    if body.logprobs and out.new_token_ids
+                    else None
+                )
+                if out.new_text or lp is not None:
+                    yield chunk(index, {"content": out.new_text or ""}, None, lp)
+                if out.finished:
+                    yield chunk(index, {}, out.finish_reason, None)
+            if include_usage:
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": created_at,
+                        "model": served_name,
+                        "choices": [],
+                        "usage": result.usage(),
+                    }
+                )
+            yield SSE_DONE
+
+        return SSEResponse(guarded_stream(stream, body_iter))
+
+    @router.get("/v1/models", dependencies=auth)
+    async def list_models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_name,
+                    "object": "model",
+                    "created": ctx.created,
+                    "owned_by": "radixkv",
+                    "max_model_len": getattr(engine, "max_model_len", None),
+                }
+            ],
+        }
+
+    return router
