@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["SUBCOMMANDS", "add_simulate_parser", "build_parser", "main"]
+__all__ = ["SUBCOMMANDS", "add_info_parser", "add_simulate_parser", "build_parser", "main"]
 
 
 # ---------------------------------------------------------------------------- simulate
@@ -201,11 +201,52 @@ def add_prepare_model_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_prepare_model)
 
 
+# ---------------------------------------------------------------------------- info
+def _run_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from radixkv.model.platform_info import platform_info
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    info = platform_info(dtype=dtype, head_dim=args.head_dim, device=args.device)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if isinstance(value, list):
+            value = " ".join(str(v) for v in value) or "-"
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def add_info_parser(sub: argparse._SubParsersAction) -> None:
+    """``radixkv info``: host CPU, ISA, torch, dtype, attention backend and native kernel path."""
+    p = sub.add_parser(
+        "info",
+        help="print the host CPU/ISA, torch threads, default dtype and the kernels radixkv picks",
+        description="Print the host CPU model and ISA flags, torch version and threads, the "
+        "default dtype on this host, and the attention backend and native kernel path an engine "
+        "would use (building the native kernels if they are not built yet).",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="report the backend for this dtype (default: the host's default dtype)",
+    )
+    p.add_argument("--head-dim", type=int, default=64, help="attention head dim (default 64)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_info)
+
+
 #: One function per subcommand; each adds its parser and sets ``func``.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_simulate_parser,
     add_serve_parser,
     add_prepare_model_parser,
+    add_info_parser,
 ]
 
 

@@ -98,6 +98,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"radixkv serve: cannot build the engine: {exc}", file=sys.stderr)
         return 2
+    runner = getattr(engine, "runner", None)
+    if runner is not None:
+        from radixkv.model.platform_info import format_platform_info, platform_info
+
+        logger.info("platform: %s", format_platform_info(platform_info(runner=runner)))
     app = create_app(
         engine,
         api_key=args.api_key,
