@@ -18,14 +18,8 @@ from radixkv.cache.radix_tree import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import (
-    CompletionOutput,
-    RequestOutput,
-    SeqStatus,
-    Sequence,
-    StepOutput,
-    now,
-)
+from radixkv.engine.outputs import engine_stats, request_output, step_output
+from radixkv.engine.request import RequestOutput, SeqStatus, Sequence, StepOutput, now
 from radixkv.engine.sampling import SamplingParams, SequenceState
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.tokenizer_lock import LockedTokenizer
@@ -218,7 +212,7 @@ class Engine:
                 self.kv.release(seq, publish=True)
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = "abort"
-            self._pending.append(self._output(seq, [], "", None))
+            self._pending.append(step_output(seq, [], "", None))
         return True
 
     def has_unfinished(self) -> bool:
@@ -349,7 +343,7 @@ class Engine:
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(
-                self._output(seq, [token], delta, [logprob] if logprob is not None else None)
+                step_output(seq, [token], delta, [logprob] if logprob is not None else None)
             )
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -370,22 +364,6 @@ class Engine:
         seqs = self._requests.get(seq.request_id, [])
         if all(s.is_finished for s in seqs) and not any(s.fork_children for s in seqs):
             self._requests.pop(seq.request_id, None)
-
-    def _output(
-        self, seq: Sequence, tokens: list[int], delta: str, logprobs: list[float] | None
-    ) -> StepOutput:
-        return StepOutput(
-            request_id=seq.request_id,
-            index=seq.index,
-            new_token_ids=tokens,
-            new_text=delta,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            prompt_tokens=len(seq.prompt_ids),
-            cached_tokens=seq.cached_tokens or 0,
-            cached_tokens_by_tier=dict(seq.cached_by_tier),
-            logprobs=logprobs,
-        )
 
     # -- offline API -------------------------------------------------------------------------
     def generate(
@@ -414,32 +392,7 @@ class Engine:
             self.step()
             for rid in ids:  # forked siblings appear after the prompt's prefill
                 seqs[rid] = self._requests.get(rid, seqs[rid])
-        results = []
-        for rid, prompt in zip(ids, prompts):
-            group = sorted(seqs[rid], key=lambda s: s.index)
-            head = group[0]
-            results.append(
-                RequestOutput(
-                    request_id=rid,
-                    prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=head.prompt_ids,
-                    outputs=[
-                        CompletionOutput(
-                            index=s.index,
-                            token_ids=s.output_ids,
-                            text=s.detok.text,
-                            finish_reason=s.finish_reason,
-                            logprobs=s.output_logprobs or None,
-                        )
-                        for s in group
-                    ],
-                    cached_tokens=head.cached_tokens or 0,
-                    cached_tokens_by_tier=dict(head.cached_by_tier),
-                    ttft=(head.first_token_time - head.arrival) if head.first_token_time else None,
-                    latency=now() - head.arrival,
-                )
-            )
-        return results
+        return [request_output(rid, prompt, seqs[rid]) for rid, prompt in zip(ids, prompts)]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ready to answer."""
@@ -498,32 +451,9 @@ class Engine:
 
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        alloc, tree = self.allocator, self.tree
-        cached_pages = tree.total_size // self.page_size
-        c = self.counters
-        out: dict[str, Any] = {
-            "model": self.model_name,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "page_size": self.page_size,
-            "pages_total": alloc.num_pages,
-            "pages_used": alloc.num_used,
-            "pages_cached": cached_pages,
-            "pages_free": alloc.num_free,
-            "cache_evictable_tokens": tree.evictable_size,
-            "cache_protected_tokens": tree.protected_size,
-            "requests_total": c["requests"],
-            "prompt_tokens_total": c["prompt_tokens"],
-            "cached_tokens_total": c["cached_tokens"],
-            "generated_tokens_total": c["generated_tokens"],
-            "cached_tokens_by_tier": dict(self.cached_by_tier),
-            "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
-            "preemptions_total": self.scheduler.num_preemptions,
-            "steps_total": c["steps"],
-        }
-        if self.tiers is not None:
-            out["tiers"] = self.tiers.stats()
-        return out
+        """Queue lengths, page occupancy, cache sizes and running totals (see
+        :func:`~radixkv.engine.outputs.engine_stats` for the keys)."""
+        return engine_stats(self)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the tree, allocator or page tables is broken."""

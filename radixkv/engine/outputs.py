@@ -1,0 +1,88 @@
+"""What the engine reports: one :class:`StepOutput` per sequence per step, one
+:class:`RequestOutput` per finished request (offline API), and the ``stats()`` dict the server's
+``/cache/stats`` and ``/metrics`` read. Pure assembly from sequence and engine state; changes
+nothing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from radixkv.engine.request import CompletionOutput, RequestOutput, Sequence, StepOutput, now
+
+if TYPE_CHECKING:
+    from radixkv.engine.engine import Engine, Prompt
+
+__all__ = ["engine_stats", "request_output", "step_output"]
+
+
+def step_output(
+    seq: Sequence, tokens: list[int], delta: str, logprobs: list[float] | None
+) -> StepOutput:
+    """What ``seq`` produced this step: ``tokens`` (0 or 1), their text ``delta``, logprobs."""
+    return StepOutput(
+        request_id=seq.request_id,
+        index=seq.index,
+        new_token_ids=tokens,
+        new_text=delta,
+        finished=seq.is_finished,
+        finish_reason=seq.finish_reason,
+        prompt_tokens=len(seq.prompt_ids),
+        cached_tokens=seq.cached_tokens or 0,
+        cached_tokens_by_tier=dict(seq.cached_by_tier),
+        logprobs=logprobs,
+    )
+
+
+def request_output(request_id: str, prompt: Prompt, group: list[Sequence]) -> RequestOutput:
+    """The whole answer of a finished request; ``group`` holds its ``n`` sequences."""
+    group = sorted(group, key=lambda s: s.index)
+    head = group[0]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=head.prompt_ids,
+        outputs=[
+            CompletionOutput(
+                index=s.index,
+                token_ids=s.output_ids,
+                text=s.detok.text,
+                finish_reason=s.finish_reason,
+                logprobs=s.output_logprobs or None,
+            )
+            for s in group
+        ],
+        cached_tokens=head.cached_tokens or 0,
+        cached_tokens_by_tier=dict(head.cached_by_tier),
+        ttft=(head.first_token_time - head.arrival) if head.first_token_time else None,
+        latency=now() - head.arrival,
+    )
+
+
+def engine_stats(engine: Engine) -> dict[str, Any]:
+    """Queue lengths, page occupancy, cache sizes and the running totals of ``engine``."""
+    alloc, tree = engine.allocator, engine.tree
+    cached_pages = tree.total_size // engine.page_size
+    c = engine.counters
+    out: dict[str, Any] = {
+        "model": engine.model_name,
+        "running": len(engine.scheduler.running),
+        "waiting": len(engine.scheduler.waiting),
+        "page_size": engine.page_size,
+        "pages_total": alloc.num_pages,
+        "pages_used": alloc.num_used,
+        "pages_cached": cached_pages,
+        "pages_free": alloc.num_free,
+        "cache_evictable_tokens": tree.evictable_size,
+        "cache_protected_tokens": tree.protected_size,
+        "requests_total": c["requests"],
+        "prompt_tokens_total": c["prompt_tokens"],
+        "cached_tokens_total": c["cached_tokens"],
+        "generated_tokens_total": c["generated_tokens"],
+        "cached_tokens_by_tier": dict(engine.cached_by_tier),
+        "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+        "preemptions_total": engine.scheduler.num_preemptions,
+        "steps_total": c["steps"],
+    }
+    if engine.tiers is not None:
+        out["tiers"] = engine.tiers.stats()
+    return out
