@@ -38,8 +38,8 @@ class KVManager:
     # -- admission ---------------------------------------------------------------------------
     def match(self, seq: Sequence) -> tuple[list[int], int, object]:
         """The cached prefix usable by ``seq``: at most ``num_tokens - 1`` tokens, so at least one
-        token is fed to the model and yields logits."""
-        if not self.enable_prefix_cache:
+        token is fed to the model and yields logits. Nothing for a ``skip_cache_read`` sequence."""
+        if not self.enable_prefix_cache or seq.skip_cache_read:
             return [], 0, None
         tokens = seq.tokens
         res = self.tree.match_prefix(tokens[: len(tokens) - 1], salt=seq.salt)
@@ -48,7 +48,7 @@ class KVManager:
     def peek(self, seq: Sequence) -> tuple[int, object]:
         """Cached tokens ``admit`` would reuse from the device (and the node there), without
         touching the tree: for ordering and deferring waiting sequences."""
-        if not self.enable_prefix_cache:
+        if not self.enable_prefix_cache or seq.skip_cache_read:
             return 0, None
         tokens = seq.tokens
         return self.tree.peek_prefix(tokens[: len(tokens) - 1], salt=seq.salt)
@@ -59,7 +59,7 @@ class KVManager:
         With offload tiers, a match that continues on the host or disk is loaded back into
         device pages first; on first admission ``seq.cached_by_tier`` gets the tokens per tier.
         """
-        if self.tiers is not None and self.enable_prefix_cache:
+        if self.tiers is not None and self.enable_prefix_cache and not seq.skip_cache_read:
             tokens = seq.tokens[: seq.num_tokens - 1]
             res = self.tree.match_prefix(tokens, salt=seq.salt)
             self.tree.lock(res.node)

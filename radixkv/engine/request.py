@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from radixkv.engine.detokenizer import IncrementalDetokenizer
+    from radixkv.engine.logprobs import Logprob
     from radixkv.engine.sampling import SamplingParams
 
 
@@ -27,6 +28,13 @@ class Sequence:
     ``lock_node``; the remaining pages are the sequence's own (one allocator reference each, shared
     with forked siblings by reference count). ``num_computed`` tokens of ``tokens`` have their K/V in
     ``pages``; the next forward feeds ``tokens[num_computed:]`` (one token while decoding).
+
+    ``gang``: the sequences (this one included) that the scheduler admits, runs and preempts
+    only together, one list object shared by all of them (a beam search's beams); None alone.
+    A gang member whose tokens are all computed (``num_computed == num_tokens``) is *parked*:
+    it waits, holding its pages, until its siblings' logits are ready too.
+    ``skip_cache_read``: the prompt must be computed, not read from the prefix cache (prompt
+    logprobs asked and not collected yet); its computed pages are still published.
     """
 
     request_id: str
@@ -38,6 +46,12 @@ class Sequence:
     detok: IncrementalDetokenizer
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    gang: list[Sequence] | None = None
+    skip_cache_read: bool = False
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     status: SeqStatus = SeqStatus.WAITING
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -70,6 +84,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    @property
+    def is_parked(self) -> bool:
+        """Every token computed and none to feed (a gang member waiting for its siblings)."""
+        return self.num_computed >= self.num_tokens
+
 
 @dataclass
 class StepOutput:
@@ -85,17 +104,28 @@ class StepOutput:
     cached_tokens: int
     cached_tokens_by_tier: dict[str, int]
     logprobs: list[float] | None = None
+    #: per new token, its ``params.logprobs`` most likely alternatives (when asked)
+    top_logprobs: list[list[Logprob]] | None = None
+    #: on a sequence's first output, when ``prompt_logprobs`` was asked (None at position 0)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[Logprob] | None] | None = None
+    #: beam search: the finished beam's summed logprob and its length-penalised score
+    cumulative_logprob: float | None = None
+    score: float | None = None
 
 
 @dataclass
 class CompletionOutput:
-    """One finished sequence of a request."""
+    """One finished sequence of a request (``score``: beam search's length-penalised rank)."""
 
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str | None
     logprobs: list[float] | None = None
+    top_logprobs: list[list[Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    score: float | None = None
 
 
 @dataclass
@@ -110,6 +140,8 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int]
     ttft: float | None = None
     latency: float = 0.0
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[Logprob] | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -18,17 +18,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from radixkv.engine.logprobs import chosen_and_top
 
 __all__ = ["SamplingParams", "Sampler", "SamplerOutput", "SequenceState"]
 
 MAX_LOGPROBS = 20
+_GREEDY_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings (vLLM's names; ``temperature == 0`` is greedy)."""
+    """Per-request sampling settings (vLLM's names; ``temperature == 0`` is greedy).
+
+    ``logprobs=K`` reports each generated token's logprob and its K most likely alternatives;
+    ``prompt_logprobs=K`` the same for every prompt token (such a request computes its whole
+    prompt: it does not read the prefix cache). Logprobs are ``log_softmax`` of the raw logits.
+    ``use_beam_search=True`` runs beam search with ``best_of`` (or ``n``) beams and returns the
+    ``n`` best finished beams, ranked by ``sum(logprobs) / generated_len ** length_penalty``
+    (transformers' scorer; ``early_stopping`` True / False / "never" as transformers has it).
+    Beam search is deterministic: ``temperature`` and ``seed`` are ignored.
+    """
 
     n: int = 1
     max_tokens: int = 16
@@ -44,6 +57,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def validate(self) -> SamplingParams:
         """Raise ``ValueError`` naming the first bad field; returns ``self`` when valid."""
@@ -83,6 +101,12 @@ class SamplingParams:
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -92,12 +116,52 @@ class SamplingParams:
             and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
         ):
             raise bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
+        self._validate_beam_search(bad)
         return self
+
+    def _validate_beam_search(self, bad: Any) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise bad("use_beam_search", "must be true or false")
+        if self.best_of is not None:
+            if not isinstance(self.best_of, int) or isinstance(self.best_of, bool):
+                raise bad("best_of", "must be None or an integer >= n")
+            if self.best_of < self.n:
+                raise bad("best_of", f"must be >= n ({self.n})")
+            if self.best_of != self.n and not self.use_beam_search:
+                raise bad("best_of", "best_of > n is supported with use_beam_search only")
+        if not _is_number(self.length_penalty) or abs(self.length_penalty) > 1e6:
+            raise bad("length_penalty", "must be a finite number")
+        if self.early_stopping not in (True, False, "never") or (
+            isinstance(self.early_stopping, int) and not isinstance(self.early_stopping, bool)
+        ):
+            raise bad("early_stopping", 'must be true, false or "never"')
+        if not self.use_beam_search:
+            return
+        # Beam search ranks by the raw logprobs (transformers' do_sample=False): knobs that
+        # would reshape the distribution are refused rather than silently ignored.
+        if self.top_p != 1.0:
+            raise bad("top_p", "must be 1 with use_beam_search")
+        if self.top_k != -1:
+            raise bad("top_k", "must be -1 with use_beam_search")
+        if self.min_p != 0.0:
+            raise bad("min_p", "must be 0 with use_beam_search")
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
+            if getattr(self, name) != (1.0 if name == "repetition_penalty" else 0.0):
+                raise bad(name, "penalties are not supported with use_beam_search")
+        if self.stop_list:
+            raise bad(
+                "stop", "stop strings are not supported with use_beam_search (use stop_token_ids)"
+            )
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept by beam search: ``best_of`` (vLLM) or ``n``."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def is_greedy(self) -> bool:
-        """``temperature == 0``."""
-        return self.temperature == 0.0
+        """``temperature`` below 1e-5 (vLLM's epsilon): dividing by it would overflow."""
+        return self.temperature < _GREEDY_EPS
 
     @property
     def has_penalties(self) -> bool:
@@ -139,10 +203,12 @@ class SequenceState:
 
 @dataclass
 class SamplerOutput:
-    """Sampled tokens (``[B]`` list) and, where asked, the chosen tokens' logprobs."""
+    """Sampled tokens (``[B]`` list) and, where asked (``params.logprobs`` set), the chosen
+    tokens' logprobs and the top-``logprobs`` ``(token_id, logprob)`` alternatives."""
 
     token_ids: list[int]
     logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
 class Sampler:
@@ -187,8 +253,19 @@ class Sampler:
 
     @staticmethod
     def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """Temperature then top-k / top-p / min-p on one row ``[vocab]``; removed -> -inf."""
-        logits = logits / params.temperature
+        """Temperature then top-k / top-p / min-p on one row ``[vocab]``; removed -> -inf.
+
+        Overflow is tamed first (a tiny temperature or repetition penalty makes logits +-inf or
+        NaN): NaN -> -inf, +inf -> the largest float, so the result is always a distribution
+        with at least one finite logit (the best raw one when nothing else is left)."""
+        raw = logits
+        logits = torch.nan_to_num(
+            logits / params.temperature, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max
+        )
+        if not bool((logits > float("-inf")).any()):
+            best = int(torch.nan_to_num(raw, nan=float("-inf")).argmax())
+            logits = torch.full_like(logits, float("-inf"))
+            logits[best] = 0.0
         vocab = logits.shape[-1]
         if 0 < params.top_k < vocab:
             kth = torch.topk(logits, params.top_k).values[-1]
@@ -214,15 +291,12 @@ class Sampler:
         b = len(seqs)
         simple_greedy = [s.params.is_greedy and not s.params.has_penalties for s in seqs]
         tokens: list[int] = [0] * b
-        chosen_logits = logits
         if all(simple_greedy):
             tokens = logits.argmax(dim=-1).tolist()
         else:
-            rows = []
             for i, s in enumerate(seqs):
                 p = s.params
                 row = self.apply_penalties(logits[i], p, s.prompt_ids, s.output_ids)
-                rows.append(row)
                 if p.is_greedy:
                     tokens[i] = int(row.argmax())
                     continue
@@ -232,14 +306,17 @@ class Sampler:
                 if gen is None:
                     gen = s.generator = self.make_generator(p.seed, logits.device)
                 tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
-            chosen_logits = torch.stack(rows)
+        # logprobs come from the raw logits, before penalties and temperature (vLLM's default)
         logprobs: list[float | None] = [None] * b
+        tops: list[list[tuple[int, float]] | None] = [None] * b
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if want:
             idx = torch.tensor(want, dtype=torch.long, device=logits.device)
-            lp = torch.log_softmax(chosen_logits.index_select(0, idx), dim=-1)
-            tok = torch.tensor([tokens[i] for i in want], dtype=torch.long, device=logits.device)
-            vals = lp.gather(1, tok.unsqueeze(1)).squeeze(1).tolist()
-            for i, v in zip(want, vals):
-                logprobs[i] = float(v)
-        return SamplerOutput(token_ids=tokens, logprobs=logprobs)
+            picked = logits if len(want) == b else logits.index_select(0, idx)
+            vals, top = chosen_and_top(
+                picked, [tokens[i] for i in want], [seqs[i].params.logprobs or 0 for i in want]
+            )
+            for i, v, t in zip(want, vals, top):
+                logprobs[i] = v
+                tops[i] = t
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=tops)

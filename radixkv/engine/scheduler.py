@@ -4,6 +4,11 @@ Each step shares one token budget (``chunked_prefill_tokens``) between decodes (
 served first so they are never starved) and prefills (the uncached suffix of a prompt, in chunks
 that fit the rest of the budget). Pages come from the free pool, then from evicting unlocked
 cache, then from preempting running sequences, newest first, by recompute.
+
+A *gang* (``Sequence.gang``: a beam search's beams) is one unit for admission and preemption:
+its waiting members are admitted all together or not at all, preempting any member preempts
+all of them, and a gang with a member already scheduled this step is never a victim. Parked
+members (every token computed, waiting for their siblings) are not scheduled.
 """
 
 from __future__ import annotations
@@ -69,15 +74,18 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.chunked_prefill_tokens
         scheduled: set[int] = set()
-        # 1. decodes, oldest first; pages by eviction, then by preempting the newest.
+        # 1. decodes, oldest first (a gang's decode-ready members at once); pages by eviction,
+        #    then by preempting the newest.
         for seq in sorted(self.running, key=lambda s: s.admit_order):
-            if seq.status is not SeqStatus.RUNNING or seq.in_prefill:
+            if not self._decode_ready(seq) or id(seq) in scheduled:
                 continue
-            if not self._reserve(seq, 1, batch, scheduled):
-                continue  # seq itself was preempted
-            batch.entries.append((seq, 1))
-            scheduled.add(id(seq))
-            budget -= 1
+            unit = [m for m in members(seq) if self._decode_ready(m)]
+            if not all(self._reserve(m, 1, batch, scheduled) for m in unit):
+                continue  # the unit itself was preempted
+            for m in unit:
+                batch.entries.append((m, 1))
+                scheduled.add(id(m))
+            budget -= len(unit)
         # 2. prefills already under way (chunked), oldest first.
         for seq in sorted(self.running, key=lambda s: s.admit_order):
             if budget <= 0:
@@ -98,12 +106,23 @@ class Scheduler:
             self._admit(batch, scheduled, budget)
         return batch
 
+    @staticmethod
+    def _decode_ready(seq: Sequence) -> bool:
+        return seq.status is SeqStatus.RUNNING and not seq.in_prefill and not seq.is_parked
+
     def _admit(self, batch: ScheduledBatch, scheduled: set[int], budget: int) -> None:
         prefilling = [s for s in self.running if s.in_prefill]
         deferred: list[Sequence] = []
         for seq in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if seq.status is not SeqStatus.WAITING:
+                continue  # admitted with its gang
+            if seq.gang is not None and len(seq.gang) > 1:
+                budget = self._admit_gang(seq.gang, batch, scheduled, budget, prefilling)
+                if budget is None:
+                    break  # out of pages for the whole gang: try again next step
+                continue
             if self._should_wait_for_sibling(seq, prefilling):
                 deferred.append(seq)
                 continue
@@ -123,6 +142,43 @@ class Scheduler:
             batch.entries.append((seq, chunk))
             scheduled.add(id(seq))
             budget -= chunk
+
+    def _admit_gang(
+        self,
+        gang: list[Sequence],
+        batch: ScheduledBatch,
+        scheduled: set[int],
+        budget: int,
+        prefilling: list[Sequence],
+    ) -> int | None:
+        """Admit every waiting member of ``gang`` (each with a first chunk of at least one token,
+        so the step budget may be overrun by the gang's size) or none; the budget left, or None
+        when the pages were not there (nothing admitted)."""
+        waiting = [m for m in gang if m.status is SeqStatus.WAITING]
+        granted: list[tuple[Sequence, int, int]] = []
+        left = budget
+        for m in waiting:
+            cached = self.kv.admit(m)
+            chunk = self._fit_chunk(m, min(max(left, 1), m.num_tokens - m.num_computed))
+            if chunk == 0:
+                for g, _, _ in granted:
+                    self.kv.release(g, publish=False)
+                self.kv.release(m, publish=False)
+                return None
+            granted.append((m, chunk, cached))
+            left -= chunk
+        for m, chunk, cached in granted:
+            self.waiting.remove(m)
+            if m.cached_tokens is None:
+                m.cached_tokens = cached
+            m.status = SeqStatus.RUNNING
+            self._admit_counter += 1
+            m.admit_order = self._admit_counter
+            self.running.append(m)
+            prefilling.append(m)
+            batch.entries.append((m, chunk))
+            scheduled.add(id(m))
+        return left
 
     def _ordered_waiting(self) -> list[Sequence]:
         waiting = list(self.waiting)
@@ -170,7 +226,7 @@ class Scheduler:
 
     def _should_wait_for_sibling(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """In-batch prefix dedupe: wait while another request is computing our shared prefix."""
-        if not self.kv.enable_prefix_cache or not prefilling:
+        if not self.kv.enable_prefix_cache or not prefilling or seq.skip_cache_read:
             return False
         cached = self.kv.peek(seq)[0]
         tokens = seq.tokens
@@ -206,33 +262,53 @@ class Scheduler:
             if self.kv.ensure_free(need):
                 self.kv.grow(seq, num_tokens)
                 return True
-            victims = [
-                s for s in self.running if id(s) not in scheduled and s.status is SeqStatus.RUNNING
-            ]
+            victims = [s for s in self.running if self._can_preempt(s, scheduled)]
+            if not victims:
+                return False  # nothing may be preempted: seq waits for a later step
             victim = max(victims, key=lambda s: s.admit_order)
-            self.preempt(victim)
-            batch.preempted.append(victim)
-            if victim is seq:
+            batch.preempted.extend(self.preempt(victim))
+            if seq.status is not SeqStatus.RUNNING:
                 return False
 
     def _preempt_newer_than(
         self, seq: Sequence, batch: ScheduledBatch, scheduled: set[int]
     ) -> bool:
         """Preempt the newest unscheduled sequence admitted after ``seq``; False if none."""
+        own = {id(m) for m in members(seq)}
         victims = [
-            s for s in self.running if id(s) not in scheduled and s.admit_order > seq.admit_order
+            s
+            for s in self.running
+            if s.admit_order > seq.admit_order
+            and id(s) not in own
+            and self._can_preempt(s, scheduled)
         ]
         if not victims:
             return False
         victim = max(victims, key=lambda s: s.admit_order)
-        self.preempt(victim)
-        batch.preempted.append(victim)
+        batch.preempted.extend(self.preempt(victim))
         return True
 
-    def preempt(self, seq: Sequence) -> None:
+    @staticmethod
+    def _can_preempt(seq: Sequence, scheduled: set[int]) -> bool:
+        """Running, and no member of its gang is in this step's batch."""
+        return seq.status is SeqStatus.RUNNING and not any(id(m) in scheduled for m in members(seq))
+
+    def preempt(self, seq: Sequence) -> list[Sequence]:
+        """Preempt ``seq`` (its whole gang); returns the sequences preempted."""
+        out = [m for m in members(seq) if m.status is SeqStatus.RUNNING]
+        for m in out:
+            self._preempt_one(m)
+        return out
+
+    def _preempt_one(self, seq: Sequence) -> None:
         """Recompute-style preemption: publish what was computed, free the rest, requeue first."""
         self.kv.release(seq, publish=True)
         self.running.remove(seq)
         seq.preemptions += 1
         self.num_preemptions += 1
         self.add(seq, front=True)
+
+
+def members(seq: Sequence) -> list[Sequence]:
+    """The sequences scheduled together with ``seq``: its gang, or itself alone."""
+    return seq.gang if seq.gang is not None else [seq]

@@ -1,0 +1,90 @@
+"""Token logprobs: the chosen token's and the top-K alternatives, for outputs and prompts.
+
+Every logprob here is ``log_softmax`` of the model's *raw* float32 logits — before penalties,
+temperature and top-k/top-p filtering (vLLM's default ``raw_logprobs``), so it is the model's own
+distribution whatever sampling settings a request uses.
+
+Shapes:
+
+* a generated token has its chosen logprob (``float``) and, with ``logprobs=K``, a list of the
+  K most likely tokens as :class:`Logprob` (descending; the chosen token is listed there only if
+  it is among the K);
+* a prompt of ``L`` tokens has ``L`` entries, the first ``None`` (nothing predicts it); entry
+  ``i`` is the logprob of prompt token ``i`` given tokens ``[0, i)`` and its top-K alternatives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Logprob", "TokenTexts", "chosen_and_top", "prompt_logprobs_of_rows"]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One candidate token at one position (vLLM's ``Logprob`` fields plus the token id)."""
+
+    token_id: int
+    logprob: float
+    decoded_token: str | None = None
+
+
+TopList = list[tuple[int, float]]
+
+
+def chosen_and_top(
+    logits: torch.Tensor, chosen: Sequence[int], num_top: Sequence[int]
+) -> tuple[list[float], list[TopList]]:
+    """Chosen-token logprobs and top-``num_top[i]`` ``(token_id, logprob)`` lists per row.
+
+    ``logits`` is ``[B, vocab]`` raw logits (any float dtype; computed in float32).
+    """
+    if logits.shape[0] != len(chosen) or len(chosen) != len(num_top):
+        raise ValueError(f"{logits.shape[0]} rows, {len(chosen)} tokens, {len(num_top)} counts")
+    if not chosen:
+        return [], []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    idx = torch.as_tensor(list(chosen), dtype=torch.long, device=lp.device)
+    picked = lp.gather(1, idx.unsqueeze(1)).squeeze(1).tolist()
+    kmax = max(num_top)
+    tops: list[TopList] = [[] for _ in chosen]
+    if kmax > 0:
+        vals, ids = lp.topk(min(kmax, lp.shape[-1]), dim=-1)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+        for i, k in enumerate(num_top):
+            tops[i] = list(zip(ids_l[i][:k], vals_l[i][:k]))
+    return [float(v) for v in picked], tops
+
+
+def prompt_logprobs_of_rows(
+    rows: torch.Tensor, targets: Sequence[int], k: int
+) -> tuple[list[float], list[TopList]]:
+    """Logprobs of ``targets[j]`` under ``rows[j]`` (the logits at the position before it)."""
+    return chosen_and_top(rows, targets, [k] * len(targets))
+
+
+class TokenTexts:
+    """Decoded text of single token ids, cached (a vocabulary's worth at most)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._cache.get(token_id)
+        if text is None:
+            text = str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+            self._cache[token_id] = text
+        return text
+
+    def logprobs(self, top: TopList | None) -> list[Logprob] | None:
+        """``(id, logprob)`` pairs as :class:`Logprob` with their decoded text."""
+        if top is None:
+            return None
+        return [Logprob(t, lp, self(t)) for t, lp in top]
