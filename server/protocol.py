@@ -20,7 +20,14 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 16
 """Largest ``n`` (parallel samples of one prompt) a request may ask for."""
@@ -68,11 +75,56 @@ def error_body(
 
 
 # --------------------------------------------------------------------------------------------
+# Text that can be encoded: JSON may carry lone surrogates ("\\ud800"), which no tokenizer,
+# salt hash or UTF-8 response can take
+# --------------------------------------------------------------------------------------------
+
+
+def _find_bad_text(value: Any, path: str) -> str | None:
+    """The path of the first string under ``value`` that is not valid Unicode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = ascii(value[exc.start : exc.end])
+            return f"{path or 'body'} is not valid Unicode text (lone surrogate {bad})"
+        return None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = _find_bad_text(key, path) or _find_bad_text(
+                item, f"{path}.{key}" if path else str(key)
+            )
+            if found:
+                return found
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if isinstance(item, int | float | bool) or item is None:
+                continue
+            found = _find_bad_text(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class RequestBody(BaseModel):
+    """Base of the request bodies: every string in the body must be valid Unicode (400 if not),
+    so no tokenizer, cache-salt hash or UTF-8 answer meets a lone surrogate later."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = _find_bad_text(data, "")
+        if found:
+            raise ValueError(found)
+        return data
+
+
+# --------------------------------------------------------------------------------------------
 # Sampling fields shared by every endpoint
 # --------------------------------------------------------------------------------------------
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """Sampling knobs with vLLM's names and OpenAI's ranges.
 
     ``None`` means "the default": OpenAI's defaults for the OpenAI endpoints, SGLang's for
@@ -93,7 +145,23 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    # beam search and prompt logprobs (vLLM's extra fields)
+    use_beam_search: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
+    early_stopping: bool | Literal["never"] = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value < n:
+            raise ValueError(f"best_of ({value}) must be >= n ({n})")
+        if value is not None and value > n and not info.data.get("use_beam_search"):
+            raise ValueError("best_of > n is supported with use_beam_search only")
+        return value
 
     @field_validator("top_k")
     @classmethod
@@ -130,6 +198,11 @@ class SamplingFields(BaseModel):
             "stop": self.stop_list(),
             "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
             "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+            "use_beam_search": self.use_beam_search,
+            "best_of": self.best_of,
+            "length_penalty": self.length_penalty,
+            "early_stopping": self.early_stopping,
         }
         for name in (
             "top_p",
@@ -145,6 +218,14 @@ class SamplingFields(BaseModel):
         return kwargs
 
 
+def _check_beam_stream(stream: bool, use_beam_search: bool) -> bool:
+    if stream and use_beam_search:
+        raise ValueError(
+            "streaming is not supported with use_beam_search (beams are reranked until the end)"
+        )
+    return stream
+
+
 class StreamOptions(BaseModel):
     """OpenAI ``stream_options``."""
 
@@ -156,6 +237,16 @@ class StreamOptions(BaseModel):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8},
+                {"model": "smollm2", "prompt": [72, 101, 108], "max_tokens": 4, "n": 2},
+                {"model": "smollm2", "prompt": "Hi", "max_tokens": 4, "stream": True},
+            ]
+        }
+    )
+
     model: str
     prompt: str | list[int] | list[str] | list[list[int]]
     stream: bool = False
@@ -163,6 +254,11 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     cache_salt: str | None = None
+
+    @field_validator("stream")
+    @classmethod
+    def _no_beam_stream(cls, value: bool, info: ValidationInfo) -> bool:
+        return _check_beam_stream(value, info.data.get("use_beam_search", False))
 
     @field_validator("echo")
     @classmethod
@@ -217,6 +313,26 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "smollm2",
+                    "messages": [{"role": "user", "content": "Hello!"}],
+                    "max_tokens": 8,
+                    "cache_salt": "tenant-a",
+                },
+                {
+                    "model": "smollm2",
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_completion_tokens": 4,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ]
+        }
+    )
+
     model: str
     messages: list[ChatMessage]
     stream: bool = False
@@ -225,6 +341,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     cache_salt: str | None = None
+
+    @field_validator("stream")
+    @classmethod
+    def _no_beam_stream(cls, value: bool, info: ValidationInfo) -> bool:
+        return _check_beam_stream(value, info.data.get("use_beam_search", False))
 
     @field_validator("messages")
     @classmethod
@@ -258,10 +379,18 @@ class GenerateSamplingParams(SamplingFields):
         return DEFAULT_GENERATE_MAX_NEW_TOKENS
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(RequestBody):
     """``POST /generate`` (SGLang's native shape)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "examples": [
+                {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8}},
+                {"input_ids": [72, 101, 108], "sampling_params": {"max_new_tokens": 4, "n": 2}},
+            ]
+        },
+    )
 
     text: str | None = None
     input_ids: list[int] | None = None
@@ -269,6 +398,15 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     salt: str | None = None
     return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    logprob_start_len: int = Field(-1, ge=-1)
+    return_text_in_logprobs: bool = False
+
+    @field_validator("stream")
+    @classmethod
+    def _no_beam_stream(cls, value: bool, info: ValidationInfo) -> bool:
+        sp = info.data.get("sampling_params")
+        return _check_beam_stream(value, sp is not None and sp.use_beam_search)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -281,10 +419,15 @@ class GenerateRequest(BaseModel):
         return self.text if self.text is not None else list(self.input_ids or [])
 
 
-class PinRequest(BaseModel):
+class PinRequest(RequestBody):
     """``POST /cache/pin``: keep a cached prefix from eviction (``ttl`` seconds, or forever)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "examples": [{"text": "You are a helpful assistant.", "ttl": 60.0, "salt": "t1"}]
+        },
+    )
 
     text: str | None = None
     input_ids: list[int] | None = None

@@ -62,8 +62,8 @@ def _salt_bytes(salt: Hashable) -> bytes:
     if salt is None:
         return b""
     if isinstance(salt, str):
-        return b"s" + salt.encode("utf-8")
-    return b"r" + repr(salt).encode("utf-8")
+        return b"s" + salt.encode("utf-8", "surrogatepass")  # any str hashes, never raises
+    return b"r" + repr(salt).encode("utf-8", "surrogatepass")
 
 
 def chain_hashes(
@@ -72,18 +72,23 @@ def chain_hashes(
     page_size: int,
     salt: Hashable = None,
     num_pages: int | None = None,
+    *,
+    prev: bytes | None = None,
 ) -> list[bytes]:
     """Chained page hashes of ``tokens``: ``out[i]`` names the prefix ``tokens[:(i+1)*P]``.
 
     ``h_i = sha256(h_{i-1} + len(salt) + salt + int64 tokens of page i)``, ``h_{-1} =
     sha256(b"radixkv" + fingerprint)``. Only full pages are hashed (at most ``num_pages``).
+    ``prev`` continues a chain: the hash of the page just before ``tokens`` (``h_{-1}`` when
+    ``None``), so ``chain_hashes(fp, a + b, P) == x + chain_hashes(fp, b, P, prev=x[-1])`` for
+    ``x = chain_hashes(fp, a, P)`` and page-aligned ``a``.
     """
     n = len(tokens) // page_size
     if num_pages is not None:
         n = min(n, num_pages)
     sb = _salt_bytes(salt)
     sb = struct.pack("<I", len(sb)) + sb
-    h = hashlib.sha256(b"radixkv" + fingerprint).digest()
+    h = hashlib.sha256(b"radixkv" + fingerprint).digest() if prev is None else prev
     out: list[bytes] = []
     tok = list(tokens[: n * page_size])
     for i in range(n):

@@ -1,0 +1,72 @@
+"""A tiny random Llama with a byte-level tokenizer: the real engine's code paths, in milliseconds.
+
+``tiny_loaded_model()`` returns a :class:`~radixkv.model.loader.LoadedModel` that
+``Engine(model=...)`` accepts: a 2-layer, 64-wide random ``LlamaForCausalLM`` (seeded, so every
+process builds the same weights) and :class:`ByteTokenizer` (token id = byte + 3, with a chat
+template). The soak run (``bench.soak --tiny``) and the fuzz and fault-injection tests use it where
+the SmolLM2 weights are not the point: every request still goes through the real scheduler,
+radix tree, KV pool, tiers and sampler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ByteTokenizer", "TINY_VOCAB", "tiny_loaded_model"]
+
+_OFFSET = 3
+TINY_VOCAB = 320
+"""Vocabulary of the tiny model (256 bytes + 3 specials, rounded up)."""
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: token id = byte value + 3 (0 pad, 1 bos, 2 eos)."""
+
+    eos_token_id = 2
+    bos_token_id = 1
+    pad_token_id = 0
+    chat_template = "<|role|>content lines"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``."""
+        return [b + _OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, **_: object) -> str:
+        """Text of ``ids`` (ids outside the byte range are dropped)."""
+        return bytes(i - _OFFSET for i in ids if _OFFSET <= i < 256 + _OFFSET).decode(
+            "utf-8", errors="replace"
+        )
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        **_: Any,
+    ) -> Any:
+        """``<|role|>content\\n`` per message (plus ``<|assistant|>``); ids or text."""
+        text = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|assistant|>"
+        return self.encode(text) if tokenize else text
+
+
+def tiny_loaded_model(seed: int = 0, max_position_embeddings: int = 512) -> Any:
+    """The tiny random Llama as a ``LoadedModel`` named ``tiny-llama`` (float32, ``seed``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from radixkv.model.loader import LoadedModel
+
+    cfg = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+    )
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(cfg).eval()
+    return LoadedModel(hf_model=hf, tokenizer=ByteTokenizer(), config=cfg, name="tiny-llama")
