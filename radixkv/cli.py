@@ -94,6 +94,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             args.policy,
             host_capacity_tokens=args.host_capacity_tokens,
             disk_capacity_tokens=args.disk_capacity_tokens,
+            remote_capacity_tokens=args.remote_capacity_tokens,
         )
         keys = [k for k in (*RESULT_KEYS, "cached_tokens_by_tier") if k in res]
         if args.json:
@@ -146,6 +147,12 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--disk-capacity-tokens", type=int, default=0, help="disk tier capacity (0 = none)"
+    )
+    p.add_argument(
+        "--remote-capacity-tokens",
+        type=int,
+        default=0,
+        help="remote (Redis) tier capacity (0 = none)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(

@@ -40,6 +40,7 @@ class EngineConfig:
     host_write_policy: str = "write_back"
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 8 << 30
+    remote_cache_url: str | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad knob and what values it takes."""
@@ -74,6 +75,10 @@ class EngineConfig:
             raise bad("host_write_policy", f"choose one of {', '.join(WRITE_POLICIES)}")
         if self.disk_cache_bytes <= 0:
             raise bad("disk_cache_bytes", "must be > 0")
+        if self.remote_cache_url is not None and not str(self.remote_cache_url).startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise bad("remote_cache_url", "expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
 
     @classmethod
     def knob_names(cls) -> list[str]:

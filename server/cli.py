@@ -32,6 +32,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--host-write-policy", "host_write_policy", str, "write_back | write_through"),
     ("--disk-cache-dir", "disk_cache_dir", str, "directory of the disk tier (off if unset)"),
     ("--disk-cache-bytes", "disk_cache_bytes", int, "disk tier size in bytes"),
+    (
+        "--remote-cache",
+        "remote_cache_url",
+        str,
+        "shared remote tier, redis://HOST:PORT[/DB] (off if unset)",
+    ),
 ]
 
 

@@ -20,7 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-CACHE_SOURCES = ("device", "host", "disk")
+CACHE_SOURCES = ("device", "host", "disk", "remote")
 """Tiers a cached prompt token can come from (``cached_tokens_by_tier`` keys)."""
 
 _LATENCY_BUCKETS = (
@@ -101,6 +101,19 @@ class ServerMetrics:
             "radixkv_kv_pages_cached", "KV pages held by the prefix cache.", registry=r
         )
         self.pages_free = Gauge("radixkv_kv_pages_free", "Free KV pages.", registry=r)
+        self.remote_up = Gauge(
+            "radixkv_remote_cache_up",
+            "1 while the shared remote KV tier (Redis) answers; 0 while it is off or when "
+            "there is no remote tier.",
+            registry=r,
+        )
+        self.remote_pages = Gauge(
+            "radixkv_remote_cache_pages",
+            "Remote tier page counts since start, by event "
+            "(written, hit, miss, corrupt, write_failed, went_down).",
+            ["event"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "radixkv_time_to_first_token_seconds",
             "From request arrival to its first generated token.",
@@ -145,6 +158,19 @@ class ServerMetrics:
             value = stats.get(key)
             if isinstance(value, int | float):
                 gauge.set(value)
+        remote = (stats.get("tiers") or {}).get("remote")
+        if isinstance(remote, Mapping):
+            self.remote_up.set(1 if remote.get("available") else 0)
+            events = {
+                "written": "writes",
+                "hit": "hits",
+                "miss": "misses",
+                "corrupt": "corrupt_values",
+                "write_failed": "writes_failed",
+                "went_down": "went_down",
+            }
+            for event, key in events.items():
+                self.remote_pages.labels(event=event).set(int(remote.get(key, 0)))
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

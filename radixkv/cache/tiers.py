@@ -19,6 +19,14 @@ Ownership: every host page is free in ``host.allocator`` or held (one reference)
 tree node's ``host_value``; device pages keep the allocator / tree / sequence ownership of
 ``docs/design.md``. :meth:`TieredCache.check_integrity` verifies the host side.
 
+Remote tier (:class:`~radixkv.cache.remote_store.RemoteStore`, ``remote_cache_url``): a Redis
+shared by several replicas, below host and disk, keyed by the same chained hashes. A node's pages
+are sent there when they leave the device (``write_back``) or when the node is created
+(``write_through``), so other replicas can use them while this one still holds them on host or
+disk; admission fetches the continuation after the disk's with pipelined ``MGET``s and loads it
+with the disk pages. Redis may drop any page at any time: a missing or bad value ends the
+continuation there.
+
 Disk keys are chained page hashes (:func:`~radixkv.cache.disk_store.chain_hashes`) rooted in a
 fingerprint of the model (name, config, a sample of the weights), the KV dtype, the page size and
 the KV layout, so a restarted engine on the same directory finds its own prefixes and never uses
@@ -42,12 +50,13 @@ from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeNode
 
 if TYPE_CHECKING:
     from radixkv.cache.host_pool import HostPool
+    from radixkv.cache.remote_store import RemoteStore
     from radixkv.config import EngineConfig
     from radixkv.model.kv_pool import KVPool
 
 __all__ = ["LoadResult", "TieredCache", "engine_fingerprint"]
 
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "remote")
 
 
 @dataclass
@@ -109,6 +118,7 @@ class TieredCache:
             ``"write_through"`` (copy on insert).
         fingerprint: root of the disk hash chains (32 bytes).
         min_load_tokens: loads of fewer tokens are skipped (recomputed instead).
+        remote: the shared remote store, or ``None`` (no remote tier).
     """
 
     def __init__(
@@ -121,6 +131,7 @@ class TieredCache:
         write_policy: str = "write_back",
         fingerprint: bytes = b"\0" * 32,
         min_load_tokens: int | None = None,
+        remote: RemoteStore | None = None,
     ) -> None:
         if write_policy not in ("write_back", "write_through"):
             raise ValueError(f"unknown host write policy {write_policy!r}")
@@ -129,6 +140,7 @@ class TieredCache:
         self.kv_pool = kv_pool
         self.host = host
         self.disk = disk
+        self.remote = remote
         self.page_size = tree.page_size
         self.write_policy = write_policy
         self.fingerprint = fingerprint
@@ -142,6 +154,9 @@ class TieredCache:
             "disk_write_pages": 0,  # pages handed to the disk writer
             "loads_skipped": 0,  # continuations below min_load_tokens or without room
             "dropped_pages": 0,  # device pages evicted with nowhere to go
+            "remote_loads": 0,  # admissions that loaded remote pages
+            "remote_load_pages": 0,
+            "remote_write_pages": 0,  # pages handed to the remote writer
         }
         if host is not None:
             tree.host_allocator = host.allocator
@@ -177,8 +192,20 @@ class TieredCache:
             disk = DiskStore(
                 config.disk_cache_dir, config.disk_cache_bytes, fp, max_pending=max_pending
             )
+        remote = None
+        if getattr(config, "remote_cache_url", None):
+            from radixkv.cache.remote_store import RemoteStore
+
+            remote = RemoteStore(config.remote_cache_url, fp)
         tiers = cls(
-            engine.tree, engine.allocator, kv_pool, host, disk, config.host_write_policy, fp
+            engine.tree,
+            engine.allocator,
+            kv_pool,
+            host,
+            disk,
+            config.host_write_policy,
+            fp,
+            remote=remote,
         )
         engine.kv.tiers = tiers
         return tiers
@@ -264,16 +291,45 @@ class TieredCache:
             if disk.put(keys[i], lambda kj=kj, vj=vj: pages_to_payloads(kj, vj)[0]):
                 self.counters["disk_write_pages"] += 1
 
+    def _write_remote(self, node: TreeNode, pages: list[int]) -> None:
+        """Hand ``node``'s device ``pages`` to the remote writer (pages sent recently or queued
+        are skipped). The KV is snapshotted now, serialized and sent by the writer thread."""
+        remote = self.remote
+        assert remote is not None
+        if not remote.available:
+            remote.counters["writes_skipped_down"] += len(pages)
+            return
+        keys = self._node_hashes(node)
+        todo = [i for i, key in enumerate(keys) if remote.wants(key)]
+        if not todo:
+            return
+        if not self.has_data:
+            for i in todo:
+                if remote.put(keys[i], b""):
+                    self.counters["remote_write_pages"] += 1
+            return
+        from radixkv.cache.host_pool import pages_to_payloads
+
+        assert self.kv_pool is not None
+        k, v = self.kv_pool.read_pages([pages[i] for i in todo])
+        k, v = k.to("cpu"), v.to("cpu")
+        for j, i in enumerate(todo):
+            kj, vj = k[:, j : j + 1], v[:, j : j + 1]
+            if remote.put(keys[i], lambda kj=kj, vj=vj: pages_to_payloads(kj, vj)[0]):
+                self.counters["remote_write_pages"] += 1
+
     # ------------------------------------------------------------------ tree hooks
     def _on_evict(self, node: TreeNode, pages: list[int]) -> None:
-        """Device eviction of ``node``: keep its KV on the host (or the disk)."""
+        """Device eviction of ``node``: keep its KV on the host (or the disk), and share it."""
+        if self.remote is not None and self.write_policy == "write_back":
+            self._write_remote(node, pages)
         if node.host_value is not None:
             return  # already on the host (write-through or loaded back): nothing to copy
         if self.host is not None and self._copy_to_host(node, pages):
             return
         if self.disk is not None:
             self._write_disk(node, pages, from_host=False)
-        else:
+        elif self.remote is None:
             self.counters["dropped_pages"] += len(pages)
 
     def _on_host_evict(self, node: TreeNode, host_pages: list[int]) -> None:
@@ -290,10 +346,13 @@ class TieredCache:
             self._copy_to_host(node, pages)
         if self.disk is not None:
             self._write_disk(node, pages, from_host=False)
+        if self.remote is not None:
+            self._write_remote(node, pages)
 
     # ------------------------------------------------------------------ admission
     def load_prefix(self, tokens: list[int], salt: Hashable, res: MatchResult) -> LoadResult:
-        """Extend the device match ``res`` of ``tokens`` with what the host and disk tiers hold,
+        """Extend the device match ``res`` of ``tokens`` with what the host, disk and remote tiers
+        hold,
         loading it into device pages (all or nothing) and inserting it into the tree.
 
         Precondition: ``res.node`` is locked by the caller. Postcondition: the returned node is
@@ -305,6 +364,8 @@ class TieredCache:
         tree = self.tree
         dev = res.num_tokens
         by_tier = {"device": dev, "host": 0, "disk": 0}
+        if self.remote is not None:
+            by_tier["remote"] = 0
         keep = LoadResult(list(res.pages), dev, res.node, by_tier)
         host_nodes = res.host_nodes if self.host is not None else []
         host_tok = res.host_tokens if host_nodes else 0
@@ -318,9 +379,10 @@ class TieredCache:
                 if not disk.contains(hashes[i]):
                     break
                 disk_keys.append(hashes[i])
-        if host_tok + len(disk_keys) * P == 0:
+        remote = self.remote if self.remote is not None and self.remote.available else None
+        if host_tok + len(disk_keys) * P == 0 and remote is None:
             return keep
-        if host_tok + len(disk_keys) * P < self.min_load_tokens:
+        if host_tok + len(disk_keys) * P < self.min_load_tokens and remote is None:
             self.counters["loads_skipped"] += 1
             return keep
         payloads: list[bytes] = []
@@ -333,9 +395,18 @@ class TieredCache:
                 disk.discard(key, "truncated")
                 break
             payloads.append(data)
+        n_disk = len(payloads)
+        at = start + n_disk
+        if remote is not None and n_disk == len(disk_keys) and at < max_pages:
+            # the continuation after host and disk, fetched in pipelined batches and verified
+            hashes = chain_hashes(self.fingerprint, tokens, P, salt, max_pages)
+            page_bytes = self.kv_pool.bytes_per_page if self.kv_pool is not None else None
+            payloads += remote.get_prefix(hashes[at:max_pages], page_bytes)
         nh = host_tok // P
         need = nh + len(payloads)
-        if need == 0 or need * P < self.min_load_tokens:
+        if need == 0:
+            return keep
+        if need * P < self.min_load_tokens:
             self.counters["loads_skipped"] += 1
             return keep
         alloc = self.allocator
@@ -391,21 +462,29 @@ class TieredCache:
             # the tree's path ended at `total` (eviction only removes): it took every disk page
             assert ret == total, (ret, total)
             total = end
-            self.counters["disk_loads"] += 1
-            self.counters["disk_load_pages"] += len(payloads)
+            if n_disk:
+                self.counters["disk_loads"] += 1
+                self.counters["disk_load_pages"] += n_disk
+            if len(payloads) > n_disk:
+                self.counters["remote_loads"] += 1
+                self.counters["remote_load_pages"] += len(payloads) - n_disk
         m = tree.match_prefix(tokens[:total], salt)
         assert m.num_tokens == total, (m.num_tokens, total)
         tree.lock(m.node)
         tree.unlock(res.node)
         by_tier["host"] = nh * P
-        by_tier["disk"] = total - dev - nh * P
+        by_tier["disk"] = min(n_disk * P, total - dev - nh * P)
+        if self.remote is not None:
+            by_tier["remote"] = total - dev - nh * P - by_tier["disk"]
         return LoadResult(m.pages, total, m.node, by_tier)
 
     # ------------------------------------------------------------------ administration
     def sync(self) -> None:
-        """Wait for queued disk writes."""
+        """Wait for queued disk (and remote) writes."""
         if self.disk is not None:
             self.disk.sync()
+        if self.remote is not None:
+            self.remote.sync()
 
     def flush(self) -> None:
         """Called after ``tree.reset()`` (which already freed the host pages of every dropped
@@ -422,6 +501,8 @@ class TieredCache:
         """Finish disk writes and stop the writer thread."""
         if self.disk is not None:
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()
 
     def stats(self) -> dict[str, Any]:
         """Host pages used/free, disk files/bytes, loads, writes, corrupt files, skips."""
@@ -446,6 +527,8 @@ class TieredCache:
             out["corrupt_by_reason"] = {
                 r: d[f"corrupt_{r}"] for r in ("truncated", "checksum", "fingerprint", "key")
             }
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
         return out
 
     def check_integrity(self) -> None:
@@ -468,6 +551,8 @@ class TieredCache:
             raise IntegrityError("tree holds host pages but there is no host tier")
         if self.disk is not None:
             self.disk.check_integrity()
+        if self.remote is not None:
+            self.remote.check_integrity()
 
     def __repr__(self) -> str:
         return f"TieredCache(host={self.host!r}, disk={self.disk!r}, {self.write_policy})"

@@ -111,7 +111,7 @@ class Engine:
             self.allocator, self.tree, cfg.enable_prefix_cache, self.runner.pool.copy_pages
         )
         self.tiers = None
-        if cfg.host_cache_tokens or cfg.disk_cache_dir:
+        if cfg.host_cache_tokens or cfg.disk_cache_dir or cfg.remote_cache_url:
             from radixkv.cache.tiers import TieredCache
 
             self.tiers = TieredCache.attach(self, cfg)
@@ -134,6 +134,8 @@ class Engine:
             "forward_tokens": 0,
         }
         self.cached_by_tier = {"device": 0, "host": 0, "disk": 0}
+        if cfg.remote_cache_url:
+            self.cached_by_tier["remote"] = 0
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:

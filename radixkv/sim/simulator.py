@@ -92,8 +92,14 @@ def prepare_trace(trace: Iterable[dict[str, Any]]) -> list[PreparedRequest]:
     return out
 
 
-def _sim_tiers(tree: RadixTree, alloc: BlockAllocator, host_tokens: int, disk_tokens: int) -> Any:
-    """Bookkeeping-only host/disk tiers (no KV data, no torch) under ``tree``."""
+def _sim_tiers(
+    tree: RadixTree,
+    alloc: BlockAllocator,
+    host_tokens: int,
+    disk_tokens: int,
+    remote_tokens: int = 0,
+) -> Any:
+    """Bookkeeping-only host/disk/remote tiers (no KV data, no torch, no server) under ``tree``."""
     from radixkv.cache.disk_store import HEADER, DiskStore
     from radixkv.cache.host_pool import HostPool
     from radixkv.cache.tiers import TieredCache
@@ -103,7 +109,12 @@ def _sim_tiers(tree: RadixTree, alloc: BlockAllocator, host_tokens: int, disk_to
     disk = None
     if disk_tokens >= P:  # a simulated page file is P bytes of payload plus the header
         disk = DiskStore(None, disk_tokens // P * (HEADER.size + P), b"\0" * 32)
-    return TieredCache(tree, alloc, None, host, disk, min_load_tokens=0)
+    remote = None
+    if remote_tokens >= P:
+        from radixkv.cache.remote_store import RemoteStore
+
+        remote = RemoteStore(None, b"\0" * 32, capacity_pages=remote_tokens // P)
+    return TieredCache(tree, alloc, None, host, disk, min_load_tokens=0, remote=remote)
 
 
 def replay(
@@ -113,6 +124,7 @@ def replay(
     policy: str = "lru",
     host_capacity_tokens: int = 0,
     disk_capacity_tokens: int = 0,
+    remote_capacity_tokens: int = 0,
 ) -> dict[str, Any]:
     """Replay prepared requests through a fresh RadixTree + BlockAllocator of
     ``capacity_tokens // page_size`` pages. Returns requests, prompt_tokens, cached_tokens,
@@ -121,14 +133,20 @@ def replay(
 
     With ``host_capacity_tokens`` / ``disk_capacity_tokens`` the evicted prefixes move to
     bookkeeping-only host / disk tiers (write-back) and hits there are loaded back, exactly as
-    in the engine (:class:`radixkv.cache.tiers.TieredCache`, without data and load threshold)."""
+    in the engine (:class:`radixkv.cache.tiers.TieredCache`, without data and load threshold).
+    ``remote_capacity_tokens`` adds a remote tier (an LRU of that many tokens standing in for
+    Redis' ``allkeys-lru``), written when pages leave the device."""
     P = page_size
     alloc = BlockAllocator(max(capacity_tokens, 0) // P, P)
     tree = RadixTree(alloc, P, policy)
     tiers = None
-    if host_capacity_tokens >= P or disk_capacity_tokens >= P:
-        tiers = _sim_tiers(tree, alloc, host_capacity_tokens, disk_capacity_tokens)
+    if host_capacity_tokens >= P or disk_capacity_tokens >= P or remote_capacity_tokens >= P:
+        tiers = _sim_tiers(
+            tree, alloc, host_capacity_tokens, disk_capacity_tokens, remote_capacity_tokens
+        )
     by_tier = {"device": 0, "host": 0, "disk": 0}
+    if remote_capacity_tokens >= P:
+        by_tier["remote"] = 0
     match = tree.match_prefix
     lock, unlock, insert, evict = tree.lock, tree.unlock, tree.insert, tree.evict
     allocate, free = alloc.allocate, alloc.free
@@ -201,6 +219,7 @@ def simulate(
     policy: str = "lru",
     host_capacity_tokens: int = 0,
     disk_capacity_tokens: int = 0,
+    remote_capacity_tokens: int = 0,
 ) -> dict[str, Any]:
     """Replay ``trace`` (request dicts or :class:`PreparedRequest`) with ``capacity_tokens`` of KV
     (``None`` = unbounded) and report the cache behaviour.
@@ -210,7 +229,8 @@ def simulate(
     ``evictions`` (tokens evicted), ``tokens_per_second`` (prompt tokens / wall seconds of the
     bounded replay). With a host or disk tier (``host_capacity_tokens`` /
     ``disk_capacity_tokens`` > 0) it also has ``cached_tokens_by_tier`` (``{"device", "host",
-    "disk"}`` hit tokens, summing to ``cached_tokens``) and ``hit_rate_by_tier``.
+    "disk"}`` hit tokens, summing to ``cached_tokens``) and ``hit_rate_by_tier``; with
+    ``remote_capacity_tokens`` > 0 the tiers include ``"remote"``.
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -223,10 +243,22 @@ def simulate(
     cap = unbounded if capacity_tokens is None else capacity_tokens
     if capacity_tokens is not None and capacity_tokens < 0:
         raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
-    if host_capacity_tokens < 0 or disk_capacity_tokens < 0:
-        raise ValueError("host/disk capacities must be >= 0")
-    tiered = host_capacity_tokens >= page_size or disk_capacity_tokens >= page_size
-    bounded = replay(reqs, cap, page_size, policy, host_capacity_tokens, disk_capacity_tokens)
+    if host_capacity_tokens < 0 or disk_capacity_tokens < 0 or remote_capacity_tokens < 0:
+        raise ValueError("host/disk/remote capacities must be >= 0")
+    tiered = (
+        host_capacity_tokens >= page_size
+        or disk_capacity_tokens >= page_size
+        or remote_capacity_tokens >= page_size
+    )
+    bounded = replay(
+        reqs,
+        cap,
+        page_size,
+        policy,
+        host_capacity_tokens,
+        disk_capacity_tokens,
+        remote_capacity_tokens,
+    )
     optimal = (
         bounded if cap >= unbounded and not tiered else replay(reqs, unbounded, page_size, policy)
     )

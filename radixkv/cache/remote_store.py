@@ -1,0 +1,462 @@
+"""The remote KV tier: page payloads in a shared Redis (or Valkey), below the host and disk tiers.
+
+Several engine replicas pointed at one Redis share their prefixes: a page one replica wrote is
+found by every other one that meets the same tokens. Keys are the disk tier's chained page hashes
+(:func:`~radixkv.cache.disk_store.chain_hashes`: model fingerprint, salt and every earlier token),
+stored as ``namespace + key``; a value is a header (magic, version, fingerprint, key, length,
+crc32, the :data:`~radixkv.cache.disk_store.HEADER` layout) followed by the page payload. A read
+verifies all of it: a missing, short, damaged or foreign value is a miss (a bad one is counted by
+reason and deleted), and the request recomputes from there.
+
+Redis bounds itself (``maxmemory`` + ``allkeys-lru``); this store never assumes a page is still
+there. It keeps no index of the server's keys, only:
+
+* ``_recent``: keys written in the last ``recent_ttl`` seconds (bounded), so a page evicted twice
+  in a row is not sent twice; it never answers a lookup;
+* ``_pending``: keys queued for the writer thread (which batches ``SET``s into pipelines).
+
+Lookups (:meth:`RemoteStore.get_prefix`) fetch a chain continuation with ``MGET`` in batches and
+stop at the first miss. A connection failure turns the store *down*: one warning is logged,
+lookups answer "miss" and writes are dropped without touching the network, and the writer thread
+probes the server (``PING``) with exponential backoff until it answers; then the store is *up*
+again (logged once).
+
+``RemoteStore(None, ...)`` is a server-less, data-less store (an LRU of keys bounded by
+``capacity_pages``) for the simulator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from radixkv.cache.allocator import IntegrityError
+from radixkv.cache.disk_store import HEADER
+
+__all__ = ["REMOTE_MAGIC", "RemoteStore", "parse_remote_url"]
+
+logger = logging.getLogger(__name__)
+
+REMOTE_MAGIC = b"RKVREM01"
+FORMAT_VERSION = 1
+_SCHEMES = ("redis://", "rediss://", "unix://")
+_REASONS = ("truncated", "checksum", "fingerprint", "key")
+
+
+def parse_remote_url(url: str) -> str:
+    """Check a remote cache URL (``redis://HOST:PORT[/DB]``, ``rediss://`` or ``unix://``) and
+    return it; raises ``ValueError`` saying what a valid one looks like."""
+    if not isinstance(url, str) or not url.startswith(_SCHEMES):
+        raise ValueError(
+            f"remote_cache_url={url!r} is invalid: expected redis://HOST:PORT[/DB] "
+            "(or rediss://..., unix:///path.sock)"
+        )
+    return url
+
+
+class RemoteStore:
+    """Page payloads in Redis under chained-hash keys; see the module docstring.
+
+    Args:
+        url: ``redis://HOST:PORT[/DB]``; ``None`` = simulation (no server, no data).
+        fingerprint: 32 bytes identifying the model / dtype / page layout (in every header).
+        namespace: prefix of every Redis key this store writes.
+        background: write through a writer thread (default) instead of synchronously.
+        max_pending: bound of the writer queue (writes beyond it are dropped and counted).
+        batch_pages: pages per ``MGET`` / per write pipeline.
+        timeout: socket connect/read timeout in seconds.
+        retry_min, retry_max: backoff bounds (seconds) of the probes while the server is down.
+        recent_ttl: seconds a written key is not written again.
+        capacity_pages: simulation only: pages kept (LRU).
+
+    Thread safety: one engine thread calls the public methods; the writer thread touches
+    ``_pending``, ``_recent``, the up/down state and the counters under ``_lock``.
+    """
+
+    def __init__(
+        self,
+        url: str | None,
+        fingerprint: bytes,
+        namespace: bytes = b"radixkv:",
+        background: bool = True,
+        max_pending: int = 1024,
+        batch_pages: int = 32,
+        timeout: float = 1.0,
+        retry_min: float = 0.25,
+        retry_max: float = 10.0,
+        recent_ttl: float = 30.0,
+        capacity_pages: int = 0,
+    ) -> None:
+        if len(fingerprint) != 32:
+            raise ValueError("fingerprint must be 32 bytes (a sha256 digest)")
+        if batch_pages < 1:
+            raise ValueError(f"batch_pages must be >= 1, got {batch_pages}")
+        self.url = None if url is None else parse_remote_url(url)
+        self.fingerprint = fingerprint
+        self.namespace = namespace
+        self.batch_pages = batch_pages
+        self.retry_min = retry_min
+        self.retry_max = retry_max
+        self.recent_ttl = recent_ttl
+        self.max_recent = 1 << 16
+        self._lock = threading.Lock()
+        self._pending: set[bytes] = set()
+        self._recent: OrderedDict[bytes, float] = OrderedDict()
+        self._up = True
+        self._backoff = retry_min
+        self._next_probe = 0.0
+        self._sim: OrderedDict[bytes, int] | None = None
+        self.capacity_pages = capacity_pages
+        self.counters: dict[str, int] = {
+            "writes": 0,  # pages stored
+            "write_bytes": 0,
+            "writes_dropped": 0,  # queue full
+            "writes_failed": 0,  # the server failed during the write
+            "writes_skipped_down": 0,  # not attempted: the store was down
+            "lookups": 0,  # get_prefix calls that asked the server
+            "lookups_skipped_down": 0,
+            "hits": 0,  # verified pages returned
+            "read_bytes": 0,
+            "misses": 0,  # lookups that ended on a missing key
+            "corrupt_values": 0,
+            **{f"corrupt_{r}": 0 for r in _REASONS},
+            "went_down": 0,
+            "came_back": 0,
+        }
+        self._client: Any = None
+        self._errors: tuple[type[BaseException], ...] = (OSError,)
+        self._queue: queue.Queue[tuple[bytes, Any] | None] | None = None
+        self._thread: threading.Thread | None = None
+        if self.url is None:
+            if capacity_pages < 1:
+                raise ValueError("a simulated remote store needs capacity_pages >= 1")
+            self._sim = OrderedDict()
+            return
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._client = redis.Redis.from_url(
+            self.url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+        self._errors = (redis.RedisError, OSError)
+        if background:
+            self._queue = queue.Queue(maxsize=max(1, max_pending))
+            self._thread = threading.Thread(
+                target=self._writer, name="radixkv-remote-writer", daemon=True
+            )
+            self._thread.start()
+
+    # ------------------------------------------------------------------ up / down
+    @property
+    def available(self) -> bool:
+        """True while the server is believed up (no network call)."""
+        return self._up
+
+    def _went_down(self, exc: BaseException) -> None:
+        with self._lock:
+            if not self._up:
+                return
+            self._up = False
+            self._backoff = self.retry_min
+            self._next_probe = time.monotonic() + self._backoff
+            self.counters["went_down"] += 1
+        logger.warning(
+            "remote KV cache %s is unreachable (%s: %s); the remote tier is off until it "
+            "answers again",
+            self.url,
+            type(exc).__name__,
+            exc,
+        )
+
+    def probe(self, force: bool = False) -> bool:
+        """While down and the backoff has passed (or ``force``), ``PING`` the server; on an
+        answer the store is up again. Returns :attr:`available`."""
+        if self._up or self._client is None:
+            return self._up
+        if not force and time.monotonic() < self._next_probe:
+            return False
+        try:
+            self._client.ping()
+        except self._errors:
+            with self._lock:
+                self._backoff = min(self.retry_max, self._backoff * 2)
+                self._next_probe = time.monotonic() + self._backoff
+            return False
+        with self._lock:
+            self._up = True
+            self._backoff = self.retry_min
+            self.counters["came_back"] += 1
+        logger.warning("remote KV cache %s answers again; the remote tier is back on", self.url)
+        return True
+
+    # ------------------------------------------------------------------ values
+    def _rkey(self, key: bytes) -> bytes:
+        return self.namespace + key
+
+    def _pack(self, key: bytes, data: bytes) -> bytes:
+        header = HEADER.pack(
+            REMOTE_MAGIC, FORMAT_VERSION, self.fingerprint, key, len(data), zlib.crc32(data)
+        )
+        return header + data
+
+    def _check(self, key: bytes, value: bytes, expect_len: int | None) -> str | None:
+        """Why ``value`` is not a valid page for ``key`` (a reason), or None when it is."""
+        if len(value) < HEADER.size:
+            return "truncated"
+        magic, version, fp, vkey, length, crc = HEADER.unpack_from(value)
+        if magic != REMOTE_MAGIC or version != FORMAT_VERSION:
+            return "checksum"
+        if fp != self.fingerprint:
+            return "fingerprint"
+        if vkey != key:
+            return "key"
+        if len(value) - HEADER.size != length or (expect_len is not None and length != expect_len):
+            return "truncated"
+        if zlib.crc32(memoryview(value)[HEADER.size :]) != crc:
+            return "checksum"
+        return None
+
+    # ------------------------------------------------------------------ writes
+    def wants(self, key: bytes) -> bool:
+        """False when ``key`` is queued or was written in the last ``recent_ttl`` seconds."""
+        if key in self._pending:
+            return False
+        t = self._recent.get(key)
+        return t is None or time.monotonic() - t > self.recent_ttl
+
+    def put(self, key: bytes, payload: Any) -> bool:
+        """Store ``payload`` (bytes, or a zero-argument callable returning bytes, evaluated by the
+        writer) under ``key``. Returns True when accepted (queued or, in simulation, stored);
+        False when skipped (recently written / queued), dropped (queue full) or the store is
+        down."""
+        if self._sim is not None:
+            self._sim[key] = 1
+            self._sim.move_to_end(key)
+            while len(self._sim) > self.capacity_pages:
+                self._sim.popitem(last=False)
+            self.counters["writes"] += 1
+            return True
+        if not self.wants(key):
+            return False
+        if not self._up:
+            self.counters["writes_skipped_down"] += 1
+            return False
+        if self._queue is None:
+            self._write_batch([(key, payload)])
+            return True
+        with self._lock:
+            self._pending.add(key)
+        try:
+            self._queue.put_nowait((key, payload))
+        except queue.Full:
+            with self._lock:
+                self._pending.discard(key)
+                self.counters["writes_dropped"] += 1
+            return False
+        return True
+
+    def _write_batch(self, items: list[tuple[bytes, Any]]) -> None:
+        """Serialize ``items`` and ``SET`` them in one pipeline (skipped while down)."""
+        if not self._up:
+            self.counters["writes_skipped_down"] += len(items)
+            return
+        values: list[tuple[bytes, bytes]] = []
+        for key, payload in items:
+            try:
+                data = payload() if callable(payload) else payload
+            except Exception:  # a snapshot that cannot be serialized is simply not stored
+                self.counters["writes_failed"] += 1
+                continue
+            values.append((key, self._pack(key, bytes(data))))
+        if not values:
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, value in values:
+                pipe.set(self._rkey(key), value)
+            pipe.execute()
+        except self._errors as exc:
+            self.counters["writes_failed"] += len(values)
+            self._went_down(exc)
+            return
+        t = time.monotonic()
+        with self._lock:
+            for key, value in values:
+                self._recent[key] = t
+                self._recent.move_to_end(key)
+                self.counters["writes"] += 1
+                self.counters["write_bytes"] += len(value)
+            while len(self._recent) > self.max_recent:
+                self._recent.popitem(last=False)
+
+    def _writer(self) -> None:
+        assert self._queue is not None
+        while True:
+            try:
+                item = self._queue.get(timeout=self.retry_min)
+            except queue.Empty:
+                self.probe()
+                continue
+            items: list[tuple[bytes, Any]] = []
+            stop = False
+            done = 1
+            if item is None:
+                stop = True
+            else:
+                items.append(item)
+            while not stop and len(items) < self.batch_pages:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                done += 1
+                if nxt is None:
+                    stop = True
+                else:
+                    items.append(nxt)
+            try:
+                if items:
+                    self.probe()
+                    self._write_batch(items)
+            finally:
+                with self._lock:
+                    for key, _ in items:
+                        self._pending.discard(key)
+                for _ in range(done):
+                    self._queue.task_done()
+            if stop:
+                return
+
+    def sync(self) -> None:
+        """Wait until every queued write is sent (or dropped)."""
+        if self._queue is not None:
+            self._queue.join()
+
+    # ------------------------------------------------------------------ reads
+    def get_prefix(self, keys: Sequence[bytes], expect_len: int | None = None) -> list[bytes]:
+        """Verified payloads of the longest run ``keys[:n]`` the server holds, fetched with
+        ``MGET`` in batches of ``batch_pages``; stops at the first missing or bad value (a bad
+        one is counted by reason and deleted). ``expect_len``: the payload length a page must
+        have. Down: returns ``[]`` without touching the network."""
+        if not keys:
+            return []
+        if self._sim is not None:
+            out_sim: list[bytes] = []
+            for key in keys:
+                if key not in self._sim:
+                    self.counters["misses"] += 1
+                    break
+                self._sim.move_to_end(key)
+                out_sim.append(b"")
+            self.counters["lookups"] += 1
+            self.counters["hits"] += len(out_sim)
+            return out_sim
+        if not self._up:
+            self.counters["lookups_skipped_down"] += 1
+            return []
+        self.counters["lookups"] += 1
+        out: list[bytes] = []
+        for at in range(0, len(keys), self.batch_pages):
+            chunk = list(keys[at : at + self.batch_pages])
+            try:
+                values = self._client.mget([self._rkey(k) for k in chunk])
+            except self._errors as exc:
+                self._went_down(exc)
+                return out
+            for key, value in zip(chunk, values):
+                if value is None:
+                    self.counters["misses"] += 1
+                    return out
+                reason = self._check(key, value, expect_len)
+                if reason is not None:
+                    self.discard(key, reason)
+                    return out
+                out.append(bytes(memoryview(value)[HEADER.size :]))
+                self.counters["hits"] += 1
+                self.counters["read_bytes"] += len(value)
+        return out
+
+    def discard(self, key: bytes, reason: str | None = None) -> None:
+        """Delete ``key`` from the server (best effort); with a ``reason`` (truncated /
+        checksum / fingerprint / key) it is counted as a corrupt value."""
+        if reason is not None:
+            self.counters["corrupt_values"] += 1
+            name = f"corrupt_{reason}"
+            self.counters[name] = self.counters.get(name, 0) + 1
+        with self._lock:
+            self._recent.pop(key, None)
+        if self._sim is not None:
+            self._sim.pop(key, None)
+            return
+        if self._up:
+            try:
+                self._client.delete(self._rkey(key))
+            except self._errors as exc:
+                self._went_down(exc)
+
+    def close(self) -> None:
+        """Send queued writes, stop the writer thread and close the connections (idempotent)."""
+        if self._queue is not None and self._thread is not None:
+            self.sync()
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+            self._queue = None
+            self._thread = None
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "url": self.url,
+            "available": self._up,
+            "pending_writes": len(self._pending),
+            "recent_keys": len(self._recent),
+        }
+        if self._sim is not None:
+            out["pages"] = len(self._sim)
+        out.update(self.counters)
+        return out
+
+    def check_integrity(self) -> None:
+        """The local bookkeeping: ``_recent`` bounded, every count non-negative, corrupt counts
+        summing up, the backoff within its bounds while down, no write pending with the writer
+        stopped, the simulated LRU within capacity. Raises :class:`IntegrityError`."""
+        with self._lock:
+            recent = len(self._recent)
+            pending = set(self._pending)
+            counters = dict(self.counters)
+            up, backoff = self._up, self._backoff
+        if recent > self.max_recent:
+            raise IntegrityError(f"remote: {recent} recent keys > bound {self.max_recent}")
+        bad = [k for k, v in counters.items() if v < 0]
+        if bad:
+            raise IntegrityError(f"remote: negative counters {bad}")
+        if sum(counters[f"corrupt_{r}"] for r in _REASONS) != counters["corrupt_values"]:
+            raise IntegrityError("remote: corrupt counts by reason do not sum to the total")
+        if counters["came_back"] > counters["went_down"]:
+            raise IntegrityError("remote: came back more often than it went down")
+        if not up and not self.retry_min <= backoff <= self.retry_max:
+            raise IntegrityError(f"remote: backoff {backoff} outside its bounds")
+        if pending and self._thread is None and self._sim is None:
+            raise IntegrityError("remote: writes pending without a writer thread")
+        if self._sim is not None and len(self._sim) > self.capacity_pages:
+            raise IntegrityError("remote: simulated store over capacity")
+
+    def __repr__(self) -> str:
+        state = "up" if self._up else "down"
+        return f"RemoteStore(url={self.url!r}, {state}, pending={len(self._pending)})"

@@ -1,0 +1,252 @@
+"""The remote KV tier on a real ``redis-server`` (no mocks): two engines share prefixes through it,
+bad values are detected and recomputed, salts never meet, and a Redis that goes away turns the
+tier off (requests keep working) until it comes back."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import redis_fixture
+import torch
+from redis_fixture import RedisServer
+from test_tiers import _tiny, greedy
+
+from radixkv.cache.disk_store import HEADER, chain_hashes
+from radixkv.cache.remote_store import RemoteStore
+
+P = 16
+redis_server = redis_fixture.redis_server  # a real redis-server per module
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _tiny(1234, "tiny-remote")
+
+
+def make_engine(model, url: str | None, **knobs):
+    from radixkv import Engine
+
+    knobs.setdefault("page_size", P)
+    knobs.setdefault("dtype", "float32")
+    knobs.setdefault("kv_cache_tokens", 4096)
+    return Engine(model, remote_cache_url=url, **knobs)
+
+
+def prompt(seed: int, n: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def run(engine, ids: list[int], salt: str | None = None):
+    (out,) = engine.generate([ids], greedy(6), salt=salt)
+    engine.check_integrity()
+    return out
+
+
+def flushdb(server: RedisServer) -> None:
+    server.client().flushdb()
+
+
+@pytest.fixture(scope="module")
+def golden(tiny):
+    """Greedy outputs of an engine without any tier."""
+    from radixkv import Engine
+
+    eng = Engine(tiny, page_size=P, dtype="float32", kv_cache_tokens=4096)
+    return {s: run(eng, prompt(s)).outputs[0].token_ids for s in (1, 2, 3, 4, 5)}
+
+
+def test_replica_b_serves_a_prompt_replica_a_computed(tiny, golden, redis_server) -> None:
+    flushdb(redis_server)
+    a = make_engine(tiny, redis_server.url, host_write_policy="write_through")
+    b = make_engine(tiny, redis_server.url)
+    ids = prompt(1)
+    out_a = run(a, ids)
+    assert out_a.cached_tokens_by_tier.get("remote", 0) == 0
+    a.tiers.sync()
+    assert redis_server.client().dbsize() >= len(ids) // P - 1
+    out_b = run(b, ids)
+    assert out_b.cached_tokens_by_tier["remote"] >= len(ids) - 2 * P
+    assert out_b.outputs[0].token_ids == out_a.outputs[0].token_ids == golden[1]
+    rs = b.stats()["tiers"]["remote"]
+    assert rs["hits"] >= len(ids) // P - 2 and rs["corrupt_values"] == 0
+    assert b.stats()["cached_tokens_by_tier"]["remote"] == out_b.cached_tokens_by_tier["remote"]
+    # the pages loaded from Redis now sit on B's device: the next request hits there
+    again = run(b, ids)
+    assert again.cached_tokens_by_tier["device"] >= len(ids) - P
+    assert again.outputs[0].token_ids == golden[1]
+    a.tiers.close()
+    b.tiers.close()
+
+
+def test_write_back_sends_pages_when_they_leave_the_device(tiny, golden, redis_server) -> None:
+    flushdb(redis_server)
+    # a device pool of 17 pages: the second 256-token prompt evicts all of the first one's
+    a = make_engine(tiny, redis_server.url, kv_cache_tokens=17 * P)
+    run(a, prompt(2))
+    a.tiers.sync()
+    assert redis_server.client().dbsize() == 0  # write-back: nothing left the device yet
+    run(a, prompt(3))
+    a.tiers.sync()
+    assert redis_server.client().dbsize() > 0
+    b = make_engine(tiny, redis_server.url)
+    out = run(b, prompt(2))
+    assert out.cached_tokens_by_tier["remote"] > 0
+    assert out.outputs[0].token_ids == golden[2]
+    a.tiers.close()
+    b.tiers.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "fingerprint"])
+def test_bad_values_are_detected_and_recomputed(tiny, golden, redis_server, damage) -> None:
+    flushdb(redis_server)
+    a = make_engine(tiny, redis_server.url, host_write_policy="write_through")
+    ids = prompt(4)
+    run(a, ids)
+    a.tiers.sync()
+    fp = a.tiers.fingerprint
+    keys = [a.tiers.remote.namespace + h for h in chain_hashes(fp, ids, P, None)]
+    r = redis_server.client()
+    bad = 5  # damage page 5: pages 0-4 still load, the rest is recomputed
+    value = r.get(keys[bad])
+    assert value is not None
+    if damage == "flip":
+        body = bytearray(value)
+        body[HEADER.size + 100] ^= 0xFF
+        r.set(keys[bad], bytes(body))
+    elif damage == "truncate":
+        r.set(keys[bad], value[: len(value) // 2])
+    elif damage == "swap":  # a valid value of another page under this key
+        r.set(keys[bad], r.get(keys[bad + 1]))
+    else:  # the same page written by another model
+        forged = bytearray(value)
+        forged[12:44] = b"\x07" * 32  # the header's fingerprint field
+        r.set(keys[bad], bytes(forged))
+    b = make_engine(tiny, redis_server.url)
+    out = run(b, ids)
+    assert out.cached_tokens_by_tier["remote"] == bad * P
+    assert out.outputs[0].token_ids == golden[4]
+    rs = b.stats()["tiers"]["remote"]
+    reason = {"flip": "checksum", "truncate": "truncated", "swap": "key"}.get(damage, damage)
+    assert rs["corrupt_values"] == 1 and rs[f"corrupt_{reason}"] == 1, rs
+    assert r.get(keys[bad]) is None  # the bad value was deleted
+    b.check_integrity()
+    a.tiers.close()
+    b.tiers.close()
+
+
+def test_salts_never_hit_each_other(tiny, golden, redis_server) -> None:
+    flushdb(redis_server)
+    a = make_engine(tiny, redis_server.url, host_write_policy="write_through")
+    ids = prompt(5)
+    run(a, ids, salt="tenant-a")
+    a.tiers.sync()
+    n_keys = redis_server.client().dbsize()
+    b = make_engine(tiny, redis_server.url, host_write_policy="write_through")
+    other = run(b, ids, salt="tenant-b")
+    assert other.cached_tokens_by_tier.get("remote", 0) == 0
+    assert other.cached_tokens == 0
+    unsalted = make_engine(tiny, redis_server.url)
+    assert run(unsalted, ids).cached_tokens == 0
+    b.tiers.sync()
+    assert redis_server.client().dbsize() == 2 * n_keys  # disjoint key sets per salt
+    c = make_engine(tiny, redis_server.url)
+    same = run(c, ids, salt="tenant-a")
+    assert same.cached_tokens_by_tier["remote"] >= len(ids) - 2 * P
+    assert same.outputs[0].token_ids == other.outputs[0].token_ids == golden[5]
+    for e in (a, b, unsalted, c):
+        e.tiers.close()
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_redis_killed_mid_run_then_back(tiny, golden, caplog) -> None:
+    server = RedisServer()
+    server.start()
+    try:
+        a = make_engine(tiny, server.url, host_write_policy="write_through")
+        remote = a.tiers.remote
+        assert run(a, prompt(1)).outputs[0].token_ids == golden[1]
+        a.tiers.sync()
+        server.stop()  # Redis goes away mid-run
+        with caplog.at_level(logging.WARNING, logger="radixkv.cache.remote_store"):
+            for s in (2, 3, 4):  # requests keep working, the tier turns itself off
+                assert run(a, prompt(s)).outputs[0].token_ids == golden[s]
+                a.tiers.sync()
+        assert not remote.available
+        warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+        st = remote.stats()
+        assert st["went_down"] == 1 and st["writes_skipped_down"] + st["writes_failed"] > 0
+        a.check_integrity()
+        server.start()  # Redis is back (empty): the writer's probe turns the tier on again
+        assert _wait(lambda: remote.available), remote.stats()
+        assert remote.stats()["came_back"] == 1
+        run(a, prompt(5))
+        a.tiers.sync()
+        b = make_engine(tiny, server.url)
+        out = run(b, prompt(5))
+        assert out.cached_tokens_by_tier["remote"] >= len(prompt(5)) - 2 * P
+        assert out.outputs[0].token_ids == golden[5]
+        a.tiers.close()
+        b.tiers.close()
+    finally:
+        server.stop()
+
+
+def test_remote_store_alone_batches_and_bookkeeping(redis_server) -> None:
+    """The store by itself: pipelined writes, MGET in batches, a miss ends the run."""
+    flushdb(redis_server)
+    fp = b"\x01" * 32
+    store = RemoteStore(redis_server.url, fp, batch_pages=4)
+    keys = chain_hashes(fp, list(range(200)), 8)  # 25 pages
+    for i, k in enumerate(keys[:20]):
+        assert store.put(k, bytes([i]) * 64)
+    store.sync()
+    assert not store.put(keys[0], b"x" * 64)  # written recently: skipped
+    got = store.get_prefix(keys, 64)
+    assert [g[0] for g in got] == list(range(20))
+    assert store.get_prefix(keys, 32) == []  # wrong page size: truncated, deleted
+    assert store.stats()["corrupt_truncated"] == 1
+    other = RemoteStore(redis_server.url, b"\x02" * 32)
+    assert other.get_prefix(keys[1:], 64) == []  # another fingerprint never reads them
+    assert other.stats()["corrupt_fingerprint"] == 1
+    store.check_integrity()
+    other.check_integrity()
+    store.close()
+    other.close()
+    with pytest.raises(ValueError, match="redis://"):
+        RemoteStore("http://127.0.0.1:1", fp)
+
+
+def test_simulator_counts_remote_hits() -> None:
+    """The simulator's remote tier: prefixes evicted from a small device come back from it."""
+    from radixkv.sim.simulator import simulate
+
+    g = torch.Generator().manual_seed(0)
+    systems = [torch.randint(0, 999, (64,), generator=g).tolist() for _ in range(8)]
+    trace = [
+        {"input_ids": systems[i % 8] + torch.randint(0, 999, (8,), generator=g).tolist()}
+        for i in range(64)
+    ]
+    alone = simulate(trace, 200, 4)
+    res = simulate(trace, 200, 4, remote_capacity_tokens=4000)
+    assert alone["cached_tokens"] == 0  # 8 prompts cycling through a 200-token device
+    assert res["cached_tokens_by_tier"]["remote"] == res["cached_tokens"] > 0
+    assert res["cached_tokens"] == pytest.approx(res["optimal_hit_rate"] * res["prompt_tokens"])
+    small = simulate(trace, 200, 4, remote_capacity_tokens=200)  # LRU too small to help
+    assert small["cached_tokens_by_tier"]["remote"] < res["cached_tokens_by_tier"]["remote"]
+
+
+def test_bad_url_is_refused(tiny) -> None:
+    with pytest.raises(ValueError, match="remote_cache_url"):
+        make_engine(tiny, "localhost:6379")
