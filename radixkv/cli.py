@@ -248,11 +248,26 @@ def add_info_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_info)
 
 
+# ---------------------------------------------------------------------------- router, cluster
+def add_router_parser(sub: argparse._SubParsersAction) -> None:
+    from radixkv.server.router_cli import add_router_parser as add
+
+    add(sub)
+
+
+def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
+    from radixkv.server.cluster import add_cluster_parser as add
+
+    add(sub)
+
+
 #: One function per subcommand; each adds its parser and sets ``func``.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_simulate_parser,
     add_serve_parser,
     add_prepare_model_parser,
+    add_router_parser,
+    add_cluster_parser,
     add_info_parser,
 ]
 

@@ -1,0 +1,300 @@
+"""``radixkv cluster``: Redis, N replicas and the router on one machine, stopped together.
+
+``radixkv cluster --replicas 2 --port 8000`` starts
+
+1. ``redis-server`` on a free loopback port (no persistence, ``--maxmemory`` with
+   ``allkeys-lru``): the shared remote KV tier (skipped with ``--no-remote-cache``);
+2. ``N`` ``radixkv serve`` processes on ``port+1 .. port+N``, each pinned to its own share of
+   the CPUs (``os.sched_setaffinity``; ``OMP_NUM_THREADS`` set to match), each with
+   ``--remote-cache redis://127.0.0.1:REDIS/0``; arguments after ``--`` go to every replica;
+3. the router on ``port`` (in this process), once every replica answers ``/health``.
+
+Ctrl-C (or any failure) stops the router, then the replicas, then Redis. :class:`Cluster` is the
+same as a library (the router bench uses it without the router).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["Cluster", "add_cluster_parser", "free_port", "run_cluster", "split_cores"]
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def split_cores(n: int, cores: Sequence[int] | None = None) -> list[list[int]]:
+    """Split the CPUs this process may use into ``n`` contiguous groups (one per replica); with
+    fewer CPUs than replicas, replicas share CPUs in turn."""
+    if n < 1:
+        raise ValueError(f"need at least one replica, got {n}")
+    avail = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(avail) < n:
+        return [[avail[i % len(avail)]] for i in range(n)]
+    size, extra = divmod(len(avail), n)
+    out, at = [], 0
+    for i in range(n):
+        k = size + (1 if i < extra else 0)
+        out.append(avail[at : at + k])
+        at += k
+    return out
+
+
+def _pin(cores: Sequence[int]):  # -> Callable[[], None]
+    def pin() -> None:
+        os.sched_setaffinity(0, set(cores))
+        os.setpgrp()  # Ctrl-C goes to the cluster, which stops the replicas in order
+
+    return pin
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[Any] | None, timeout: float) -> None:
+    """Wait until ``GET url/health`` answers 200; raises ``RuntimeError`` when ``proc`` exits or
+    the time is up."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not become healthy within {timeout:.0f} s")
+
+
+class Cluster:
+    """Redis + ``replicas`` ``radixkv serve`` processes on loopback (see the module docstring).
+
+    Args:
+        replicas: how many replicas.
+        base_port: replica ``i`` listens on ``base_port + 1 + i`` (0 = free ports).
+        model: ``--model`` of every replica.
+        serve_args: more ``radixkv serve`` arguments for every replica.
+        remote_cache: start Redis and pass ``--remote-cache`` to the replicas.
+        redis_maxmemory: Redis ``maxmemory`` (``allkeys-lru`` beyond it).
+        cores: the CPUs to split between replicas (default: this process's affinity).
+        log_dir: where each process's output goes (default: inherited stdout/stderr).
+    """
+
+    def __init__(
+        self,
+        replicas: int = 2,
+        base_port: int = 0,
+        model: str = "smollm2",
+        serve_args: Sequence[str] = (),
+        remote_cache: bool = True,
+        redis_maxmemory: str = "1gb",
+        redis_port: int = 0,
+        cores: Sequence[int] | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        self.n = replicas
+        self.core_groups = split_cores(replicas, cores)
+        self.ports = [base_port + 1 + i if base_port else free_port() for i in range(replicas)]
+        self.model = model
+        self.serve_args = list(serve_args)
+        self.remote_cache = remote_cache
+        self.redis_maxmemory = redis_maxmemory
+        self.redis_port = redis_port or (free_port() if remote_cache else 0)
+        self.log_dir = log_dir
+        self.redis: subprocess.Popen[Any] | None = None
+        self.procs: list[subprocess.Popen[Any]] = []
+        self._logs: list[Any] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    @property
+    def redis_url(self) -> str | None:
+        return f"redis://127.0.0.1:{self.redis_port}/0" if self.remote_cache else None
+
+    def _out(self, name: str) -> Any:
+        if self.log_dir is None:
+            return None
+        os.makedirs(self.log_dir, exist_ok=True)
+        f = open(os.path.join(self.log_dir, name + ".log"), "ab")  # noqa: SIM115
+        self._logs.append(f)
+        return f
+
+    def start(self, timeout: float = 600.0) -> Cluster:
+        """Start Redis and the replicas and wait until every replica is healthy."""
+        try:
+            if self.remote_cache:
+                self._start_redis()
+            for i in range(self.n):
+                self._start_replica(i)
+            for url, proc in zip(self.urls, self.procs):
+                wait_healthy(url, proc, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (bash setup.sh installs it)")
+        args = [binary, "--port", str(self.redis_port), "--bind", "127.0.0.1"]
+        args += ["--save", "", "--appendonly", "no"]
+        args += ["--maxmemory", self.redis_maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        out = self._out("redis")
+        self.redis = subprocess.Popen(
+            args, stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.redis_port), timeout=0.2),
+            ):
+                logger.info("redis-server on 127.0.0.1:%d", self.redis_port)
+                return
+            if self.redis.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.redis_port}")
+
+    def _start_replica(self, i: int) -> None:
+        cores = self.core_groups[i]
+        cmd = [sys.executable, "-m", "radixkv", "serve", "--model", self.model]
+        cmd += ["--port", str(self.ports[i]), "--host", "127.0.0.1"]
+        if self.remote_cache:
+            cmd += ["--remote-cache", str(self.redis_url)]
+        cmd += self.serve_args
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = str(len(cores))
+        out = self._out(f"replica{i}")
+        logger.info("replica %d on %s, cores %s: %s", i, self.urls[i], cores, " ".join(cmd))
+        self.procs.append(
+            subprocess.Popen(
+                cmd,
+                env=env,
+                preexec_fn=_pin(cores),
+                stdout=out,
+                stderr=subprocess.STDOUT if out is not None else None,
+            )
+        )
+
+    def stop(self) -> None:
+        """Stop the replicas (SIGINT, then SIGKILL after 15 s), then Redis (idempotent)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    proc.send_signal(signal.SIGINT)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self.procs = []
+        if self.redis is not None:
+            self.redis.kill()
+            self.redis.wait(timeout=10)
+            self.redis = None
+        for f in self._logs:
+            f.close()
+        self._logs = []
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def add_cluster_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``radixkv cluster`` on ``subparsers`` (sets ``func=run_cluster``)."""
+    from radixkv.server.router_policy import POLICIES
+
+    p = subparsers.add_parser(
+        "cluster",
+        help="start Redis, N pinned replicas and the router on loopback (Ctrl-C stops all)",
+        description="One machine, several replicas: redis-server (the shared remote KV tier), "
+        "N `radixkv serve` processes on PORT+1..PORT+N each pinned to its own CPUs, and the "
+        "router on PORT. Arguments after `--` go to every replica.",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="how many replicas (default 2)")
+    p.add_argument("--port", type=int, default=8000, help="router port; replicas use the next")
+    p.add_argument("--model", default="smollm2", help="model of every replica (default smollm2)")
+    p.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    p.add_argument(
+        "--no-remote-cache", action="store_true", help="no Redis: replicas share nothing"
+    )
+    p.add_argument("--redis-port", type=int, default=0, help="Redis port (default: a free one)")
+    p.add_argument(
+        "--redis-maxmemory", default="1gb", help="Redis maxmemory, allkeys-lru (default 1gb)"
+    )
+    p.add_argument("--log-dir", default=None, help="write each process's output there")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `radixkv serve` flags")
+    p.set_defaults(func=run_cluster)
+    return p
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """Start everything, serve the router until Ctrl-C, stop everything. Returns the exit
+    code."""
+    import uvicorn
+
+    from radixkv.server.router import create_router_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    extra = list(args.serve_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    try:
+        cluster = Cluster(
+            args.replicas,
+            args.port,
+            args.model,
+            extra,
+            remote_cache=not args.no_remote_cache,
+            redis_maxmemory=args.redis_maxmemory,
+            redis_port=args.redis_port,
+            log_dir=args.log_dir,
+        )
+    except (ValueError, RuntimeError) as exc:
+        print(f"radixkv cluster: {exc}", file=sys.stderr)
+        return 2
+    try:
+        cluster.start()
+        app = create_router_app(cluster.urls, args.policy)
+        logger.info(
+            "cluster: router http://127.0.0.1:%d (%s) -> %s; remote cache %s",
+            args.port,
+            args.policy,
+            ", ".join(cluster.urls),
+            cluster.redis_url or "off",
+        )
+        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level=args.log_level.lower())
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as exc:
+        print(f"radixkv cluster: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+    return 0

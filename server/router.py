@@ -1,0 +1,362 @@
+"""``radixkv router``: one HTTP front for several ``radixkv serve`` replicas, sending each
+request where its prefix is cached.
+
+``create_router_app(replicas, policy="cache_aware", ...)`` returns a FastAPI app speaking the
+replicas' API: ``POST /v1/completions``, ``/v1/chat/completions`` and ``/generate`` are proxied
+to the replica the policy picks (:mod:`radixkv.server.router_policy`), the body and the
+``Authorization`` header passed through unchanged (the replicas check API keys), a streamed
+answer relayed chunk by chunk as it arrives (``httpx`` async streaming, nothing buffered).
+Each answer carries ``x-radixkv-replica: URL``.
+
+Failures: a replica that cannot be reached, drops the connection or answers 503 (overloaded)
+before the first byte of its answer is retried on another healthy replica (each at most once),
+and a replica that could not be reached is marked dead at once. A background task
+``GET``s every replica's ``/health`` each ``health_interval`` seconds; a dead replica gets no
+traffic (its prefix tree is cleared: its cache is gone when it restarts) until it answers
+again. A stream that breaks after its first chunk ends there (tokens already sent cannot be
+taken back).
+
+The router's own endpoints: ``GET /health`` (200 while a replica is healthy, 503 otherwise, with
+each replica's state), ``GET /v1/models`` (from a healthy replica), ``GET /metrics``
+(Prometheus: per-replica requests, prefix-match and key characters, errors, in-flight and
+health), ``GET /router/stats`` (the same as JSON) and ``POST /flush_cache`` (forwarded to every
+healthy replica; the trees are cleared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+
+from radixkv.server.protocol import error_body
+from radixkv.server.router_policy import (
+    POLICIES,
+    ReplicaPrefixIndex,
+    ReplicaState,
+    make_policy,
+    route_key,
+)
+
+__all__ = ["POLICIES", "RouterMetrics", "create_router_app"]
+
+logger = logging.getLogger(__name__)
+
+#: request headers passed through to the replica
+_FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "user-agent")
+#: response headers passed back to the client
+_RETURN_HEADERS = ("content-type", "cache-control", "x-request-id")
+_PROXIED = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics, labelled by replica URL."""
+
+    def __init__(self, replicas: Sequence[str]) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "radixkv_router_requests", "Requests sent to a replica.", ["replica"], registry=r
+        )
+        self.match_chars = Counter(
+            "radixkv_router_prefix_match_chars",
+            "Routing-key units (characters, or token ids for id prompts) the router's tree "
+            "already held for the replica a request went to.",
+            ["replica"],
+            registry=r,
+        )
+        self.key_chars = Counter(
+            "radixkv_router_request_chars",
+            "Routing-key units of the requests sent to a replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "radixkv_router_replica_errors",
+            "Failed attempts on a replica (unreachable, dropped, 503, broken stream).",
+            ["replica"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "radixkv_router_retries", "Requests retried on another replica.", registry=r
+        )
+        self.in_flight = Gauge(
+            "radixkv_router_in_flight", "Requests in flight per replica.", ["replica"], registry=r
+        )
+        self.healthy = Gauge(
+            "radixkv_router_replica_healthy",
+            "1 while a replica is healthy.",
+            ["replica"],
+            registry=r,
+        )
+        for url in replicas:
+            for m in (self.requests, self.match_chars, self.key_chars, self.errors):
+                m.labels(replica=url)
+            self.in_flight.labels(replica=url)
+            self.healthy.labels(replica=url).set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _norm(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    return url
+
+
+def create_router_app(
+    replicas: Sequence[str],
+    policy: str = "cache_aware",
+    *,
+    health_interval: float = 2.0,
+    tree_capacity: int = 1 << 20,
+    request_timeout: float = 600.0,
+    **policy_knobs: Any,
+) -> FastAPI:
+    """The router app over ``replicas`` (base URLs like ``http://127.0.0.1:8001``); see the
+    module docstring. ``policy_knobs`` go to the policy (``cache_threshold``,
+    ``balance_abs_threshold``, ``balance_rel_threshold``). Raises ``ValueError`` on a bad
+    policy, knob or an empty replica list."""
+    if not replicas:
+        raise ValueError("the router needs at least one --replica URL")
+    urls = [_norm(u) for u in replicas]
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"a replica is listed twice: {urls}")
+    pol = make_policy(policy, **policy_knobs)
+    states = [ReplicaState(u, ReplicaPrefixIndex(tree_capacity)) for u in urls]
+    metrics = RouterMetrics(urls)
+    holder: dict[str, Any] = {}
+
+    def client() -> httpx.AsyncClient:
+        return holder["client"]
+
+    def mark(i: int, healthy: bool, why: str = "") -> None:
+        st = states[i]
+        if st.healthy and not healthy:
+            logger.warning("replica %s is down (%s): no traffic until it answers", st.url, why)
+            st.index.clear()
+        elif healthy and not st.healthy:
+            logger.warning("replica %s is back", st.url)
+        st.healthy = healthy
+        metrics.healthy.labels(replica=st.url).set(1 if healthy else 0)
+
+    async def check(i: int) -> None:
+        try:
+            r = await client().get(states[i].url + "/health", timeout=min(5.0, health_interval))
+            mark(i, r.status_code == 200, f"/health answered {r.status_code}")
+        except httpx.HTTPError as exc:
+            mark(i, False, type(exc).__name__)
+
+    async def health_loop() -> None:
+        while True:
+            await asyncio.gather(*(check(i) for i in range(len(states))))
+            await asyncio.sleep(health_interval)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        timeout = httpx.Timeout(request_timeout, connect=5.0)
+        holder["client"] = httpx.AsyncClient(timeout=timeout, limits=limits)
+        task = asyncio.create_task(health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await holder["client"].aclose()
+
+    app = FastAPI(title="radixkv router", lifespan=lifespan)
+    app.state.replicas = states
+    app.state.policy = pol
+    app.state.metrics = metrics
+
+    def fail(i: int, why: str, dead: bool) -> None:
+        states[i].errors += 1
+        metrics.errors.labels(replica=states[i].url).inc()
+        if dead:
+            mark(i, False, why)
+
+    def headers_of(request: Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+
+    def answer_headers(resp: httpx.Response, url: str) -> dict[str, str]:
+        out = {k: v for k, v in resp.headers.items() if k.lower() in _RETURN_HEADERS}
+        out["x-radixkv-replica"] = url
+        return out
+
+    def no_replica(tried: int) -> JSONResponse:
+        msg = (
+            "no healthy replica can take the request"
+            if not tried
+            else f"every replica tried ({tried}) failed before answering"
+        )
+        return JSONResponse(error_body(msg, type="server_error"), status_code=503)
+
+    async def proxy(request: Request) -> Response:
+        path = request.url.path
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        stream = isinstance(body, dict) and bool(body.get("stream"))
+        key = route_key(path, body)
+        headers = headers_of(request)
+        tried: list[int] = []
+        while True:
+            i, matched = pol.select(states, key, exclude=tried)
+            if i is None:
+                return no_replica(len(tried))
+            if tried:
+                metrics.retries.inc()
+            tried.append(i)
+            st = states[i]
+            st.index.insert(key)
+            st.requests += 1
+            st.matched_units += matched
+            st.key_units += len(key)
+            metrics.requests.labels(replica=st.url).inc()
+            metrics.match_chars.labels(replica=st.url).inc(matched)
+            metrics.key_chars.labels(replica=st.url).inc(len(key))
+            st.in_flight += 1
+            metrics.in_flight.labels(replica=st.url).inc()
+            done = True
+            try:
+                req = client().build_request("POST", st.url + path, content=raw, headers=headers)
+                try:
+                    resp = await client().send(req, stream=True)
+                except httpx.TransportError as exc:
+                    fail(i, f"{type(exc).__name__}: {exc}", dead=True)
+                    continue
+                if resp.status_code == 503 and len(tried) < len(states):
+                    await resp.aclose()
+                    fail(i, "503", dead=False)
+                    continue
+                chunks = resp.aiter_raw()
+                try:
+                    first = await chunks.__anext__()
+                except StopAsyncIteration:
+                    first = b""
+                except httpx.TransportError as exc:
+                    await resp.aclose()
+                    fail(i, f"{type(exc).__name__}: {exc}", dead=True)
+                    continue
+                out_headers = answer_headers(resp, st.url)
+                if not stream or not first:
+                    rest = [first]
+                    try:
+                        async for chunk in chunks:
+                            rest.append(chunk)
+                    except httpx.TransportError as exc:
+                        await resp.aclose()
+                        fail(i, f"{type(exc).__name__}: {exc}", dead=True)
+                        continue
+                    await resp.aclose()
+                    return Response(b"".join(rest), resp.status_code, headers=out_headers)
+                done = False  # the stream's generator releases the replica
+
+                async def relay(
+                    first: bytes = first, chunks: Any = chunks, resp: Any = resp, i: int = i
+                ) -> AsyncIterator[bytes]:
+                    try:
+                        yield first
+                        async for chunk in chunks:
+                            yield chunk
+                    except httpx.TransportError as exc:
+                        fail(i, f"stream broke: {type(exc).__name__}", dead=False)
+                    finally:
+                        await resp.aclose()
+                        release(i)
+
+                return StreamingResponse(relay(), resp.status_code, headers=out_headers)
+            finally:
+                if done:
+                    release(i)
+
+    def release(i: int) -> None:
+        states[i].in_flight -= 1
+        metrics.in_flight.labels(replica=states[i].url).dec()
+
+    for path in _PROXIED:
+        app.add_api_route(path, proxy, methods=["POST"], include_in_schema=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        tried: list[int] = []
+        for i, st in enumerate(states):
+            if not st.healthy:
+                continue
+            tried.append(i)
+            try:
+                r = await client().get(st.url + "/v1/models", headers=headers_of(request))
+            except httpx.TransportError as exc:
+                fail(i, type(exc).__name__, dead=True)
+                continue
+            return Response(r.content, r.status_code, headers=answer_headers(r, st.url))
+        return no_replica(len(tried))
+
+    def replica_report() -> list[dict[str, Any]]:
+        return [
+            {
+                "url": st.url,
+                "healthy": st.healthy,
+                "in_flight": st.in_flight,
+                "requests": st.requests,
+                "prefix_match_units": st.matched_units,
+                "key_units": st.key_units,
+                "errors": st.errors,
+                "tree_units": st.index.size,
+            }
+            for st in states
+        ]
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = any(st.healthy for st in states)
+        body = {"status": "ok" if ok else "no healthy replica", "replicas": replica_report()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/router/stats")
+    async def stats() -> dict[str, Any]:
+        return {"policy": pol.name, "replicas": replica_report()}
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/flush_cache")
+    async def flush(request: Request) -> JSONResponse:
+        results = {}
+        status = 200
+        for i, st in enumerate(states):
+            if not st.healthy:
+                continue
+            try:
+                r = await client().post(st.url + "/flush_cache", headers=headers_of(request))
+            except httpx.TransportError as exc:
+                fail(i, type(exc).__name__, dead=True)
+                continue
+            results[st.url] = r.status_code
+            if r.status_code != 200:
+                status = r.status_code
+            else:
+                st.index.clear()
+        return JSONResponse({"success": status == 200, "replicas": results}, status_code=status)
+
+    return app

@@ -1,0 +1,105 @@
+"""``radixkv router``: the cache-aware router in front of ``radixkv serve`` replicas.
+
+``add_router_parser(subparsers)`` registers the subcommand (``radixkv/cli.py`` wires it in) and
+``run_router(args)`` runs it with uvicorn until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from radixkv.server.router_policy import POLICIES
+
+__all__ = ["add_router_parser", "run_router"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``radixkv router`` on ``subparsers`` (sets ``func=run_router``)."""
+    p = subparsers.add_parser(
+        "router",
+        help="route requests across radixkv replicas by cached prefix",
+        description="An OpenAI/SGLang-compatible front for several `radixkv serve` replicas: "
+        "each request goes to the replica holding the longest prefix of its prompt unless that "
+        "replica is overloaded (cache_aware), or in turn (round_robin). Dead replicas are "
+        "skipped; a request that fails before its first byte is retried on another one.",
+    )
+    p.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    p.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=0.5,
+        help="cache_aware: follow the longest match when it covers more than this share of the "
+        "prompt, else pick the replica with the smallest tree (default 0.5)",
+    )
+    p.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=32,
+        help="cache_aware: in-flight max - min above this (and above the relative threshold) "
+        "sends to the least loaded replica (default 32)",
+    )
+    p.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=1.0001,
+        help="cache_aware: ... and max > min * this (default 1.0001)",
+    )
+    p.add_argument(
+        "--health-interval", type=float, default=2.0, help="seconds between health checks"
+    )
+    p.add_argument(
+        "--tree-capacity",
+        type=int,
+        default=1 << 20,
+        help="characters remembered per replica (LRU beyond; default 1048576)",
+    )
+    p.add_argument("--log-level", default="info", help="uvicorn/log level (default info)")
+    p.set_defaults(func=run_router)
+    return p
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Build the router app and run uvicorn until interrupted. Returns the exit code."""
+    import uvicorn
+
+    from radixkv.server.router import create_router_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    knobs = {}
+    if args.policy == "cache_aware":
+        knobs = {
+            "cache_threshold": args.cache_threshold,
+            "balance_abs_threshold": args.balance_abs_threshold,
+            "balance_rel_threshold": args.balance_rel_threshold,
+        }
+    try:
+        app = create_router_app(
+            args.replica,
+            args.policy,
+            health_interval=args.health_interval,
+            tree_capacity=args.tree_capacity,
+            **knobs,
+        )
+    except ValueError as exc:
+        print(f"radixkv router: {exc}", file=sys.stderr)
+        return 2
+    logger.info(
+        "routing (%s) on http://%s:%d to %s", args.policy, args.host, args.port, args.replica
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
