@@ -11,7 +11,8 @@ it on one background thread that
 
 An exception inside ``engine.step()`` never kills the thread: it is logged, every in-flight
 request fails with a 500 (its engine request is aborted so its pages are released), and the
-loop keeps serving.
+loop keeps serving. An error the engine can pin on one request (a ``StepOutput`` with
+``error`` set) fails that request alone with a 500.
 """
 
 from __future__ import annotations
@@ -395,6 +396,12 @@ class EngineLoop:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue  # aborted meanwhile
+            error = getattr(out, "error", None)
+            if error:  # the engine failed this request alone; the others go on
+                del self._tracked[out.request_id]
+                m.requests.labels(finish_reason="error").inc()
+                batch.append((tracked.stream, _Failure(500, f"request failed: {error}")))
+                continue
             index = int(getattr(out, "index", 0) or 0)
             new_tokens = len(out.new_token_ids or ())
             if not tracked.prompt_recorded:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import logging
 import os
 import queue
 import struct
@@ -44,6 +45,8 @@ from typing import Any
 from radixkv.cache.allocator import IntegrityError
 
 __all__ = ["DiskStore", "HEADER", "MAGIC", "chain_hashes"]
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"RKVPAGE1"
 FORMAT_VERSION = 1
@@ -280,6 +283,9 @@ class DiskStore:
         return True
 
     def _write(self, key: bytes, payload: Any) -> None:
+        """Write one file (temporary name, then an atomic rename). A failure (disk full, the
+        directory gone or read-only) is counted and logged, and leaves no temporary file."""
+        tmp = None
         try:
             data = payload() if callable(payload) else payload
             header = HEADER.pack(
@@ -291,8 +297,18 @@ class DiskStore:
                 f.write(header)
                 f.write(data)
             os.replace(tmp, final)
-        except Exception:
+        except Exception as exc:
+            if tmp is not None:
+                _remove(tmp)
             self.counters["write_errors"] += 1
+            if self.counters["write_errors"] % 1000 == 1:
+                logger.warning(
+                    "disk tier: write failed (%s: %s); %d write errors so far (the page is "
+                    "recomputed when needed)",
+                    type(exc).__name__,
+                    exc,
+                    self.counters["write_errors"],
+                )
             return
         self.counters["writes"] += 1
         self.counters["write_bytes"] += HEADER.size + len(data)
@@ -413,7 +429,11 @@ class DiskStore:
             return
         # files may be damaged from outside at any time (that is detected on read); what we
         # control is that no temporary file outlives its write.
-        leftovers = [n for n in os.listdir(self.path) if n.endswith(_TMP)]
+        try:
+            names = os.listdir(self.path)
+        except OSError:  # the directory went away or became unreadable: nothing can be left
+            return
+        leftovers = [n for n in names if n.endswith(_TMP)]
         if leftovers:
             raise IntegrityError(f"temporary files left behind: {leftovers[:3]}")
 

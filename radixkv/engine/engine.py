@@ -217,6 +217,24 @@ class Engine:
             self._pending.append(step_output(seq, [], "", None))
         return True
 
+    def fail_request(self, request_id: str, message: str) -> bool:
+        """Fail one request alone (an error inside a step that only it caused): like
+        :meth:`abort`, but its sequences finish with reason ``"error"`` and an output carrying
+        ``message``. Its pages go back; the other requests are untouched. False if unknown."""
+        seqs = self._requests.get(request_id)
+        if seqs is None:
+            return False
+        self.counters["failed_requests"] = self.counters.get("failed_requests", 0) + 1
+        self.abort(request_id)
+        for out in self._pending:
+            if out.request_id == request_id and out.finish_reason == "abort":
+                out.finish_reason = "error"
+                out.error = message
+        for seq in seqs:
+            if seq.finish_reason == "abort":
+                seq.finish_reason = "error"
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -322,31 +340,55 @@ class Engine:
         index = torch.tensor(rows, dtype=torch.long)
         identity = rows == list(range(logits.shape[0]))
         picked = logits if identity else logits.index_select(0, index)
-        sampled = self.sampler.sample(
-            picked,
-            [
-                SequenceState(s.params, s.prompt_ids, s.output_ids, s.generator or self._rng)
-                for s in seqs
-            ],
-        )
-        tokens, logprobs = sampled.token_ids, sampled.logprobs
+        states = [
+            SequenceState(s.params, s.prompt_ids, s.output_ids, s.generator or self._rng)
+            for s in seqs
+        ]
+        failed: dict[str, str] = {}  # request id -> why (an error only that request caused)
+        try:
+            sampled = self.sampler.sample(picked, states)
+            tokens, logprobs = sampled.token_ids, sampled.logprobs
+        except Exception:  # find the rows that raise, sample the others
+            tokens, logprobs = [], []
+            for i, (seq, state) in enumerate(zip(seqs, states)):
+                try:
+                    one = self.sampler.sample(picked[i : i + 1], [state])
+                    tokens.append(one.token_ids[0])
+                    logprobs.append(one.logprobs[0])
+                except Exception as exc:
+                    logger.exception("sampling failed for request %s", seq.request_id)
+                    failed.setdefault(seq.request_id, f"sampling failed: {exc}")
+                    tokens.append(-1)
+                    logprobs.append(None)
         t = now()
         for seq, token, logprob in zip(seqs, tokens, logprobs):
-            if seq.first_token_time is None:
-                seq.first_token_time = t
-            seq.output_ids.append(token)
-            if logprob is not None:
-                seq.output_logprobs.append(logprob)
-            self.counters["generated_tokens"] += 1
-            reason = self._finish_reason(seq, token)
-            delta, stopped = seq.detok.update(seq.output_ids, final=reason is not None)
-            if stopped:
-                reason = "stop"
-            if reason is not None:
-                self._finish(seq, reason)
+            if seq.request_id in failed:
+                continue
+            try:
+                if seq.first_token_time is None:
+                    seq.first_token_time = t
+                seq.output_ids.append(token)
+                if logprob is not None:
+                    seq.output_logprobs.append(logprob)
+                self.counters["generated_tokens"] += 1
+                reason = self._finish_reason(seq, token)
+                delta, stopped = seq.detok.update(seq.output_ids, final=reason is not None)
+                if stopped:
+                    reason = "stop"
+                if reason is not None:
+                    self._finish(seq, reason)
+            except Exception as exc:
+                logger.exception("output processing failed for request %s", seq.request_id)
+                failed.setdefault(seq.request_id, f"{type(exc).__name__}: {exc}")
+                continue
             outputs.append(
                 step_output(seq, [token], delta, [logprob] if logprob is not None else None)
             )
+        for request_id, why in failed.items():
+            outputs[:] = [o for o in outputs if o.request_id != request_id]
+            self.fail_request(request_id, why)
+            outputs.extend(o for o in self._pending if o.request_id == request_id)
+            self._pending = [o for o in self._pending if o.request_id != request_id]
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -112,6 +112,9 @@ class StepOutput:
     #: beam search: the finished beam's summed logprob and its length-penalised score
     cumulative_logprob: float | None = None
     score: float | None = None
+    #: set (with ``finished`` and ``finish_reason == "error"``) when the engine failed this
+    #: request alone inside a step: the message says why; the other requests go on
+    error: str | None = None
 
 
 @dataclass
