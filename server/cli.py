@@ -69,8 +69,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument(
         "--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off"
     )
-    for flag, _knob, kind, help_text in ENGINE_FLAGS:
-        p.add_argument(flag, type=kind, default=None, help=help_text)
+    for flag, knob, kind, help_text in ENGINE_FLAGS:
+        p.add_argument(flag, dest=knob, type=kind, default=None, help=help_text)
     p.add_argument("--log-level", default="info", help="uvicorn/log level (default info)")
     p.set_defaults(func=run_serve)
     return p

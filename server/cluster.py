@@ -6,7 +6,10 @@
    ``allkeys-lru``): the shared remote KV tier (skipped with ``--no-remote-cache``);
 2. ``N`` ``radixkv serve`` processes on ``port+1 .. port+N``, each pinned to its own share of
    the CPUs (``os.sched_setaffinity``; ``OMP_NUM_THREADS`` set to match), each with
-   ``--remote-cache redis://127.0.0.1:REDIS/0``; arguments after ``--`` go to every replica;
+   ``--remote-cache redis://127.0.0.1:REDIS/0`` and ``--host-write-policy write_through`` (a
+   prefix goes to Redis as soon as it is cached, so the other replicas can use it at once;
+   give ``--host-write-policy write_back`` after ``--`` to send pages only on eviction);
+   arguments after ``--`` go to every replica;
 3. the router on ``port`` (in this process), once every replica answers ``/health``.
 
 Ctrl-C (or any failure) stops the router, then the replicas, then Redis. :class:`Cluster` is the
@@ -180,6 +183,8 @@ class Cluster:
         cmd += ["--port", str(self.ports[i]), "--host", "127.0.0.1"]
         if self.remote_cache:
             cmd += ["--remote-cache", str(self.redis_url)]
+            if "--host-write-policy" not in self.serve_args:
+                cmd += ["--host-write-policy", "write_through"]
         cmd += self.serve_args
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = str(len(cores))

@@ -250,3 +250,11 @@ def test_simulator_counts_remote_hits() -> None:
 def test_bad_url_is_refused(tiny) -> None:
     with pytest.raises(ValueError, match="remote_cache_url"):
         make_engine(tiny, "localhost:6379")
+
+
+def test_serve_flag_sets_the_knob() -> None:
+    from radixkv.cli import build_parser
+    from radixkv.server.cli import engine_kwargs
+
+    args = build_parser().parse_args(["serve", "--remote-cache", "redis://127.0.0.1:1/0"])
+    assert engine_kwargs(args)["remote_cache_url"] == "redis://127.0.0.1:1/0"
