@@ -73,6 +73,15 @@ def test_replica_b_serves_a_prompt_replica_a_computed(tiny, golden, redis_server
     rs = b.stats()["tiers"]["remote"]
     assert rs["hits"] >= len(ids) // P - 2 and rs["corrupt_values"] == 0
     assert b.stats()["cached_tokens_by_tier"]["remote"] == out_b.cached_tokens_by_tier["remote"]
+    from radixkv.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.record_prompt(len(ids), out_b.cached_tokens, out_b.cached_tokens_by_tier)
+    metrics.update_from_stats(b.stats())
+    text = metrics.render().decode()
+    remote_hits = out_b.cached_tokens_by_tier["remote"]
+    assert f'radixkv_cached_tokens_by_source_total{{source="remote"}} {remote_hits:.1f}' in text
+    assert "radixkv_remote_cache_up 1.0" in text
     # the pages loaded from Redis now sit on B's device: the next request hits there
     again = run(b, ids)
     assert again.cached_tokens_by_tier["device"] >= len(ids) - P
