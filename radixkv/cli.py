@@ -82,10 +82,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
         print(f"radixkv simulate: cannot read trace: {e}", file=sys.stderr)
         return 2
     if args.sweep is None:
-        if args.capacity_tokens is None:
-            print(
-                "radixkv simulate: give --capacity-tokens N (or --sweep C1,C2,...)", file=sys.stderr
-            )
+        if args.capacity_tokens is not None and args.capacity_tokens < 0:
+            print("radixkv simulate: --capacity-tokens must be >= 0", file=sys.stderr)
             return 2
         res = simulate(
             trace,
@@ -139,7 +137,12 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         "evictions and replay speed.",
     )
     p.add_argument("--trace", required=True, help="JSONL file, one request per line")
-    p.add_argument("--capacity-tokens", type=int, default=None, help="KV capacity in tokens")
+    p.add_argument(
+        "--capacity-tokens",
+        type=int,
+        default=None,
+        help="device KV capacity in tokens (default: unbounded, nothing is ever evicted)",
+    )
     p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default 1)")
     p.add_argument("--policy", choices=["lru", "lfu", "fifo"], default="lru")
     p.add_argument(

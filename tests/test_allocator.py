@@ -82,6 +82,7 @@ def test_integrity_detects_corruption() -> None:
     with pytest.raises(IntegrityError):
         a.check_integrity()
     b = BlockAllocator(4)
+    b.free(b.allocate(2))
     b._free.append(b._free[0])  # duplicated free id
     with pytest.raises(AssertionError):
         b.check_integrity()
@@ -126,3 +127,85 @@ def test_random_ops_against_model(ops: list[tuple[str, int]]) -> None:
         a.check_integrity()
         assert a.num_used == len(model)
         assert all(a.refcount(p) == c for p, c in model.items())
+
+
+# ---------------------------------------------------------------- lazy free list (issue 13)
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(0, 40),
+    st.lists(
+        st.tuples(st.sampled_from(["alloc", "incref", "free", "bad", "reset"]), st.integers(0, 45)),
+        max_size=60,
+    ),
+)
+def test_lazy_matches_eager_allocator(num_pages: int, ops: list[tuple[str, int]]) -> None:
+    """Same ids in the same order, same counts, same errors as the eager stack it replaced."""
+    from eager_allocator import EagerBlockAllocator
+
+    lazy, eager = BlockAllocator(num_pages), EagerBlockAllocator(num_pages)
+    held: list[int] = []
+    for op, n in ops:
+        if op == "alloc":
+            if n > eager.num_free:
+                with pytest.raises(OutOfPagesError):
+                    lazy.allocate(n)
+                with pytest.raises(OutOfPagesError):
+                    eager.allocate(n)
+            else:
+                got = lazy.allocate(n)
+                assert got == eager.allocate(n)
+                held += got
+        elif op == "reset":
+            lazy.reset()
+            eager.reset()
+            held = []
+        elif op == "bad":  # a free of a free page (touched or not) or an id out of range
+            p = n - 2
+            if 0 <= p < num_pages and eager.refcount(p) > 0:
+                continue
+            for a in (lazy, eager):
+                with pytest.raises(ValueError):
+                    a.free([p])
+                with pytest.raises(ValueError):
+                    a.incref([p])
+        elif held:
+            p = held[n % len(held)]
+            if op == "incref":
+                lazy.incref([p])
+                eager.incref([p])
+                held.append(p)
+            else:
+                lazy.free([p])
+                eager.free([p])
+                held.remove(p)
+        lazy.check_integrity()
+        assert (lazy.num_free, lazy.num_used) == (eager.num_free, eager.num_used)
+        assert [lazy.refcount(p) for p in range(num_pages)] == eager._refcount
+
+
+def test_huge_pool_costs_what_is_used() -> None:
+    """A pool of 10^9 pages is built and used in O(pages used) time and memory."""
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    t = time.perf_counter()
+    a = BlockAllocator(10**9, page_size=16)
+    pages = a.allocate(1000)
+    a.free(pages[:10])
+    assert a.allocate(3) == pages[:10][::-1][:3]
+    a.check_integrity()
+    seconds = time.perf_counter() - t
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert a.pages_touched == 1000 and a.num_used == 993 and a.num_free == 10**9 - 993
+    assert a.refcount(10**9 - 1) == 0
+    assert peak < 1 << 20, f"{peak} bytes for 1000 used pages"
+    assert seconds < 1.0
+    with pytest.raises(ValueError, match="double free"):
+        a.free([5 * 10**8])
+    with pytest.raises(ValueError, match="invalid page id"):
+        a.free([10**9])
+    a.reset()
+    assert a.pages_touched == 0 and a.num_free == 10**9
+    a.check_integrity()

@@ -542,7 +542,9 @@ class TieredCache:
             if len(pages) != len(set(pages)):
                 raise IntegrityError("a host page is held by two tree nodes")
             held = set(pages)
-            for p in range(halloc.num_pages):
+            if any(not 0 <= p < halloc.pages_touched for p in held):
+                raise IntegrityError("the tree holds a host page that was never allocated")
+            for p in range(halloc.pages_touched):
                 rc = halloc.refcount(p)
                 want = 1 if p in held else 0
                 if rc != want:

@@ -195,7 +195,9 @@ class KVManager:
                 expected[page] = expected.get(page, 0) + 1
             if seq.lock_node is not None:
                 locks[id(seq.lock_node)] = locks.get(id(seq.lock_node), 0) + 1
-        for page in range(self.allocator.num_pages):
+        touched = self.allocator.pages_touched  # pages above it were never handed out
+        assert all(0 <= p < touched for p in expected), "an owner holds a never-allocated page"
+        for page in range(touched):
             have = self.allocator.refcount(page)
             want = expected.get(page, 0)
             assert have == want, f"page {page}: refcount {have} but {want} owners"

@@ -125,6 +125,7 @@ def replay(
     host_capacity_tokens: int = 0,
     disk_capacity_tokens: int = 0,
     remote_capacity_tokens: int = 0,
+    check: bool = False,
 ) -> dict[str, Any]:
     """Replay prepared requests through a fresh RadixTree + BlockAllocator of
     ``capacity_tokens // page_size`` pages. Returns requests, prompt_tokens, cached_tokens,
@@ -135,7 +136,11 @@ def replay(
     bookkeeping-only host / disk tiers (write-back) and hits there are loaded back, exactly as
     in the engine (:class:`radixkv.cache.tiers.TieredCache`, without data and load threshold).
     ``remote_capacity_tokens`` adds a remote tier (an LRU of that many tokens standing in for
-    Redis' ``allkeys-lru``), written when pages leave the device."""
+    Redis' ``allkeys-lru``), written when pages leave the device.
+
+    ``check=True`` runs ``check_integrity()`` of the tree, the allocator and the tiers after the
+    last request (before the final flush). Time and memory grow with the pages the trace uses,
+    not with ``capacity_tokens`` (the allocator's free list is extended lazily)."""
     P = page_size
     alloc = BlockAllocator(max(capacity_tokens, 0) // P, P)
     tree = RadixTree(alloc, P, policy)
@@ -172,10 +177,10 @@ def replay(
             hits += m.num_tokens
         mp = len(mpages)
         need = (len(seq) + P - 1) // P - mp
-        nfree = len(alloc._free)
+        nfree = alloc.num_free
         if need > nfree:
             evicted += evict((need - nfree) * P)
-            nfree = len(alloc._free)
+            nfree = alloc.num_free
             if need > nfree:
                 need = nfree
         new = allocate(need)
@@ -192,6 +197,11 @@ def replay(
             free(new[full - mp :])
         unlock(node)
     seconds = time.perf_counter() - t0
+    if check:
+        alloc.check_integrity()
+        tree.check_integrity()
+        if tiers is not None:
+            tiers.check_integrity()
     tree.reset()
     if alloc.num_free != alloc.num_pages:  # a leak is a bug
         raise RuntimeError(f"page leak: {alloc.num_used} pages still used after the replay")
