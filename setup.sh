@@ -50,11 +50,26 @@ if ! command -v redis-server >/dev/null 2>&1; then
         [ "$(id -u)" = 0 ] || SUDO="sudo"
         echo "[setup] installing redis-server (Debian package)"
         $SUDO apt-get update -qq
+        APT_UPDATED=1
         DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
         # the package enables a system service; radixkv starts its own instances
         $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
     else
         echo "[setup] warning: no apt-get; install redis-server yourself for the remote tier" >&2
+    fi
+fi
+
+# Chromium (the Debian package) for the dashboard's browser test: tests/test_dashboard.py runs it
+# headless against a live server (no driver, nothing downloaded). Skipped when already there.
+if [ ! -x /usr/bin/chromium ] && ! command -v chromium >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""
+        [ "$(id -u)" = 0 ] || SUDO="sudo"
+        echo "[setup] installing chromium (Debian package, for the dashboard's browser test)"
+        [ -n "${APT_UPDATED:-}" ] || $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+    else
+        echo "[setup] warning: no apt-get; install chromium to run the dashboard's browser test" >&2
     fi
 fi
 

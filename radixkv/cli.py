@@ -76,6 +76,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.plot and args.sweep is None:
         print("radixkv simulate: --plot needs --sweep C1,C2,...", file=sys.stderr)
         return 2
+    if args.html and args.sweep is not None:
+        print("radixkv simulate: --html reports one capacity (not --sweep)", file=sys.stderr)
+        return 2
     try:
         trace = prepare_trace(read_jsonl(args.trace))
     except (OSError, ValueError) as e:
@@ -95,6 +98,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
             remote_capacity_tokens=args.remote_capacity_tokens,
         )
         keys = [k for k in (*RESULT_KEYS, "cached_tokens_by_tier") if k in res]
+        if args.html:
+            _write_html_report(args, trace, {k: res[k] for k in keys})
         if args.json:
             print(json.dumps({k: res[k] for k in keys}))
         else:
@@ -125,6 +130,35 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _write_html_report(args: argparse.Namespace, trace: list[Any], summary: dict[str, Any]) -> None:
+    """``--html``: the dashboard page with the replay's hit rate over time and final tree."""
+    from radixkv.server.dashboard import render_page
+    from radixkv.sim.report import hash_vocabulary, simulation_report, vocabulary_decoder
+    from radixkv.sim.simulator import unbounded_capacity
+    from radixkv.sim.workloads import read_jsonl
+
+    cap = args.capacity_tokens
+    if cap is None:
+        cap = unbounded_capacity(trace, args.page_size)
+    doc = simulation_report(
+        trace,
+        cap,
+        page_size=args.page_size,
+        policy=args.policy,
+        host_capacity_tokens=args.host_capacity_tokens,
+        disk_capacity_tokens=args.disk_capacity_tokens,
+        remote_capacity_tokens=args.remote_capacity_tokens,
+        max_nodes=args.html_max_nodes,
+        decode=vocabulary_decoder(hash_vocabulary(read_jsonl(args.trace))),
+        title=f"simulate {args.trace} ({cap} tokens, {args.policy}, page {args.page_size})",
+        summary=summary,
+    )
+    with open(args.html, "w", encoding="utf-8") as f:
+        f.write(render_page(doc))
+    if not args.json:
+        print(f"report written to {args.html}")
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
@@ -173,6 +207,15 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         help="policies for --sweep (default lru,lfu,fifo)",
     )
     p.add_argument("--plot", default=None, help="with --sweep: write hit rate vs capacity PNG")
+    p.add_argument(
+        "--html",
+        default=None,
+        metavar="REPORT.html",
+        help="write a self-contained page: hit rate over the replay and the final radix tree",
+    )
+    p.add_argument(
+        "--html-max-nodes", type=int, default=300, help="tree nodes in the --html report"
+    )
     p.set_defaults(func=_run_simulate)
 
 

@@ -50,6 +50,12 @@ class ServerMetrics:
 
     def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # Plain totals of record_prompt for the dashboard's time series (stats_history).
+        self.requests_seen = 0
+        self.requests_hit = 0
+        self.prompt_tokens_seen = 0
+        self.cached_tokens_seen = 0
+        self.cached_by_tier_seen: dict[str, int] = {}
         r = self.registry
         self.model_name = model_name
         self.prompt_tokens = Counter(
@@ -137,6 +143,13 @@ class ServerMetrics:
         self, prompt_tokens: int, cached_tokens: int, by_tier: Mapping[str, int] | None
     ) -> None:
         """Count one request's prompt and cache hit (called once per request)."""
+        self.requests_seen += 1
+        self.requests_hit += cached_tokens > 0
+        self.prompt_tokens_seen += max(0, prompt_tokens)
+        self.cached_tokens_seen += max(0, cached_tokens)
+        for source, count in (by_tier or {}).items():
+            if count > 0:
+                self.cached_by_tier_seen[source] = self.cached_by_tier_seen.get(source, 0) + count
         self.prompt_tokens.inc(max(0, prompt_tokens))
         self.cached_tokens.inc(max(0, cached_tokens))
         for source, count in (by_tier or {}).items():

@@ -126,6 +126,7 @@ def replay(
     disk_capacity_tokens: int = 0,
     remote_capacity_tokens: int = 0,
     check: bool = False,
+    observer: Any = None,
 ) -> dict[str, Any]:
     """Replay prepared requests through a fresh RadixTree + BlockAllocator of
     ``capacity_tokens // page_size`` pages. Returns requests, prompt_tokens, cached_tokens,
@@ -140,7 +141,11 @@ def replay(
 
     ``check=True`` runs ``check_integrity()`` of the tree, the allocator and the tiers after the
     last request (before the final flush). Time and memory grow with the pages the trace uses,
-    not with ``capacity_tokens`` (the allocator's free list is extended lazily)."""
+    not with ``capacity_tokens`` (the allocator's free list is extended lazily).
+
+    ``observer`` (e.g. :class:`radixkv.sim.report.Timeline`) is called as
+    ``observer.after_request(done, prompt_tokens, hits, by_tier, tree, tiers)`` after each request
+    (running sums so far) and ``observer.before_flush(tree, tiers)`` before the final flush."""
     P = page_size
     alloc = BlockAllocator(max(capacity_tokens, 0) // P, P)
     tree = RadixTree(alloc, P, policy)
@@ -158,6 +163,7 @@ def replay(
     hits = 0
     prompt_tokens = 0
     evicted = 0
+    done = 0
     t0 = time.perf_counter()
     for req in requests:
         seq = req.seq
@@ -196,7 +202,12 @@ def replay(
         if full - mp < len(new):
             free(new[full - mp :])
         unlock(node)
+        if observer is not None:
+            done += 1
+            observer.after_request(done, prompt_tokens, hits, by_tier, tree, tiers)
     seconds = time.perf_counter() - t0
+    if observer is not None:
+        observer.before_flush(tree, tiers)
     if check:
         alloc.check_integrity()
         tree.check_integrity()
