@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -36,6 +36,7 @@ from .routes_admin import admin_routes
 from .routes_metrics import metrics_routes
 from .routes_native import native_routes
 from .routes_openai import openai_routes
+from .tenancy import REQUEST_TENANT_SALT, tenant_salt
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +46,25 @@ DEFAULT_MAX_WAITING = 1024
 def create_app(
     engine: Any,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_waiting: int | None = DEFAULT_MAX_WAITING,
     model_name: str | None = None,
+    salt_from_api_key: bool = False,
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API").
 
-    ``api_key``: when set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
+    ``api_key``: when set (one key or several), every endpoint but ``/health`` needs
+    ``Authorization: Bearer KEY`` with one of them.
+    ``salt_from_api_key``: each key is a tenant whose cache salt is derived from the key (see
+    :mod:`.tenancy`): tenants never share a cached prefix (needs ``api_key``).
     ``max_waiting``: bound on requests accepted but not yet producing tokens (503 past it).
     ``model_name``: the name served in ``/v1/models`` and checked in requests (defaults to
     ``engine.model_name``).
     """
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if salt_from_api_key and not api_keys:
+        raise ValueError("salt_from_api_key needs api_key: tenants are told apart by their keys")
+    tenant_salts = {key.encode(): tenant_salt(key) for key in api_keys}
     served_name = model_name or str(getattr(engine, "model_name", None) or "default")
     accepted_names = {served_name, str(getattr(engine, "model_name", served_name))}
     metrics = ServerMetrics(served_name)
@@ -106,17 +115,23 @@ def create_app(
     # ---------------------------------------------------------------- auth
 
     async def require_auth(request: Request) -> None:
-        if api_key is None:
+        REQUEST_TENANT_SALT.set(None)
+        if not api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
+        given = token.strip().encode()
+        match = None
+        for key in tenant_salts:  # compare with every key: the time does not say which matched
+            if secrets.compare_digest(given, key) and scheme.lower() == "bearer":
+                match = key
+        if match is None:
             raise APIError(
                 401,
                 "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
+        if salt_from_api_key:
+            REQUEST_TENANT_SALT.set(tenant_salts[match])
 
     auth = [Depends(require_auth)]
 

@@ -58,7 +58,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)"
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (not on /health); repeat for several keys",
+    )
+    p.add_argument(
+        "--api-key-file", default=None, help="more API keys, one a line ('#' comments skipped)"
+    )
+    p.add_argument(
+        "--salt-from-api-key",
+        action="store_true",
+        help="each API key is a tenant with a cache namespace of its own (a hash of the key): "
+        "tenants never share cached prefixes (the prefix-cache timing side channel)",
     )
     p.add_argument(
         "--max-waiting",
@@ -98,6 +110,18 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from radixkv.server.tenancy import load_api_keys
+
+    try:
+        api_keys = load_api_keys(args.api_key, args.api_key_file)
+    except (OSError, ValueError) as exc:
+        print(f"radixkv serve: cannot read the API keys: {exc}", file=sys.stderr)
+        return 2
+    if args.salt_from_api_key and not api_keys:
+        print(
+            "radixkv serve: --salt-from-api-key needs --api-key or --api-key-file", file=sys.stderr
+        )
+        return 2
     knobs = engine_kwargs(args)
     try:
         engine = Engine(model=args.model, **knobs)
@@ -111,7 +135,8 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.info("platform: %s", format_platform_info(platform_info(runner=runner)))
     app = create_app(
         engine,
-        api_key=args.api_key,
+        api_key=api_keys or None,
+        salt_from_api_key=args.salt_from_api_key,
         max_waiting=args.max_waiting,
         model_name=args.served_model_name,
     )

@@ -13,6 +13,7 @@ from .engine_loop import EngineLoop, EngineRequestError, QueueFullError, Request
 from .metrics import ServerMetrics
 from .protocol import APIError, error_body
 from .streaming import SSE_DONE, ClientDisconnected, Collected, Seq, sse, unless_disconnected
+from .tenancy import effective_salt
 
 
 @dataclass
@@ -49,6 +50,7 @@ class ServerContext:
         salt: str | None,
         arrival: float,
     ) -> RequestStream:
+        salt = effective_salt(salt)  # with tenants (salt_from_api_key): the caller's namespace
         try:
             return await self.engine_loop.add_request(
                 request_id, prompt, params, salt=salt, arrival=arrival

@@ -21,6 +21,7 @@ from .protocol import (
     new_id,
     tokenize_text,
 )
+from .tenancy import effective_salt
 
 
 def admin_routes(ctx: ServerContext) -> APIRouter:
@@ -86,13 +87,22 @@ def admin_routes(ctx: ServerContext) -> APIRouter:
                 raise APIError(exc.status_code, exc.message, type="server_error") from exc
             finally:
                 engine_loop.release(stream.request_id)
+        salt = effective_salt(body.salt)  # the tenant's namespace (submit applies it itself)
         try:
             pinned = await engine_loop.call(
-                lambda e: int(e.pin_prefix(ids, salt=body.salt, ttl=body.ttl))
+                lambda e: int(e.pin_prefix(ids, salt=salt, ttl=body.ttl))
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         return {"pinned_tokens": pinned, "prompt_tokens": len(ids)}
+
+    @router.get("/cache/integrity", dependencies=auth)
+    async def cache_integrity() -> dict[str, Any]:
+        """``engine.check_integrity()`` and the pages nobody owns, checked on the engine thread
+        between two steps (:func:`radixkv.engine.integrity_report.integrity_report`)."""
+        from radixkv.engine.integrity_report import integrity_report
+
+        return await engine_loop.call(integrity_report)
 
     return router
 

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 MODEL = "test-model"
-EXAMPLES = int(os.environ.get("RADIXKV_FUZZ_EXAMPLES", "80"))
+EXAMPLES = int(os.environ.get("RADIXKV_FUZZ_EXAMPLES", "60"))
 REQUEST_TIMEOUT = 30.0
 
 
@@ -67,14 +67,17 @@ def post(server: ServerThread, path: str, **kwargs: Any) -> httpx.Response:
     return httpx.post(f"{server.base_url}{path}", timeout=REQUEST_TIMEOUT, **kwargs)
 
 
-def problem_with(status: int, content_type: str, body: bytes) -> str | None:
-    """Why this answer breaks the contract (None when it keeps it)."""
+def problem_with(
+    status: int, content_type: str, body: bytes, cut_short: bool = False
+) -> str | None:
+    """Why this answer breaks the contract (None when it keeps it). ``cut_short``: the client
+    stopped reading a long stream (schemathesis caps the events it reads), so it has no end."""
     import json
 
     if 200 <= status < 300:
         if content_type.startswith("text/event-stream"):
             text = body.decode("utf-8", errors="replace")
-            if not text.rstrip().endswith("data: [DONE]"):
+            if not cut_short and not text.rstrip().endswith("data: [DONE]"):
                 return "stream did not end with [DONE]"
             if '{"error"' in text:
                 return "error event inside a 200 stream"
@@ -159,7 +162,8 @@ def test_fuzz_every_operation(server: ServerThread) -> None:
             codes[f"{r.status_code // 100}xx"] += 1
             ctype = r.headers.get("content-type") or [""]  # schemathesis: name -> values
             ctype = ctype[0] if isinstance(ctype, list) else ctype
-            why = problem_with(r.status_code, ctype, r.content)
+            cut = bool(getattr(r, "stream_cut_short", False))
+            why = problem_with(r.status_code, ctype, r.content, cut)
             if why:
                 problems.append(f"{op.label}: {why} for {case.body!r}: {r.text[:300]}")
 
@@ -203,6 +207,7 @@ def test_tiny_temperature_and_penalty_do_not_fail_the_step(server: ServerThread)
         {"temperature": 1e-300, "logprobs": 2},
         {"temperature": 5e-324, "top_p": 0.5, "min_p": 0.5},
         {"repetition_penalty": 1e-300, "top_k": 3, "temperature": 0.7},
+        {"top_p": 5e-324, "repetition_penalty": 5e-324, "temperature": 1.0},  # top_p -> 0.0f
     ):
         body = {"model": MODEL, "prompt": "abcabcabc", "max_tokens": 4, "ignore_eos": True}
         r = post(server, "/v1/completions", json={**body, **extra})

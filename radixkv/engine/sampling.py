@@ -279,6 +279,7 @@ class Sampler:
                 cum = sorted_probs.cumsum(-1)
                 # keep a token if the mass strictly before it is < top_p (the top one always)
                 drop_sorted = (cum - sorted_probs) >= params.top_p
+                drop_sorted[0] = False  # even when top_p rounds to 0 in float32 (5e-324)
                 drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)
                 logits = logits.masked_fill(drop, float("-inf"))
         return logits
