@@ -10,7 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .context import ServerContext
+from .logprob_format import sglang_token_logprobs, sglang_top_logprobs
 from .protocol import (
+    APIError,
     GenerateRequest,
     check_prompt_not_empty,
     make_sampling_params,
@@ -40,12 +42,26 @@ def native_routes(ctx: ServerContext) -> APIRouter:
         max_tokens = resolve_max_tokens(
             prompt_len, sp.requested_max_tokens(), engine.max_model_len, default=None
         )
-        params = make_sampling_params(
-            sp.engine_kwargs(
-                max_tokens=max_tokens,
-                default_temperature=1.0,
-                logprobs=0 if body.return_logprob else None,
-            )
+        kwargs = sp.engine_kwargs(
+            max_tokens=max_tokens,
+            default_temperature=1.0,
+            logprobs=body.top_logprobs_num if body.return_logprob else None,
+        )
+        start = body.logprob_start_len
+        if body.return_logprob and start >= 0:  # input logprobs from position `start` on
+            if start >= prompt_len:
+                raise APIError(
+                    400,
+                    f"logprob_start_len ({start}) must be < the prompt length ({prompt_len})",
+                    param="logprob_start_len",
+                )
+            kwargs["prompt_logprobs"] = body.top_logprobs_num
+        params = make_sampling_params(kwargs)
+        token_str, with_text = ctx.token_str, body.return_text_in_logprobs
+        prompt_ids = (
+            (prompt if isinstance(prompt, list) else tokenize_text(engine, prompt))
+            if body.return_logprob and start >= 0
+            else None
         )
         rid = new_id("gen")
         stream = await submit(rid, prompt, params, body.salt, arrival)
@@ -69,7 +85,25 @@ def native_routes(ctx: ServerContext) -> APIRouter:
                 "e2e_latency": time.monotonic() - arrival,
             }
             if body.return_logprob:
-                meta["output_token_logprobs"] = list(seq.logprobs)
+                meta["output_token_logprobs"] = sglang_token_logprobs(
+                    seq.token_ids, seq.logprobs, token_str, with_text
+                )
+                meta["output_top_logprobs"] = (
+                    sglang_top_logprobs(seq.top_logprobs, token_str, with_text)
+                    if body.top_logprobs_num > 0
+                    else [None] * len(seq.token_ids)
+                )
+            if prompt_ids is not None and result.prompt_logprobs is not None:
+                meta["input_token_logprobs"] = sglang_token_logprobs(
+                    prompt_ids[start:], result.prompt_logprobs[start:], token_str, with_text
+                )
+                meta["input_top_logprobs"] = (
+                    sglang_top_logprobs(
+                        (result.prompt_top_logprobs or [])[start:], token_str, with_text
+                    )
+                    if body.top_logprobs_num > 0
+                    else [None] * (len(prompt_ids) - start)
+                )
             out: dict[str, Any] = {
                 "text": seq.text,
                 "output_ids": list(seq.token_ids),

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .context import ServerContext
+from .logprob_format import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from .protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     APIError,
@@ -36,23 +37,12 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
     guarded_stream, token_str = ctx.guarded_stream, ctx.token_str
     router = APIRouter()
 
-    def completion_logprobs(
-        token_ids: list[int], logprobs: list[float], top: int, offset: int
-    ) -> dict[str, Any]:
-        tokens = [token_str(t) for t in token_ids]
-        offsets = []
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
-        lps = list(logprobs) + [None] * (len(tokens) - len(logprobs))
-        return {
-            "tokens": tokens,
-            "token_logprobs": lps[: len(tokens)],
-            "top_logprobs": [
-                {t: lp} if top > 0 and lp is not None else {} for t, lp in zip(tokens, lps)
-            ],
-            "text_offset": offsets,
-        }
+    def prompt_logprobs(result: Collected, prompt_ids: list[int] | None) -> Any:
+        if result.prompt_logprobs is None or prompt_ids is None:
+            return None
+        return vllm_prompt_logprobs(
+            prompt_ids, result.prompt_logprobs, result.prompt_top_logprobs, token_str
+        )
 
     @router.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -75,23 +65,30 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         )
         rid = new_id("cmpl")
         stream = await submit(rid, prompt, params, body.cache_salt, arrival)
-        top = body.logprobs or 0
         want_logprobs = body.logprobs is not None
+        prompt_ids = (
+            (prompt if isinstance(prompt, list) else tokenize_text(engine, prompt))
+            if body.prompt_logprobs is not None
+            else None
+        )
 
         if not body.stream:
             result = await collect(request, stream, body.n)
             choices = []
             for i, seq in enumerate(result.seqs):
-                choices.append(
-                    {
-                        "index": i,
-                        "text": seq.text,
-                        "logprobs": completion_logprobs(seq.token_ids, seq.logprobs, top, 0)
-                        if want_logprobs
-                        else None,
-                        "finish_reason": seq.finish_reason,
-                    }
-                )
+                choice = {
+                    "index": i,
+                    "text": seq.text,
+                    "logprobs": completion_logprobs(
+                        seq.token_ids, seq.logprobs, seq.top_logprobs, token_str, 0
+                    )
+                    if want_logprobs
+                    else None,
+                    "finish_reason": seq.finish_reason,
+                }
+                if prompt_ids is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs(result, prompt_ids)
+                choices.append(choice)
             return JSONResponse(
                 {
                     "id": rid,
@@ -124,7 +121,11 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                             "index": int(getattr(out, "index", 0) or 0),
                             "text": out.new_text or "",
                             "logprobs": completion_logprobs(
-                                list(out.new_token_ids or ()), list(out.logprobs or ()), top, offset
+                                list(out.new_token_ids or ()),
+                                list(out.logprobs or ()),
+                                out.top_logprobs,
+                                token_str,
+                                offset,
                             )
                             if want_logprobs
                             else None,
@@ -151,14 +152,6 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         return SSEResponse(guarded_stream(stream, body_iter))
 
     # ---------------------------------------------------------------- OpenAI: chat
-
-    def chat_logprobs(token_ids: list[int], logprobs: list[float], top: int) -> dict[str, Any]:
-        content = []
-        for tid, lp in zip(token_ids, logprobs):
-            tok = token_str(tid)
-            entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
-            content.append({**entry, "top_logprobs": [entry] if top > 0 else []})
-        return {"content": content}
 
     @router.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -191,22 +184,25 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                     {
                         "index": i,
                         "message": {"role": "assistant", "content": seq.text},
-                        "logprobs": chat_logprobs(seq.token_ids, seq.logprobs, top)
+                        "logprobs": chat_logprobs(
+                            seq.token_ids, seq.logprobs, seq.top_logprobs, token_str
+                        )
                         if body.logprobs
                         else None,
                         "finish_reason": seq.finish_reason,
                     }
                 )
-            return JSONResponse(
-                {
-                    "id": rid,
-                    "object": "chat.completion",
-                    "created": now(),
-                    "model": served_name,
-                    "choices": choices,
-                    "usage": result.usage(),
-                }
-            )
+            answer = {
+                "id": rid,
+                "object": "chat.completion",
+                "created": now(),
+                "model": served_name,
+                "choices": choices,
+                "usage": result.usage(),
+            }
+            if body.prompt_logprobs is not None:  # vLLM's extra: top-level, once per request
+                answer["prompt_logprobs"] = prompt_logprobs(result, prompt_ids)
+            return JSONResponse(answer)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created_at = now()
@@ -234,7 +230,12 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                 index = int(getattr(out, "index", 0) or 0)
                 result.add(out)
                 lp = (
-                    chat_logprobs(list(out.new_token_ids or ()), list(out.logprobs or ()), top)
+                    chat_logprobs(
+                        list(out.new_token_ids or ()),
+                        list(out.logprobs or ()),
+                        out.top_logprobs,
+                        token_str,
+                    )
                     if body.logprobs and out.new_token_ids
                     else None
                 )

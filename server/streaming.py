@@ -95,6 +95,7 @@ class Seq:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[Any] = field(default_factory=list)  # per token, its top-K alternatives
     finish_reason: str | None = None
     sent_role: bool = False
 
@@ -107,6 +108,8 @@ class Collected:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[Any] | None = None
 
     def update_meta(self, out: Any) -> None:
         self.prompt_tokens = max(self.prompt_tokens, int(out.prompt_tokens or 0))
@@ -121,6 +124,11 @@ class Collected:
         seq.token_ids.extend(out.new_token_ids or ())
         if out.logprobs:
             seq.logprobs.extend(out.logprobs)
+        if getattr(out, "top_logprobs", None):
+            seq.top_logprobs.extend(out.top_logprobs)
+        if getattr(out, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+            self.prompt_top_logprobs = out.prompt_top_logprobs
         if out.finished:
             seq.finish_reason = out.finish_reason
         return seq

@@ -16,9 +16,13 @@ import torch
 from radixkv.cache.allocator import BlockAllocator
 from radixkv.cache.radix_tree import RadixTree
 from radixkv.config import EngineConfig
+from radixkv.engine.beam_runner import BeamRunner, beam_request_output
+from radixkv.engine.beam_search import BeamSearchParams
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.outputs import engine_stats, request_output, step_output
+from radixkv.engine.lifetime import track, untrack
+from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
+from radixkv.engine.outputs import engine_stats, request_output, step_output, with_logprobs
 from radixkv.engine.request import RequestOutput, SeqStatus, Sequence, StepOutput, now
 from radixkv.engine.sampling import SamplingParams, SequenceState
 from radixkv.engine.scheduler import Scheduler
@@ -26,6 +30,7 @@ from radixkv.engine.tokenizer_lock import LockedTokenizer
 from radixkv.model.runner import RequestSlice
 
 Prompt = str | list[int]
+Params = SamplingParams | BeamSearchParams
 logger = logging.getLogger(__name__)
 
 
@@ -122,6 +127,8 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(loaded)
         self.vocab_size = self.runner.vocab_size
         self._requests: dict[str, list[Sequence]] = {}
+        self.beams = BeamRunner(self)
+        self.token_texts = TokenTexts(self.tokenizer)
         self._pending: list[StepOutput] = []
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(cfg.seed)
@@ -136,6 +143,29 @@ class Engine:
         self.cached_by_tier = {"device": 0, "host": 0, "disk": 0}
         if cfg.remote_cache_url:
             self.cached_by_tier["remote"] = 0
+        self.closed = False
+        track(self)  # closed at interpreter exit (weakly: tracking keeps no engine alive)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> dict[str, Any]:
+        """Make the disk tier durable and stop the tiers' writer threads (idempotent; also
+        ``with Engine(...) as e:`` and at interpreter exit). Every cached page (device or host)
+        not yet on disk is written and queued writes drained, within ``timeout`` seconds
+        (default ``radixkv.cache.tiers.CLOSE_TIMEOUT_S``); pages, bytes and seconds are logged
+        and returned. Call it when no step is running (the server stops its loop first)."""
+        if getattr(self, "closed", True):
+            return {}
+        self.closed = True
+        untrack(self)
+        if self.tiers is None:
+            return {}
+        return self.tiers.shutdown(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -153,10 +183,12 @@ class Engine:
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         salt: str | None = None,
     ) -> None:
         """Validate and queue a request; raises ``ValueError`` saying what to fix."""
+        if isinstance(params, BeamSearchParams):
+            params = params.to_sampling_params()
         params = params or SamplingParams()
         params.validate()
         if request_id in self._requests:
@@ -178,6 +210,8 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"the KV cache ({self.kv_capacity_tokens} tokens): raise kv_cache_tokens"
             )
+        if params.use_beam_search:
+            self.beams.check_capacity(len(ids), params)
         if salt is not None and not isinstance(salt, str):
             raise ValueError("salt must be a string")
         seq = Sequence(
@@ -189,11 +223,17 @@ class Engine:
             arrival=now(),
             detok=IncrementalDetokenizer(self.tokenizer, params.stop_list),
             generator=self._generator(params, 0),
-            fork_children=params.n - 1,
+            fork_children=0 if params.use_beam_search else params.n - 1,
         )
+        if params.prompt_logprobs is not None:  # computed, not read from the cache
+            seq.skip_cache_read = True
+            seq.prompt_logprobs = [None] * len(ids)
+            seq.prompt_top_logprobs = [None] * len(ids)
         self._requests[request_id] = [seq]
         self.counters["requests"] += 1
         self.scheduler.add(seq)
+        if params.use_beam_search:
+            self.beams.start(seq)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:
@@ -202,6 +242,9 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its pages go back (computed full pages stay cached). False if unknown."""
+        if request_id in self.beams.searches:
+            self._pending.extend(self.beams.abort(request_id))
+            return True
         seqs = self._requests.pop(request_id, None)
         if seqs is None:
             return False
@@ -264,6 +307,7 @@ class Engine:
         for seq, _ in batch.entries:
             if not seq.accounted:
                 self._account_admission(seq)
+        all_rows = any(seq.skip_cache_read for seq, _ in batch.entries)
         logits = self.runner.forward(
             self.runner.build_batch(
                 [
@@ -274,8 +318,11 @@ class Engine:
                     )
                     for seq, n in batch.entries
                 ]
-            )
+            ),
+            return_all_logits=all_rows,
         )
+        if all_rows:  # some prompt wants its logprobs: every row was computed
+            logits = collect_prompt_logprobs(logits, batch.entries)
         rows: list[int] = []
         to_sample: list[Sequence] = []
         for row, (seq, n) in enumerate(batch.entries):
@@ -288,10 +335,14 @@ class Engine:
                 for child in self._fork(seq):
                     rows.append(row)
                     to_sample.append(child)
+            if seq.gang is not None:  # a beam: its search picks the next tokens
+                self.beams.offer(seq, logits[row])
+                continue
             rows.append(row)
             to_sample.append(seq)
         if to_sample:
             self._sample_and_advance(logits, rows, to_sample, outputs)
+        self.beams.advance_ready(outputs)
         return outputs
 
     def _account_admission(self, seq: Sequence) -> None:
@@ -345,9 +396,10 @@ class Engine:
             for s in seqs
         ]
         failed: dict[str, str] = {}  # request id -> why (an error only that request caused)
+        tops: list[list[tuple[int, float]] | None] = [None] * len(seqs)
         try:
             sampled = self.sampler.sample(picked, states)
-            tokens, logprobs = sampled.token_ids, sampled.logprobs
+            tokens, logprobs, tops = sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         except Exception:  # find the rows that raise, sample the others
             tokens, logprobs = [], []
             for i, (seq, state) in enumerate(zip(seqs, states)):
@@ -355,13 +407,14 @@ class Engine:
                     one = self.sampler.sample(picked[i : i + 1], [state])
                     tokens.append(one.token_ids[0])
                     logprobs.append(one.logprobs[0])
+                    tops[i] = one.top_logprobs[0]
                 except Exception as exc:
                     logger.exception("sampling failed for request %s", seq.request_id)
                     failed.setdefault(seq.request_id, f"sampling failed: {exc}")
                     tokens.append(-1)
                     logprobs.append(None)
         t = now()
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
+        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops):
             if seq.request_id in failed:
                 continue
             try:
@@ -370,6 +423,8 @@ class Engine:
                 seq.output_ids.append(token)
                 if logprob is not None:
                     seq.output_logprobs.append(logprob)
+                if top is not None:
+                    seq.output_top_logprobs.append(top)
                 self.counters["generated_tokens"] += 1
                 reason = self._finish_reason(seq, token)
                 delta, stopped = seq.detok.update(seq.output_ids, final=reason is not None)
@@ -381,9 +436,8 @@ class Engine:
                 logger.exception("output processing failed for request %s", seq.request_id)
                 failed.setdefault(seq.request_id, f"{type(exc).__name__}: {exc}")
                 continue
-            outputs.append(
-                step_output(seq, [token], delta, [logprob] if logprob is not None else None)
-            )
+            out = step_output(seq, [token], delta, [logprob] if logprob is not None else None)
+            outputs.append(with_logprobs(out, seq, top, self.token_texts))
         for request_id, why in failed.items():
             outputs[:] = [o for o in outputs if o.request_id != request_id]
             self.fail_request(request_id, why)
@@ -413,16 +467,19 @@ class Engine:
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        params: Params | Seq[Params] | None = None,
         salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token id lists) and return outputs in order."""
+        """Generate for every prompt (strings or token id lists) and return outputs in order.
+
+        ``use_beam_search`` requests (or :class:`BeamSearchParams`) return their ``n`` best beams
+        with their ``score`` and ``cumulative_logprob``."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if params is None or isinstance(params, SamplingParams):
+        if params is None or isinstance(params, (SamplingParams, BeamSearchParams)):
             params_list = [params or SamplingParams()] * len(prompts)
         else:
             params_list = list(params)
@@ -432,11 +489,19 @@ class Engine:
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p, salt=salt)
         seqs = {rid: self._requests[rid] for rid in ids}
-        while any(not s.is_finished or s.fork_children for rid in ids for s in seqs[rid]):
-            self.step()
+        beam_outs: dict[str, list[StepOutput]] = {r: [] for r in ids if r in self.beams.searches}
+        while any(rid in self._requests for rid in ids):
+            for out in self.step():
+                if out.request_id in beam_outs:
+                    beam_outs[out.request_id].append(out)
             for rid in ids:  # forked siblings appear after the prompt's prefill
                 seqs[rid] = self._requests.get(rid, seqs[rid])
-        return [request_output(rid, prompt, seqs[rid]) for rid, prompt in zip(ids, prompts)]
+        return [
+            beam_request_output(rid, prompt, seqs[rid][0], beam_outs[rid])
+            if rid in beam_outs
+            else request_output(rid, prompt, seqs[rid], self.token_texts)
+            for rid, prompt in zip(ids, prompts)
+        ]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ready to answer."""

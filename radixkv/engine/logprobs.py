@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Logprob", "TokenTexts", "chosen_and_top", "prompt_logprobs_of_rows"]
+__all__ = ["Logprob", "TokenTexts", "chosen_and_top", "collect_prompt_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,34 @@ def chosen_and_top(
     return [float(v) for v in picked], tops
 
 
-def prompt_logprobs_of_rows(
-    rows: torch.Tensor, targets: Sequence[int], k: int
-) -> tuple[list[float], list[TopList]]:
-    """Logprobs of ``targets[j]`` under ``rows[j]`` (the logits at the position before it)."""
-    return chosen_and_top(rows, targets, [k] * len(targets))
+def collect_prompt_logprobs(
+    logits: torch.Tensor, entries: Sequence[tuple[Any, int]]
+) -> torch.Tensor:
+    """Note prompt logprobs from one step's all-token ``logits`` (``[T, vocab]``).
+
+    ``entries`` are the step's ``(sequence, new tokens)`` pairs in batch order, taken before
+    ``num_computed`` advances. A sequence with ``skip_cache_read`` (its prompt logprobs asked)
+    gets ``prompt_logprobs[j + 1]`` / ``prompt_top_logprobs[j + 1]`` from the row of each
+    position ``j`` it computed, and loses ``skip_cache_read`` once its whole prompt is noted.
+    Returns each entry's last row (``[len(entries), vocab]``), what sampling needs.
+    """
+    last: list[int] = []
+    offset = 0
+    for seq, n in entries:
+        start, end = seq.num_computed, min(seq.num_computed + n, len(seq.prompt_ids) - 1)
+        if seq.skip_cache_read and seq.prompt_logprobs is not None and end > start:
+            # the row of position j predicts prompt token j + 1
+            targets = seq.prompt_ids[start + 1 : end + 1]
+            k = seq.params.prompt_logprobs or 0
+            rows = logits[offset : offset + (end - start)]
+            vals, tops = chosen_and_top(rows, targets, [k] * len(targets))
+            seq.prompt_logprobs[start + 1 : end + 1] = vals
+            seq.prompt_top_logprobs[start + 1 : end + 1] = tops
+        if seq.num_computed + n >= len(seq.prompt_ids):
+            seq.skip_cache_read = False  # every prompt position is noted
+        offset += n
+        last.append(offset - 1)
+    return logits.index_select(0, torch.tensor(last, dtype=torch.long, device=logits.device))
 
 
 class TokenTexts:

@@ -11,8 +11,9 @@ from radixkv.engine.request import CompletionOutput, RequestOutput, Sequence, St
 
 if TYPE_CHECKING:
     from radixkv.engine.engine import Engine, Prompt
+    from radixkv.engine.logprobs import TokenTexts
 
-__all__ = ["engine_stats", "request_output", "step_output"]
+__all__ = ["engine_stats", "request_output", "step_output", "with_logprobs"]
 
 
 def step_output(
@@ -33,10 +34,27 @@ def step_output(
     )
 
 
-def request_output(request_id: str, prompt: Prompt, group: list[Sequence]) -> RequestOutput:
-    """The whole answer of a finished request; ``group`` holds its ``n`` sequences."""
+def with_logprobs(
+    out: StepOutput, seq: Sequence, top: list[tuple[int, float]] | None, texts: TokenTexts
+) -> StepOutput:
+    """``out`` with its token's top logprobs (``top``) and, on ``seq``'s first token, the
+    prompt's logprobs when they were asked."""
+    if top is not None:
+        out.top_logprobs = [texts.logprobs(top) or []]
+    if seq.prompt_logprobs is not None and len(seq.output_ids) == 1:
+        out.prompt_logprobs = list(seq.prompt_logprobs)
+        out.prompt_top_logprobs = [texts.logprobs(t) for t in seq.prompt_top_logprobs or []]
+    return out
+
+
+def request_output(
+    request_id: str, prompt: Prompt, group: list[Sequence], texts: TokenTexts | None = None
+) -> RequestOutput:
+    """The whole answer of a finished request; ``group`` holds its ``n`` sequences; ``texts``
+    decodes the top-logprob tokens (when logprobs were asked)."""
     group = sorted(group, key=lambda s: s.index)
     head = group[0]
+    top = texts.logprobs if texts is not None else (lambda t: None)
     return RequestOutput(
         request_id=request_id,
         prompt=prompt if isinstance(prompt, str) else None,
@@ -48,6 +66,9 @@ def request_output(request_id: str, prompt: Prompt, group: list[Sequence]) -> Re
                 text=s.detok.text,
                 finish_reason=s.finish_reason,
                 logprobs=s.output_logprobs or None,
+                top_logprobs=[top(t) or [] for t in s.output_top_logprobs]
+                if s.params.logprobs is not None
+                else None,
             )
             for s in group
         ],
@@ -55,6 +76,10 @@ def request_output(request_id: str, prompt: Prompt, group: list[Sequence]) -> Re
         cached_tokens_by_tier=dict(head.cached_by_tier),
         ttft=(head.first_token_time - head.arrival) if head.first_token_time else None,
         latency=now() - head.arrival,
+        prompt_logprobs=head.prompt_logprobs,
+        prompt_top_logprobs=[top(t) for t in head.prompt_top_logprobs]
+        if head.prompt_top_logprobs is not None
+        else None,
     )
 
 

@@ -1,0 +1,216 @@
+"""The engine's side of beam search: beams as running sequences, forked and dropped per step.
+
+:class:`BeamRunner` keeps one :class:`~radixkv.engine.beam_search.BeamSearch` per request. The
+engine offers it each beam's logits row as the beam's last token is computed; once every beam of
+a request has offered (normally in the same step: the scheduler runs a request's beams as one
+gang), the search advances, forking beams chosen twice (``KVManager.fork``: shared pages by
+reference, the tail page copied on write) and dropping beams chosen by none (their own pages are
+freed at once, ``publish=False``: a dropped beam is not worth caching). A finished search emits
+its ``n`` best beams as one final :class:`StepOutput` each (beam search does not stream).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixkv.engine.beam_search import BeamSearch
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.request import (
+    CompletionOutput,
+    RequestOutput,
+    SeqStatus,
+    Sequence,
+    StepOutput,
+    now,
+)
+
+if TYPE_CHECKING:
+    from radixkv.engine.engine import Engine, Prompt
+    from radixkv.engine.sampling import SamplingParams
+
+__all__ = ["BeamRunner", "beam_request_output"]
+
+
+class BeamRunner:
+    """Beam searches in flight, by request id."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.searches: dict[str, BeamSearch] = {}
+
+    def check_capacity(self, prompt_len: int, params: SamplingParams) -> None:
+        """Refuse a search that may need more pages at once than the pool has (worst case: each
+        beam recomputed after preemption; with the prefix cache the prompt's pages are shared)."""
+        e = self.engine
+        P, k, pages = e.page_size, params.beam_width, e.runner.num_pages
+        if e.config.enable_prefix_cache:
+            need = -(-prompt_len // P) + k * (-(-params.max_tokens // P) + 1)
+        else:
+            need = k * -(-(prompt_len + params.max_tokens) // P)
+        if need > pages:
+            raise ValueError(
+                f"beam search with {k} beams over a {prompt_len}-token prompt and max_tokens="
+                f"{params.max_tokens} may need {need} KV pages, the cache has {pages}: raise "
+                "kv_cache_tokens or lower the beam width"
+            )
+
+    def start(self, head: Sequence) -> None:
+        """``head`` (queued, not yet prefilled) becomes the first beam of its request."""
+        self.searches[head.request_id] = BeamSearch.start(head, self.engine.eos_token_ids)
+
+    def offer(self, seq: Sequence, row: torch.Tensor) -> None:
+        """The logits of beam ``seq``'s last token, computed this step."""
+        self.searches[seq.request_id].offer(seq, row)
+
+    def advance_ready(self, outputs: list[StepOutput]) -> None:
+        """Advance every search whose beams all offered; finished ones append their outputs."""
+        for rid, search in list(self.searches.items()):
+            if not search.ready():
+                continue
+            search.advance(self._fork, self._drop)
+            if search.done:
+                outputs.extend(self._finish(rid, search))
+
+    def abort(self, request_id: str) -> list[StepOutput]:
+        """Stop a search: every beam's pages go back (computed full pages stay cached)."""
+        e = self.engine
+        search = self.searches.pop(request_id)
+        head = e._requests.pop(request_id)[0]
+        for b in list(search.beams) + [head]:
+            if b.is_finished:
+                continue
+            running = b.status is SeqStatus.RUNNING
+            e.scheduler.remove(b)
+            if running:
+                e.kv.release(b, publish=True)
+            b.status = SeqStatus.FINISHED
+            b.finish_reason = "abort"
+            b.gang = None
+        search.beams.clear()
+        return [_output(head, i, [], "", "abort", None, None) for i in range(search.params.n)]
+
+    # -- the search's callbacks ----------------------------------------------------------------
+    def _fork(self, parent: Sequence) -> Sequence:
+        e = self.engine
+        child = Sequence(
+            request_id=parent.request_id,
+            index=parent.index,
+            prompt_ids=parent.prompt_ids,
+            params=parent.params,
+            salt=parent.salt,
+            arrival=parent.arrival,
+            detok=IncrementalDetokenizer(e.tokenizer, None),
+            output_ids=list(parent.output_ids),
+            output_logprobs=list(parent.output_logprobs),
+            output_top_logprobs=list(parent.output_top_logprobs),
+            cum_logprob=parent.cum_logprob,
+            gang=parent.gang,
+            cached_tokens=parent.cached_tokens,
+            cached_by_tier=dict(parent.cached_by_tier),
+            accounted=True,
+        )
+        e.kv.fork(parent, child)
+        child.status = SeqStatus.RUNNING
+        e.scheduler._admit_counter += 1
+        child.admit_order = e.scheduler._admit_counter
+        e.scheduler.running.append(child)
+        return child
+
+    def _drop(self, seq: Sequence) -> None:
+        e = self.engine
+        e.scheduler.remove(seq)
+        e.kv.release(seq, publish=False)
+        seq.status = SeqStatus.FINISHED
+        seq.gang = None
+
+    def _finish(self, rid: str, search: BeamSearch) -> list[StepOutput]:
+        e = self.engine
+        del self.searches[rid]
+        head = e._requests.pop(rid)[0]
+        head.first_token_time = head.first_token_time or now()
+        p = search.params
+        texts = e.token_texts
+        outs = []
+        for i, h in enumerate(search.results()):
+            detok = IncrementalDetokenizer(e.tokenizer, None)
+            detok.update(h.token_ids, final=True)
+            want = p.logprobs is not None
+            out = _output(
+                head,
+                i,
+                list(h.token_ids),
+                detok.text,
+                h.finish_reason,
+                list(h.logprobs) if want else None,
+                [texts.logprobs(t) or [] for t in h.top_logprobs] if want else None,
+            )
+            out.cumulative_logprob = h.cum_logprob
+            out.score = h.score
+            outs.append(out)
+            e.counters["generated_tokens"] += len(h.token_ids)
+        for i in range(len(outs), p.n):  # fewer finished beams than asked (a tiny vocabulary)
+            outs.append(_output(head, i, [], "", "stop", None, None))
+        if head.prompt_logprobs is not None and outs:
+            outs[0].prompt_logprobs = list(head.prompt_logprobs)
+            outs[0].prompt_top_logprobs = [
+                texts.logprobs(t) for t in head.prompt_top_logprobs or []
+            ]
+        return outs
+
+
+def _output(
+    head: Sequence,
+    index: int,
+    tokens: list[int],
+    text: str,
+    reason: str,
+    logprobs: list[float] | None,
+    top: list | None,
+) -> StepOutput:
+    return StepOutput(
+        request_id=head.request_id,
+        index=index,
+        new_token_ids=tokens,
+        new_text=text,
+        finished=True,
+        finish_reason=reason,
+        prompt_tokens=len(head.prompt_ids),
+        cached_tokens=head.cached_tokens or 0,
+        cached_tokens_by_tier=dict(head.cached_by_tier),
+        logprobs=logprobs,
+        top_logprobs=top,
+    )
+
+
+def beam_request_output(
+    request_id: str, prompt: Prompt, head: Sequence, outs: list[StepOutput]
+) -> RequestOutput:
+    """The offline :class:`RequestOutput` of a finished (or aborted) beam search."""
+    outs = sorted(outs, key=lambda o: o.index)
+    first = outs[0] if outs else None
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=head.prompt_ids,
+        outputs=[
+            CompletionOutput(
+                index=o.index,
+                token_ids=o.new_token_ids,
+                text=o.new_text,
+                finish_reason=o.finish_reason,
+                logprobs=o.logprobs,
+                top_logprobs=o.top_logprobs,
+                cumulative_logprob=o.cumulative_logprob,
+                score=o.score,
+            )
+            for o in outs
+        ],
+        cached_tokens=head.cached_tokens or 0,
+        cached_tokens_by_tier=dict(head.cached_by_tier),
+        ttft=(head.first_token_time - head.arrival) if head.first_token_time else None,
+        latency=now() - head.arrival,
+        prompt_logprobs=first.prompt_logprobs if first else None,
+        prompt_top_logprobs=first.prompt_top_logprobs if first else None,
+    )
