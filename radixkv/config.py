@@ -20,6 +20,8 @@ class EngineConfig:
     ``None`` for ``attention_backend`` / ``dtype`` / ``device`` picks the measured default of the
     machine (triton + bfloat16 on CUDA; torch on CPU, in bfloat16 where the CPU has native bf16,
     AVX512-BF16 or AMX, else float32).
+    ``disk_write_policy``: ``write_back`` (pages reach the disk when they leave the device or the
+    host, and when the engine closes) or ``write_through`` (queued for the disk when cached).
     """
 
     model: str = "smollm2"
@@ -40,6 +42,7 @@ class EngineConfig:
     host_write_policy: str = "write_back"
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 8 << 30
+    disk_write_policy: str = "write_back"
     remote_cache_url: str | None = None
 
     def validate(self) -> None:
@@ -75,6 +78,8 @@ class EngineConfig:
             raise bad("host_write_policy", f"choose one of {', '.join(WRITE_POLICIES)}")
         if self.disk_cache_bytes <= 0:
             raise bad("disk_cache_bytes", "must be > 0")
+        if self.disk_write_policy not in WRITE_POLICIES:
+            raise bad("disk_write_policy", f"choose one of {', '.join(WRITE_POLICIES)}")
         if self.remote_cache_url is not None and not str(self.remote_cache_url).startswith(
             ("redis://", "rediss://", "unix://")
         ):

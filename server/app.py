@@ -78,6 +78,11 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(engine_loop.stop)
+            # graceful shutdown (uvicorn's lifespan end: SIGTERM, SIGINT): make the disk tier
+            # durable, in bounded time; never while a step may still be running
+            close = getattr(engine, "close", None)
+            if callable(close) and not engine_loop.alive:
+                await asyncio.to_thread(close)
 
     app = FastAPI(title="radixkv", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine

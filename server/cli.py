@@ -33,6 +33,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--disk-cache-dir", "disk_cache_dir", str, "directory of the disk tier (off if unset)"),
     ("--disk-cache-bytes", "disk_cache_bytes", int, "disk tier size in bytes"),
     (
+        "--disk-write-policy",
+        "disk_write_policy",
+        str,
+        "write_back (to disk on eviction and at shutdown) | write_through (at once)",
+    ),
+    (
         "--remote-cache",
         "remote_cache_url",
         str,
@@ -147,5 +153,8 @@ def run_serve(args: argparse.Namespace) -> int:
         args.port,
         getattr(engine, "max_model_len", "?"),
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    finally:
+        engine.close()  # idempotent: the lifespan end (SIGTERM, SIGINT) closed it already
     return 0

@@ -35,6 +35,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import weakref
 import zlib
 from array import array
@@ -255,10 +256,12 @@ class DiskStore:
         return self._bytes
 
     # ------------------------------------------------------------------ writes
-    def put(self, key: bytes, payload: Any) -> bool:
+    def put(self, key: bytes, payload: Any, wait: float | None = None) -> bool:
         """Store ``payload`` (bytes, or a zero-argument callable returning bytes, evaluated by the
         writer) under ``key``. Already stored or queued: refresh the LRU position and return
-        False. Returns False when the write was dropped (queue full), True when accepted."""
+        False. Returns False when the write was dropped (queue full), True when accepted.
+        ``wait`` (seconds): wait that long for room in a full queue before dropping (the
+        shutdown flush); ``None`` never waits (the decode loop)."""
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -275,7 +278,10 @@ class DiskStore:
             return True
         try:
             self._pending.add(key)
-            self._queue.put_nowait((key, payload))
+            if wait is None:
+                self._queue.put_nowait((key, payload))
+            else:
+                self._queue.put((key, payload), timeout=max(wait, 1e-3))
         except queue.Full:
             self._pending.discard(key)
             self.counters["writes_dropped"] += 1
@@ -327,10 +333,23 @@ class DiskStore:
             finally:
                 self._queue.task_done()
 
-    def sync(self) -> None:
-        """Wait until every queued write is on disk."""
-        if self._queue is not None:
-            self._queue.join()
+    def sync(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is on disk (at most ``timeout`` seconds when given);
+        True when the queue is drained."""
+        q = self._queue
+        if q is None:
+            return True
+        if timeout is None:
+            q.join()
+            return True
+        deadline = time.monotonic() + timeout
+        with q.all_tasks_done:
+            while q.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                q.all_tasks_done.wait(left)
+        return True
 
     # ------------------------------------------------------------------ reads
     def get(self, key: bytes) -> bytes | None:
@@ -396,14 +415,19 @@ class DiskStore:
         for key in keys:
             self.discard(key)
 
-    def close(self) -> None:
-        """Finish queued writes and stop the writer thread (idempotent)."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish queued writes and stop the writer thread (idempotent). With ``timeout``, give
+        up waiting after that many seconds (writes still queued are lost; a file being written
+        stays a temporary file, removed at the next start). True when everything was written."""
+        done = True
         if self._queue is not None and self._thread is not None:
-            self.sync()
-            self._queue.put(None)
-            self._thread.join(timeout=10)
+            done = self.sync(timeout)
+            if done:
+                self._queue.put(None)
+                self._thread.join(timeout=10 if timeout is None else max(timeout, 0.1))
             self._queue = None
             self._thread = None
+        return done
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:

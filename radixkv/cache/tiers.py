@@ -12,7 +12,8 @@
   the disk) at once, so later device evictions cost nothing;
 * admission (:meth:`TieredCache.load_prefix`, called by ``KVManager.admit``): a match that
   continues through host-only nodes and then through chained-hash files on disk is loaded back
-  into device pages, all or nothing, before the request is prefilled, and reported per tier.
+  into device pages before the request is prefilled, and reported per tier; when running
+  requests hold the device pool, the longest prefix that fits is loaded and the rest recomputed.
   Loads shorter than ``min_load_tokens`` are skipped (recomputing them is cheaper).
 
 Ownership: every host page is free in ``host.allocator`` or held (one reference) by exactly one
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,6 +61,12 @@ __all__ = ["LoadResult", "TieredCache", "engine_fingerprint"]
 
 TIERS = ("device", "host", "disk", "remote")
 
+#: Default bound (seconds) of :meth:`TieredCache.shutdown`: writing the cached pages not yet on
+#: disk and draining the writer queue. What is not written by then is lost (and logged).
+CLOSE_TIMEOUT_S = 60.0
+
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class LoadResult:
@@ -68,6 +77,8 @@ class LoadResult:
     num_tokens: int
     node: TreeNode | None
     by_tier: dict[str, int] = field(default_factory=dict)
+    #: Pages of the cached continuation left on the host / disk for lack of device room.
+    unloaded_pages: int = 0
 
 
 def engine_fingerprint(
@@ -119,6 +130,9 @@ class TieredCache:
         fingerprint: root of the disk hash chains (32 bytes).
         min_load_tokens: loads of fewer tokens are skipped (recomputed instead).
         remote: the shared remote store, or ``None`` (no remote tier).
+        disk_write_policy: ``"write_back"`` (pages reach the disk when they leave the device
+            or the host, and at :meth:`shutdown`) or ``"write_through"`` (every node the tree
+            creates is queued for the disk at once).
     """
 
     def __init__(
@@ -132,9 +146,12 @@ class TieredCache:
         fingerprint: bytes = b"\0" * 32,
         min_load_tokens: int | None = None,
         remote: RemoteStore | None = None,
+        disk_write_policy: str = "write_back",
     ) -> None:
         if write_policy not in ("write_back", "write_through"):
             raise ValueError(f"unknown host write policy {write_policy!r}")
+        if disk_write_policy not in ("write_back", "write_through"):
+            raise ValueError(f"unknown disk write policy {disk_write_policy!r}")
         self.tree = tree
         self.allocator = allocator
         self.kv_pool = kv_pool
@@ -143,6 +160,7 @@ class TieredCache:
         self.remote = remote
         self.page_size = tree.page_size
         self.write_policy = write_policy
+        self.disk_write_policy = disk_write_policy
         self.fingerprint = fingerprint
         self.min_load_tokens = 2 * self.page_size if min_load_tokens is None else min_load_tokens
         self.counters: dict[str, int] = {
@@ -157,12 +175,18 @@ class TieredCache:
             "remote_loads": 0,  # admissions that loaded remote pages
             "remote_load_pages": 0,
             "remote_write_pages": 0,  # pages handed to the remote writer
+            "partial_loads": 0,  # loads cut short by the device pages free (rest recomputed)
+            "loads_waiting": 0,  # loads put off until running requests free device pages
+            "partial_pages_recomputed": 0,  # cached pages those loads left to recompute
         }
         if host is not None:
             tree.host_allocator = host.allocator
         tree.on_evict = self._on_evict
         tree.on_host_evict = self._on_host_evict if disk is not None else None
-        tree.on_insert = self._on_insert if write_policy == "write_through" else None
+        through = write_policy == "write_through" or (
+            disk is not None and disk_write_policy == "write_through"
+        )
+        tree.on_insert = self._on_insert if through else None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -206,6 +230,7 @@ class TieredCache:
             config.host_write_policy,
             fp,
             remote=remote,
+            disk_write_policy=getattr(config, "disk_write_policy", "write_back"),
         )
         engine.kv.tiers = tiers
         return tiers
@@ -257,12 +282,22 @@ class TieredCache:
         self.counters["host_writes"] += len(pages)
         return True
 
-    def _write_disk(self, node: TreeNode, pages: list[int], from_host: bool) -> None:
+    def _write_disk(
+        self,
+        node: TreeNode,
+        pages: list[int],
+        from_host: bool,
+        keys: list[bytes] | None = None,
+        wait: float | None = None,
+    ) -> None:
         """Hand ``node``'s pages (device or host ids) to the disk writer; pages already on disk
-        are only refreshed. The KV is snapshotted now, serialized by the writer thread."""
+        are only refreshed. The KV is snapshotted now, serialized by the writer thread.
+        ``keys``: the node's disk keys when the caller has them; ``wait``: seconds to wait for
+        room in the writer queue (``None``: a full queue drops the write)."""
         disk = self.disk
         assert disk is not None
-        keys = self._node_hashes(node)
+        if keys is None:
+            keys = self._node_hashes(node)
         todo: list[int] = []
         for i, key in enumerate(keys):
             if disk.contains(key):
@@ -278,6 +313,7 @@ class TieredCache:
             return
         from radixkv.cache.host_pool import pages_to_payloads
 
+        deadline = None if wait is None else time.monotonic() + wait
         sel = [pages[i] for i in todo]
         if from_host:
             assert self.host is not None
@@ -288,7 +324,8 @@ class TieredCache:
             k, v = k.to("cpu"), v.to("cpu")
         for j, i in enumerate(todo):
             kj, vj = k[:, j : j + 1], v[:, j : j + 1]
-            if disk.put(keys[i], lambda kj=kj, vj=vj: pages_to_payloads(kj, vj)[0]):
+            left = None if deadline is None else deadline - time.monotonic()
+            if disk.put(keys[i], lambda kj=kj, vj=vj: pages_to_payloads(kj, vj)[0], wait=left):
                 self.counters["disk_write_pages"] += 1
 
     def _write_remote(self, node: TreeNode, pages: list[int]) -> None:
@@ -338,27 +375,64 @@ class TieredCache:
             self._write_disk(node, host_pages, from_host=True)
 
     def _on_insert(self, node: TreeNode) -> None:
-        """Write-through: copy a new node to the host (and disk) as soon as it is cached."""
+        """Write-through: copy a new node to the host (and disk) as soon as it is cached
+        (host write-through copies to the host, the disk and the remote tier; disk
+        write-through alone queues the disk write)."""
         pages = node.value
         if pages is None:
             return
-        if self.host is not None and node.host_value is None:
+        host_through = self.write_policy == "write_through"
+        if host_through and self.host is not None and node.host_value is None:
             self._copy_to_host(node, pages)
         if self.disk is not None:
             self._write_disk(node, pages, from_host=False)
-        if self.remote is not None:
+        if host_through and self.remote is not None:
             self._write_remote(node, pages)
 
     # ------------------------------------------------------------------ admission
-    def load_prefix(self, tokens: list[int], salt: Hashable, res: MatchResult) -> LoadResult:
+    def _cut_host_path(self, host_nodes: list[TreeNode], num_pages: int) -> list[TreeNode]:
+        """The leading host-only nodes holding exactly the first ``num_pages`` pages of the host
+        path ``host_nodes`` (the node the cut falls in is split there; both halves stay
+        host-only, so the tree's contents do not change)."""
+        P = self.page_size
+        out: list[TreeNode] = []
+        left = num_pages
+        for hn in host_nodes:
+            k = len(hn.key) // P
+            if k > left:
+                out.append(self.tree._split(hn, left * P))
+                break
+            out.append(hn)
+            left -= k
+            if left == 0:
+                break
+        return out
+
+    def load_prefix(
+        self,
+        tokens: list[int],
+        salt: Hashable,
+        res: MatchResult,
+        reserve_pages: int = 0,
+        partial: bool = True,
+    ) -> LoadResult:
         """Extend the device match ``res`` of ``tokens`` with what the host, disk and remote tiers
-        hold,
-        loading it into device pages (all or nothing) and inserting it into the tree.
+        hold, loading it into device pages and inserting it into the tree.
 
         Precondition: ``res.node`` is locked by the caller. Postcondition: the returned node is
         locked instead (``res.node`` unlocked when they differ) and ``pages`` are the tree's
         device pages of the first ``num_tokens`` tokens. Nothing is loaded when the
-        continuation is shorter than ``min_load_tokens`` or device pages cannot be freed for it.
+        continuation is shorter than ``min_load_tokens``.
+
+        Partial load-back: when the whole continuation does not fit in the device pages that are
+        free or evictable (running requests hold the rest), its longest prefix that fits is
+        loaded and the rest is left to be recomputed (``partial_loads``,
+        ``partial_pages_recomputed``). ``reserve_pages`` pages are left free for that
+        computation. With ``partial=False`` such a load is not done at all (the caller waits
+        for room instead): nothing is loaded and ``unloaded_pages`` says how many pages did not
+        fit. Eviction never takes what the load needs: the matched device path is
+        locked, the host path is protected from host eviction, disk and remote payloads are
+        read before any page is taken.
         """
         P = self.page_size
         tree = self.tree
@@ -410,16 +484,33 @@ class TieredCache:
             self.counters["loads_skipped"] += 1
             return keep
         alloc = self.allocator
-        if host_nodes:
-            tree.host_protect(host_nodes[-1])
+        protected = host_nodes[-1] if host_nodes else None
+        unloaded = 0
+        if protected is not None:
+            tree.host_protect(protected)
         try:
             if alloc is not None:
-                short = need - alloc.num_free
+                short = need + reserve_pages - alloc.num_free
                 if short > 0:
                     tree.evict(short * P)
-                if alloc.num_free < need:
-                    self.counters["loads_skipped"] += 1
+                fit = min(need, alloc.num_free - reserve_pages)
+                if fit < need and not partial:
+                    self.counters["loads_waiting"] += 1
+                    keep.unloaded_pages = need
                     return keep
+                if fit < need:  # partial load-back: the longest prefix that fits
+                    if fit <= 0 or fit * P < self.min_load_tokens:
+                        self.counters["loads_skipped"] += 1
+                        return keep
+                    self.counters["partial_loads"] += 1
+                    self.counters["partial_pages_recomputed"] += need - fit
+                    unloaded = need - fit
+                    if fit < nh:
+                        host_nodes = self._cut_host_path(host_nodes, fit)
+                        nh = fit
+                    payloads = payloads[: fit - nh]
+                    n_disk = min(n_disk, len(payloads))
+                    need = fit
                 dev_pages = alloc.allocate(need)
             else:  # simulation without an allocator: fake page ids
                 dev_pages = list(range(-1, -need - 1, -1))
@@ -438,8 +529,8 @@ class TieredCache:
                 self.counters["host_loads"] += 1
                 self.counters["host_load_pages"] += nh
         finally:
-            if host_nodes:
-                tree.host_unprotect(host_nodes[-1])
+            if protected is not None:
+                tree.host_unprotect(protected)
         total = dev + nh * P
         if payloads:  # disk -> device, then into the tree
             disk_pages = dev_pages[nh:]
@@ -476,7 +567,7 @@ class TieredCache:
         by_tier["disk"] = min(n_disk * P, total - dev - nh * P)
         if self.remote is not None:
             by_tier["remote"] = total - dev - nh * P - by_tier["disk"]
-        return LoadResult(m.pages, total, m.node, by_tier)
+        return LoadResult(m.pages, total, m.node, by_tier, unloaded)
 
     # ------------------------------------------------------------------ administration
     def sync(self) -> None:
@@ -503,6 +594,84 @@ class TieredCache:
             self.disk.close()
         if self.remote is not None:
             self.remote.close()
+
+    def _nodes_by_depth(self) -> list[tuple[TreeNode, list[bytes]]]:
+        """Every cached node with its disk keys, parents before children (breadth first). The
+        chained hashes are carried down the walk, so the cost is one hash per page."""
+        P = self.page_size
+        out: list[tuple[TreeNode, list[bytes]]] = []
+        level: list[tuple[TreeNode, bytes | None]] = []
+        for child in self.tree.root.children.values():
+            if child.is_namespace:
+                level += [(c, None) for c in child.children.values()]
+            else:
+                level.append((child, None))
+        while level:
+            nxt: list[tuple[TreeNode, bytes | None]] = []
+            for node, prev in level:
+                keys = chain_hashes(self.fingerprint, node.key, P, node.salt, prev=prev)
+                if len(keys) * P != len(node.key):  # never: keys are page aligned
+                    continue
+                out.append((node, keys))
+                nxt += [(c, keys[-1]) for c in node.children.values()]
+            level = nxt
+        return out
+
+    def persist(self, deadline: float) -> dict[str, int]:
+        """Queue every cached page (device or host) that is not on disk yet, waiting for room
+        in the writer queue until ``deadline`` (``time.monotonic()``). Deepest nodes first, so
+        that when the disk bound forces LRU evictions the shared prefixes (written last) stay.
+        Returns ``{"pages": queued, "skipped": pages left out by the deadline}``."""
+        disk = self.disk
+        if disk is None:
+            return {"pages": 0, "skipped": 0}
+        before = self.counters["disk_write_pages"]
+        skipped = 0
+        for node, keys in reversed(self._nodes_by_depth()):
+            if time.monotonic() >= deadline:
+                skipped += sum(1 for k in keys if not disk.contains(k) and not disk.pending(k))
+                continue
+            if node.value is not None:
+                pages, from_host = node.value, False
+            elif node.host_value is not None:
+                pages, from_host = node.host_value, True
+            else:  # pragma: no cover - every node is resident somewhere
+                continue
+            self._write_disk(node, pages, from_host, keys, wait=deadline - time.monotonic())
+        return {"pages": self.counters["disk_write_pages"] - before, "skipped": skipped}
+
+    def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
+        """Make the disk tier durable and stop the writer threads: write every cached page not
+        yet on disk (:meth:`persist`), drain the queue, stop. Bounded by ``timeout`` seconds
+        (default :data:`CLOSE_TIMEOUT_S`); logs pages, bytes and seconds. Returns the same
+        figures (``pages``, ``bytes``, ``seconds``, ``skipped``, ``drained``)."""
+        t0 = time.monotonic()
+        limit = CLOSE_TIMEOUT_S if timeout is None else timeout
+        deadline = t0 + limit
+        out: dict[str, Any] = {"pages": 0, "bytes": 0, "skipped": 0, "drained": True}
+        disk = self.disk
+        if disk is not None:
+            bytes0 = disk.counters["write_bytes"]
+            out.update(self.persist(deadline))
+            out["drained"] = disk.close(max(0.0, deadline - time.monotonic()))
+            out["bytes"] = disk.counters["write_bytes"] - bytes0
+        if self.remote is not None:
+            self.remote.close()
+        out["seconds"] = time.monotonic() - t0
+        if disk is not None:
+            log = logger.info if out["drained"] and not out["skipped"] else logger.warning
+            log(
+                "disk tier flushed: %d pages queued, %d bytes written in %.2f s%s (%s)",
+                out["pages"],
+                out["bytes"],
+                out["seconds"],
+                ""
+                if out["drained"] and not out["skipped"]
+                else f"; the {limit:.0f} s bound cut it short: {out['skipped']} pages not "
+                "queued, queue drained: " + str(out["drained"]),
+                disk.path,
+            )
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Host pages used/free, disk files/bytes, loads, writes, corrupt files, skips."""

@@ -34,6 +34,8 @@ class KVManager:
         self.copy_pages = copy_pages
         #: Host/disk tiers (``radixkv.cache.tiers.TieredCache``), set by ``TieredCache.attach``.
         self.tiers: Any = None
+        #: Cached pages the last :meth:`admit` left on the host / disk for lack of device room.
+        self.last_unloaded_pages = 0
 
     # -- admission ---------------------------------------------------------------------------
     def match(self, seq: Sequence) -> tuple[list[int], int, object]:
@@ -53,22 +55,30 @@ class KVManager:
         tokens = seq.tokens
         return self.tree.peek_prefix(tokens[: len(tokens) - 1], salt=seq.salt)
 
-    def admit(self, seq: Sequence) -> int:
+    def admit(self, seq: Sequence, partial: bool = True) -> int:
         """Attach the cached prefix to ``seq`` and lock it; returns the cached token count.
 
         With offload tiers, a match that continues on the host or disk is loaded back into
         device pages first; on first admission ``seq.cached_by_tier`` gets the tokens per tier.
+        When the continuation does not fit in the free or evictable device pages, its longest
+        prefix that fits is loaded (``partial=True``) or nothing is (``partial=False``); either
+        way :attr:`last_unloaded_pages` says how many cached pages were left behind.
         """
+        self.last_unloaded_pages = 0
         if self.tiers is not None and self.enable_prefix_cache and not seq.skip_cache_read:
             tokens = seq.tokens[: seq.num_tokens - 1]
             res = self.tree.match_prefix(tokens, salt=seq.salt)
             self.tree.lock(res.node)
             try:
-                loaded = self.tiers.load_prefix(tokens, seq.salt, res)
+                # one page stays free for the first chunk of whatever is left to compute
+                loaded = self.tiers.load_prefix(
+                    tokens, seq.salt, res, reserve_pages=1, partial=partial
+                )
             except BaseException:
                 self.tree.unlock(res.node)
                 raise
             pages, num, node = loaded.pages, loaded.num_tokens, loaded.node
+            self.last_unloaded_pages = loaded.unloaded_pages
             if seq.cached_tokens is None:
                 seq.cached_by_tier = loaded.by_tier
         else:

@@ -5,6 +5,10 @@ served first so they are never starved) and prefills (the uncached suffix of a p
 that fit the rest of the budget). Pages come from the free pool, then from evicting unlocked
 cache, then from preempting running sequences, newest first, by recompute.
 
+A waiting sequence whose host/disk hit does not fit in the device pages the running sequences
+leave waits for them (up to ``LOAD_WAIT_STEPS`` steps); with nothing running, or after that,
+the longest prefix of the hit that fits is loaded and the rest recomputed (partial load-back).
+
 A *gang* (``Sequence.gang``: a beam search's beams) is one unit for admission and preemption:
 its waiting members are admitted all together or not at all, preempting any member preempts
 all of them, and a gang with a member already scheduled this step is never a victim. Parked
@@ -27,6 +31,10 @@ DEDUPE_MIN_TOKENS = 32
 # Longest-prefix-match ordering costs a tree match per waiting request; past this queue length
 # the scheduler falls back to arrival order (as SGLang does).
 LPM_MAX_QUEUE = 128
+# A request whose host/disk hit does not fit in the device pages left by running requests waits
+# for them to free pages (they finish or are preempted) for at most this many steps; then, or at
+# once when nothing runs, the longest prefix that fits is loaded and the rest recomputed.
+LOAD_WAIT_STEPS = 64
 
 
 @dataclass
@@ -51,6 +59,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._admit_counter = 0
         self.num_preemptions = 0
+        self.num_load_waits = 0
+        self._load_waits: dict[tuple[str, int], int] = {}  # steps each sequence waited so far
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -61,6 +71,7 @@ class Scheduler:
             self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
+        self._load_waits.pop((seq.request_id, seq.index), None)
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.RUNNING:
@@ -126,11 +137,21 @@ class Scheduler:
             if self._should_wait_for_sibling(seq, prefilling):
                 deferred.append(seq)
                 continue
-            cached = self.kv.admit(seq)
+            key = (seq.request_id, seq.index)
+            may_wait = bool(self.running) and self._load_waits.get(key, 0) < LOAD_WAIT_STEPS
+            cached = self.kv.admit(seq, partial=not may_wait)
+            if may_wait and self.kv.last_unloaded_pages:
+                # its cached KV does not fit beside the running requests: loading it once they
+                # free pages beats recomputing it now
+                self.kv.release(seq, publish=False)
+                self._load_waits[key] = self._load_waits.get(key, 0) + 1
+                self.num_load_waits += 1
+                break
             chunk = self._fit_chunk(seq, min(budget, seq.num_tokens - seq.num_computed))
             if chunk == 0:
                 self.kv.release(seq, publish=False)
                 break  # out of pages: keep arrival order, try again next step
+            self._load_waits.pop(key, None)
             self.waiting.remove(seq)
             if seq.cached_tokens is None:
                 seq.cached_tokens = cached
