@@ -4,6 +4,8 @@ stream through the router is the same text as direct, the OpenAI client works un
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from fake_engine import ServerThread
@@ -28,10 +30,13 @@ def replica(api_key: str | None = None) -> ServerThread:
     return ServerThread(create_app(engine, api_key=api_key)).start()
 
 
-def router(urls: list[str], policy: str = "cache_aware", **knobs) -> ServerThread:
+def router(
+    urls: list[str], policy: str = "cache_aware", health_interval: float = 0.3, **knobs
+) -> ServerThread:
     from radixkv.server.router import create_router_app
 
-    return ServerThread(create_router_app(urls, policy, health_interval=0.3, **knobs)).start()
+    app = create_router_app(urls, policy, health_interval=health_interval, **knobs)
+    return ServerThread(app).start()
 
 
 def system(i: int) -> str:
@@ -146,6 +151,22 @@ def test_stream_through_router_is_the_same_text_and_openai_client_works(replicas
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         assert len(chunks) >= 3  # relayed chunk by chunk, not one buffered blob
         assert text == direct["choices"][0]["text"]
+        # unbuffered: the first event arrives long before the last one
+        body = {"model": "tiny-llama", "prompt": "Count:", "max_tokens": 200, "stream": True}
+        body.update(temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        with httpx.stream(
+            "POST",
+            rt.base_url + "/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+        ) as s:
+            times = [
+                time.perf_counter() - t0 for line in s.iter_lines() if line.startswith("data:")
+            ]
+        assert len(times) >= 100
+        assert times[0] < 0.5 * times[-1], (times[0], times[-1])
         models = client.models.list()
         assert [m.id for m in models.data] == ["tiny-llama"]
         chat = client.chat.completions.create(
@@ -174,7 +195,8 @@ def test_stream_through_router_is_the_same_text_and_openai_client_works(replicas
 
 def test_dead_replica_traffic_moves() -> None:
     a, b = replica(KEY), replica(KEY)
-    rt = router([a.base_url, b.base_url])
+    # health checks only at startup: the request path itself must find the dead replica
+    rt = router([a.base_url, b.base_url], health_interval=3600)
     try:
         prompt = system(5) + "Who serves me?"
         first = complete(rt.base_url, prompt).headers["x-radixkv-replica"]
@@ -188,7 +210,8 @@ def test_dead_replica_traffic_moves() -> None:
         health = httpx.get(rt.base_url + "/health").json()
         state = {x["url"]: x for x in health["replicas"]}
         assert not state[victim.base_url]["healthy"] and state[survivor.base_url]["healthy"]
-        assert state[victim.base_url]["errors"] >= 1
+        assert state[victim.base_url]["errors"] == 1  # found once, then skipped
+        assert "radixkv_router_retries_total 1.0" in httpx.get(rt.base_url + "/metrics").text
         # streaming requests move too
         with httpx.stream(
             "POST",
@@ -211,3 +234,29 @@ def test_dead_replica_traffic_moves() -> None:
         rt.stop()
         a.stop()
         b.stop()
+
+
+def test_health_checks_keep_traffic_off_a_dead_replica(replicas) -> None:
+    from redis_fixture import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    rt = router([dead, replicas[0].base_url])
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            state = {x["url"]: x for x in httpx.get(rt.base_url + "/health").json()["replicas"]}
+            if not state[dead]["healthy"]:
+                break
+            time.sleep(0.1)
+        assert not state[dead]["healthy"]
+        for g in range(4):  # new prefixes would go to the empty tree: never to a dead replica
+            r = complete(rt.base_url, system(g) + "Q")
+            assert r.headers["x-radixkv-replica"] == replicas[0].base_url
+        stats = {x["url"]: x for x in httpx.get(rt.base_url + "/router/stats").json()["replicas"]}
+        assert stats[dead]["requests"] == 0 and stats[dead]["errors"] == 0
+        assert (
+            'radixkv_router_replica_healthy{replica="' + dead + '"} 0.0'
+            in httpx.get(rt.base_url + "/metrics").text
+        )
+    finally:
+        rt.stop()
