@@ -8,14 +8,16 @@ holding at least ``--nodes`` nodes: a few shared "system prompts" under which ra
 fork at random depths (every insert adds a leaf and usually splits an edge), with a third of the
 requests under salts and some nodes locked and pinned. Then it times ``tree_view(tree,
 max_nodes=...)`` (best and median of ``--repeats``) and its ``json.dumps``, which is what
-``GET /cache/tree`` does on the engine thread and the event loop. Target: < 200 ms at 100,000
-nodes and ``max_nodes=500``.
+``GET /cache/tree`` does on the engine thread and the event loop, in wall and CPU time. Target:
+< 200 ms at 100,000 nodes and ``max_nodes=500``. The snapshot reads the subtree counts every node
+keeps, so its cost follows the shown nodes and their children, not the tree.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -54,7 +56,7 @@ def build_tree(num_nodes: int, page_size: int = 1, seed: int = 0) -> RadixTree:
             tree.lock(tree.match_prefix(tokens, salt).node)
         if i % 1999 == 0:
             tree.pin(tokens[: len(tokens) // 2], salt)
-        if i % 1000 == 0 and tree.num_nodes() >= num_nodes:
+        if i % 5000 == 0 and tree.num_nodes() >= num_nodes:
             break
     return tree
 
@@ -78,14 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     def decode(ids: Sequence[int]) -> str:
         return " ".join(f"w{t}" for t in ids)
 
-    snap, ser = [], []
+    snap, ser, cpu = [], [], []
     doc: dict = {}
     for _ in range(args.repeats):
+        c0 = time.process_time()
         t0 = time.perf_counter()
         doc = tree_view(tree, max_nodes=args.max_nodes, min_tokens=args.min_tokens, decode=decode)
         t1 = time.perf_counter()
         body = json.dumps(doc)
         t2 = time.perf_counter()
+        cpu.append(time.process_time() - c0)
         snap.append(t1 - t0)
         ser.append(t2 - t1)
     total = [a + b for a, b in zip(snap, ser)]
@@ -97,6 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"snapshot ms: best {min(snap) * 1e3:.1f}  median {statistics.median(snap) * 1e3:.1f}; "
         f"json.dumps ms: best {min(ser) * 1e3:.1f}; "
         f"total ms: best {min(total) * 1e3:.1f}  median {statistics.median(total) * 1e3:.1f}"
+    )
+    print(
+        f"CPU ms (snapshot + json, this process): best {min(cpu) * 1e3:.1f}  "
+        f"median {statistics.median(cpu) * 1e3:.1f}  (wall > CPU when the host is loaded; "
+        f"load average {os.getloadavg()[0]:.1f})"
     )
     ok = statistics.median(total) < 0.2
     print(f"target < 200 ms (median total): {'met' if ok else 'MISSED'}")

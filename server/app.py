@@ -5,11 +5,12 @@ lifespan starts the :class:`~radixkv.server.engine_loop.EngineLoop` thread (and 
 
 Endpoints: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health`` (never needs auth), ``GET /metrics``, ``GET /cache/stats``,
-``POST /flush_cache``, ``POST /cache/pin``. Every error is answered in OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``.
+``POST /flush_cache``, ``POST /cache/pin``, ``GET /cache/tree``, ``GET /dashboard``. Every error is
+answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 The routes live by family in :mod:`.routes_openai`, :mod:`.routes_native` (``/generate``),
-:mod:`.routes_admin` (health and cache administration) and :mod:`.routes_metrics`; they share
+:mod:`.routes_admin` (health and cache administration), :mod:`.routes_metrics` and
+:mod:`.routes_dashboard` (the cache dashboard, fed by :mod:`.stats_history`); they share
 the request path of :class:`~radixkv.server.context.ServerContext`. This module keeps the app
 factory, the error handlers (one error shape for all) and API-key auth.
 """
@@ -33,9 +34,11 @@ from .engine_loop import EngineLoop
 from .metrics import ServerMetrics
 from .protocol import APIError, error_body, now
 from .routes_admin import admin_routes
+from .routes_dashboard import DASHBOARD_TEXT, dashboard_routes
 from .routes_metrics import metrics_routes
 from .routes_native import native_routes
 from .routes_openai import openai_routes
+from .stats_history import StatsHistory, collect_sample
 from .tenancy import REQUEST_TENANT_SALT, tenant_salt
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ def create_app(
     max_waiting: int | None = DEFAULT_MAX_WAITING,
     model_name: str | None = None,
     salt_from_api_key: bool = False,
+    dashboard_text: str = "show",
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API").
 
@@ -60,7 +64,11 @@ def create_app(
     ``max_waiting``: bound on requests accepted but not yet producing tokens (503 past it).
     ``model_name``: the name served in ``/v1/models`` and checked in requests (defaults to
     ``engine.model_name``).
+    ``dashboard_text``: ``"show"`` (``/cache/tree`` and ``/dashboard`` show decoded prompt text)
+    or ``"hide"`` (token counts only).
     """
+    if dashboard_text not in DASHBOARD_TEXT:
+        raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if salt_from_api_key and not api_keys:
         raise ValueError("salt_from_api_key needs api_key: tenants are told apart by their keys")
@@ -70,13 +78,19 @@ def create_app(
     metrics = ServerMetrics(served_name)
     engine_loop = EngineLoop(engine, metrics=metrics, max_waiting=max_waiting)
     created = now()
+    history = StatsHistory()
+
+    async def sample() -> dict[str, Any]:
+        return await engine_loop.call(lambda e: collect_sample(e, metrics))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine_loop.start(asyncio.get_running_loop())
+        history.start(sample)
         try:
             yield
         finally:
+            await history.stop()
             await asyncio.to_thread(engine_loop.stop)
             # graceful shutdown (uvicorn's lifespan end: SIGTERM, SIGINT): make the disk tier
             # durable, in bounded time; never while a step may still be running
@@ -150,12 +164,16 @@ def create_app(
         accepted_names=accepted_names,
         created=created,
         auth=auth,
+        history=history,
     )
     for router in (
         native_routes(ctx),
         openai_routes(ctx),
         metrics_routes(ctx),
         admin_routes(ctx),
+        dashboard_routes(
+            ctx, api_key=api_keys, text=dashboard_text, multi_tenant=salt_from_api_key
+        ),
     ):
         app.include_router(router)
     return app

@@ -55,7 +55,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "serve",
         help="serve a model over HTTP (OpenAI-compatible + SGLang /generate)",
         description="Start the HTTP server: /v1/completions, /v1/chat/completions, /v1/models, "
-        "/generate, /health, /metrics, /cache/stats, /flush_cache, /cache/pin.",
+        "/generate, /health, /metrics, /cache/stats, /flush_cache, /cache/pin, /cache/tree, "
+        "/dashboard (a live view of the cache).",
     )
     p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
     p.add_argument(
@@ -77,6 +78,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         action="store_true",
         help="each API key is a tenant with a cache namespace of its own (a hash of the key): "
         "tenants never share cached prefixes (the prefix-cache timing side channel)",
+    )
+    p.add_argument(
+        "--dashboard-text",
+        choices=["show", "hide"],
+        default="show",
+        help="/dashboard and /cache/tree: show decoded prompt snippets, or token counts only",
     )
     p.add_argument(
         "--max-waiting",
@@ -145,6 +152,7 @@ def run_serve(args: argparse.Namespace) -> int:
         salt_from_api_key=args.salt_from_api_key,
         max_waiting=args.max_waiting,
         model_name=args.served_model_name,
+        dashboard_text=args.dashboard_text,
     )
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%s)",

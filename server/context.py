@@ -31,6 +31,8 @@ class ServerContext:
     accepted_names: set[str]
     created: int
     auth: list[Any]
+    #: The dashboard's ring buffer of cache samples (:class:`.stats_history.StatsHistory`).
+    history: Any = None
 
     def check_model(self, name: str) -> None:
         if name not in self.accepted_names:

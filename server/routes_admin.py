@@ -1,12 +1,16 @@
 """Cache administration and liveness: ``GET /health`` (never needs auth), ``GET /cache/stats``,
-``POST /flush_cache``, ``POST /cache/pin``."""
+``POST /flush_cache``, ``POST /cache/pin``.
+
+``GET /cache/stats`` answers ``engine.stats()``; with ``?history=true`` it adds ``"history"``, the
+dashboard's samples (schema in :mod:`.stats_history`), those after ``since`` (a ``seq``) when
+given; a sample is taken on the spot when the last one is older than half the interval."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 
@@ -43,10 +47,22 @@ def admin_routes(ctx: ServerContext) -> APIRouter:
         return JSONResponse({"status": "ok"})
 
     @router.get("/cache/stats", dependencies=auth)
-    async def cache_stats() -> dict[str, Any]:
-        stats = await engine_loop.call(lambda e: e.stats())
+    async def cache_stats(
+        history: bool = Query(False, description="add the dashboard's samples ('history')"),
+        since: int | None = Query(None, ge=0, description="with history: samples after seq"),
+    ) -> dict[str, Any]:
+        if not history or ctx.history is None:
+            stats = await engine_loop.call(lambda e: e.stats())
+            metrics.update_from_stats(stats)
+            return jsonable_encoder(stats)
+        from .stats_history import collect_sample
+
+        stats, sample = await engine_loop.call(lambda e: (e.stats(), collect_sample(e, metrics)))
         metrics.update_from_stats(stats)
-        return jsonable_encoder(stats)
+        ctx.history.add_fresh(sample)
+        out = jsonable_encoder(stats)
+        out["history"] = ctx.history.since(since)
+        return out
 
     @router.post("/flush_cache", dependencies=auth)
     async def flush_cache() -> Response:

@@ -8,7 +8,9 @@ positive multiple of ``page_size``) and ``value`` (the list of page ids holding 
 page-aligned token prefix; every page-aligned prefix of a cached prefix is cached too.
 
 Children are keyed by their first page: the first token (``page_size == 1``) or the tuple of the
-first ``page_size`` tokens, so siblings never share a first page.
+first ``page_size`` tokens, so siblings never share a first page. Every node also keeps the token
+and node counts of its subtree (``sub_tokens`` / ``sub_nodes``, updated on the path to the root by
+each insert, split and removal) for views that must not walk a big tree.
 
 Namespaces (``salt``): salt ``None`` lives directly under ``root``. Any other hashable salt keys a
 separate, empty-keyed *namespace node* under ``root``; its subtree is a separate tree, so requests
@@ -62,8 +64,8 @@ from radixkv.cache.allocator import BlockAllocator
 from radixkv.cache.eviction import EVICTION_POLICIES, EvictionIndex
 from radixkv.cache.pins import Pins
 from radixkv.cache.residency import HostResidency
-from radixkv.cache.tree_integrity import check_tree_integrity
-from radixkv.cache.tree_node import MatchResult, NamespaceKey, TreeNode
+from radixkv.cache.tree_integrity import check_tree_integrity, recount_subtrees
+from radixkv.cache.tree_node import MatchResult, NamespaceKey, TreeNode, add_subtree_counts
 
 __all__ = ["EVICTION_POLICIES", "MatchResult", "RadixTree", "TreeNode"]
 
@@ -152,6 +154,7 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
             ns.is_namespace = True
             self.root.children[key] = ns
             self.root.dev_children += 1
+            self.root.sub_nodes += 1
         return ns
 
     @staticmethod
@@ -196,6 +199,10 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
         mid.hit_count = child.hit_count
         mid.created = child.created
         mid.dev_children = 0 if value is None else 1
+        mid.sub_tokens = child.sub_tokens
+        mid.sub_nodes = child.sub_nodes + 1
+        child.sub_tokens -= m
+        add_subtree_counts(parent, 0, 1)
         if child.host_value is not None:
             mid.host_value = child.host_value[: m // P]
             child.host_value = child.host_value[m // P :]
@@ -358,6 +365,7 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
                 self._remove_leaf(node)
             node.dev_children += 1
             node.children[self._child_key(leaf.key)] = leaf
+            add_subtree_counts(node, n - pos, 1)
             self._evictable_size += n - pos
             self._add_leaf(leaf)
             if self.on_insert is not None:
@@ -405,6 +413,7 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
         else:
             del parent.children[self._child_key(node.key)]
         node.parent = None
+        add_subtree_counts(parent, -node.sub_tokens, -node.sub_nodes)
 
     # ------------------------------------------------------------------ flush
     def reset(self) -> int:
@@ -444,6 +453,7 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
         self._host_leaves.clear()
         self._evictable_size -= dropped
         self._host_size -= dropped_host
+        recount_subtrees(self.root)
         return dropped
 
     # ------------------------------------------------------------------ inspection
@@ -484,7 +494,8 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
         tree and held (refcount >= 1) in the allocator, ``lock_ref >= sum(children lock_ref) +
         pinned``, evictable/protected sizes equal the recomputed sums, the evictable-leaf set is
         exactly the set of unlocked non-namespace leaves with up-to-date sort entries, and the
-        pin count matches. Residency: every node is on the device or the host, device closure,
+        pin count matches, ``sub_tokens`` / ``sub_nodes`` equal the recomputed subtree sums.
+        Residency: every node is on the device or the host, device closure,
         host-only nodes unlocked, ``dev_children`` counts, host pages (length, uniqueness, held in
         ``host_allocator``), ``host_size`` and the host-leaf set.
         """

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
 
-from radixkv.cache.tree_node import TreeNode
+from radixkv.cache.tree_node import TreeNode, add_subtree_counts
 
 if TYPE_CHECKING:
     from radixkv.cache.allocator import BlockAllocator
@@ -140,6 +140,7 @@ class HostResidency:
             x.parent = None
             x.children = {}
         node.children = {}
+        add_subtree_counts(node, len(node.key) - node.sub_tokens, 1 - node.sub_nodes)
 
     def evict_host(self, num_tokens: int) -> int:
         """Evict host leaves (host-only, childless, unprotected nodes) in policy order until

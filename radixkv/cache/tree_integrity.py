@@ -10,7 +10,7 @@ from radixkv.cache.tree_node import NamespaceKey, TreeNode
 if TYPE_CHECKING:
     from radixkv.cache.radix_tree import RadixTree
 
-__all__ = ["check_tree_integrity"]
+__all__ = ["check_tree_integrity", "recount_subtrees", "subtree_counts"]
 
 
 def check_tree_integrity(tree: RadixTree) -> None:
@@ -145,3 +145,35 @@ def check_tree_integrity(tree: RadixTree) -> None:
         if x.host_entry is None or x.parent is None:
             fail(f"{x!r} in the host evictable set but detached or without an entry")
     tree._host_leaves._check()
+    for node, (tokens, nodes) in subtree_counts(tree.root).items():
+        if node.sub_tokens != tokens or node.sub_nodes != nodes:
+            fail(
+                f"{node!r}: sub_tokens/sub_nodes {node.sub_tokens}/{node.sub_nodes}, "
+                f"recomputed {tokens}/{nodes}"
+            )
+
+
+def subtree_counts(root: TreeNode) -> dict[TreeNode, tuple[int, int]]:
+    """Tokens and nodes of every subtree under ``root``, recomputed (pre-order, then summed in
+    reverse): what ``sub_tokens`` / ``sub_nodes`` must hold."""
+    order: list[TreeNode] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(node.children.values())
+    tokens = {n: len(n.key) for n in order}
+    nodes = dict.fromkeys(order, 1)
+    for node in reversed(order):
+        if node is not root and node.parent is not None:
+            tokens[node.parent] += tokens[node]
+            nodes[node.parent] += nodes[node]
+    return {n: (tokens[n], nodes[n]) for n in order}
+
+
+def recount_subtrees(root: TreeNode) -> None:
+    """Set ``sub_tokens`` / ``sub_nodes`` of every node under ``root`` from scratch (after a
+    flush, which drops whole subtrees at once)."""
+    for node, (tokens, nodes) in subtree_counts(root).items():
+        node.sub_tokens = tokens
+        node.sub_nodes = nodes

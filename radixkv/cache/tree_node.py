@@ -11,7 +11,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MatchResult", "NamespaceKey", "TreeNode"]
+__all__ = ["MatchResult", "NamespaceKey", "TreeNode", "add_subtree_counts"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,11 @@ class TreeNode:
     * ``salt``: namespace of the node; ``is_namespace``: True for namespace nodes;
     * ``host_value``: host page ids holding ``key`` (``None`` when not on the host tier);
       ``value`` is ``None`` when the node is host-only;
-    * ``dev_children``: number of device-resident children; ``host_ref``: host protections.
+    * ``dev_children``: number of device-resident children; ``host_ref``: host protections;
+    * ``sub_tokens`` / ``sub_nodes``: tokens on the edges of this node's subtree (its own edge
+      included, whatever the tier) and nodes in it (itself included), kept up to date by every
+      insert, split and removal (:func:`add_subtree_counts`), so views of a big tree
+      (:mod:`radixkv.cache.tree_view`) never walk all of it.
     """
 
     __slots__ = (
@@ -61,6 +65,8 @@ class TreeNode:
         "host_entry",
         "host_ref",
         "dev_children",
+        "sub_tokens",
+        "sub_nodes",
     )
 
     def __init__(
@@ -90,6 +96,8 @@ class TreeNode:
         self.host_entry: tuple | None = None
         self.host_ref = 0
         self.dev_children = 0
+        self.sub_tokens = len(key)
+        self.sub_nodes = 1
 
     @property
     def on_device(self) -> bool:
@@ -113,6 +121,15 @@ class TreeNode:
             f"TreeNode(uid={self.uid}, tokens={len(self.key)}, pages={dev}{host}, "
             f"lock_ref={self.lock_ref}, children={len(self.children)})"
         )
+
+
+def add_subtree_counts(node: TreeNode | None, tokens: int, nodes: int) -> None:
+    """Add ``tokens`` / ``nodes`` to ``sub_tokens`` / ``sub_nodes`` of ``node`` and every ancestor
+    (after a subtree below ``node`` grew or shrank by that much)."""
+    while node is not None:
+        node.sub_tokens += tokens
+        node.sub_nodes += nodes
+        node = node.parent
 
 
 @dataclass

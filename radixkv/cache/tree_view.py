@@ -52,8 +52,10 @@ Residency: ``device`` / ``host`` from the node's ``value`` / ``host_value``; ``d
 ``remote``) when every page of the edge is in that store, looked up by the chained page hashes
 of :func:`~radixkv.cache.disk_store.chain_hashes` (only for shown nodes; ``tiers`` must be given).
 
-Cost: one pass over the whole tree (two dict entries per node, no per-node objects) plus work
-proportional to the shown nodes and their children; ``bench/bench_tree_view.py`` times it.
+Cost: proportional to the shown nodes and their children, not to the tree: subtree sizes come
+from the ``sub_tokens`` / ``sub_nodes`` counts the tree keeps on every node
+(:class:`~radixkv.cache.tree_node.TreeNode`); ``bench/bench_tree_view.py`` times it on 100,000
+nodes.
 """
 
 from __future__ import annotations
@@ -125,50 +127,6 @@ def salt_label(salt: Hashable, key: bytes | None = None) -> str:
     return digest[:SALT_LABEL_CHARS]
 
 
-def _subtree_sizes(root: TreeNode) -> tuple[list[TreeNode], list[int], list[int]]:
-    """Every node in pre-order with the tokens and nodes of its subtree, in one pass.
-
-    The walk pops a stack, so the subtree of ``nodes[i]`` is the contiguous run ``nodes[i : i +
-    sub_nodes[i]]`` and its children start at ``i + 1``, each sibling right after the previous
-    one's subtree (:func:`_child_indices`). Each node is touched once (the walk is bound by
-    memory latency on a big tree); the sums are accumulated over plain int lists afterwards.
-    """
-    nodes: list[TreeNode] = []
-    parents: list[int] = []
-    tokens: list[int] = []
-    add_node, add_parent, add_tokens = nodes.append, parents.append, tokens.append
-    stack = [root]
-    pstack = [-1]
-    pop, ppop = stack.pop, pstack.pop
-    i = 0
-    while stack:
-        node = pop()
-        add_node(node)
-        add_parent(ppop())
-        add_tokens(len(node.key))
-        children = node.children
-        if children:
-            stack += children.values()
-            pstack += [i] * len(children)
-        i += 1
-    sub_nodes = [1] * len(nodes)
-    for j in range(len(nodes) - 1, 0, -1):
-        p = parents[j]
-        tokens[p] += tokens[j]
-        sub_nodes[p] += sub_nodes[j]
-    return nodes, tokens, sub_nodes
-
-
-def _child_indices(i: int, num_children: int, sub_nodes: list[int]) -> list[int]:
-    """Pre-order indices of the children of node ``i`` (see :func:`_subtree_sizes`)."""
-    out = []
-    j = i + 1
-    for _ in range(num_children):
-        out.append(j)
-        j += sub_nodes[j]
-    return out
-
-
 class _Stores:
     """The page stores beneath the host tier that residency is looked up in (disk, remote)."""
 
@@ -230,7 +188,6 @@ def tree_view(
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
         raise ValueError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
     root = tree.root
-    nodes, sub_tokens, sub_nodes = _subtree_sizes(root)
     stores = _Stores(tiers, tree.page_size)
     labels: dict[Any, str] = {}
 
@@ -258,8 +215,8 @@ def tree_view(
             "kind": "root",
             "tokens": 0,
             "prefix_tokens": 0,
-            "subtree_tokens": sub_tokens[0],
-            "subtree_nodes": sub_nodes[0],
+            "subtree_tokens": root.sub_tokens,
+            "subtree_nodes": root.sub_nodes,
             "children": len(root.children),
             "text": None,
             "lock_ref": root.lock_ref,
@@ -270,35 +227,40 @@ def tree_view(
             "namespace": None,
         }
     ]
-    prefix_of: dict[int, int] = {0: 0}  # pre-order index of a shown node -> its prefix tokens
-    order: list[int] = [0]
-    kids_of: dict[int, list[int]] = {}
-    heap: list[tuple[int, int, int]] = []  # (-score, child index, parent index)
+    prefix_of: dict[TreeNode, int] = {root: 0}  # shown node -> its prefix tokens
+    order: list[TreeNode] = [root]
+    # A shown node's children, best first, as (-score, uid, child); its shown children are always
+    # a prefix of that list (siblings are offered one at a time, in order), the rest is folded.
+    ranked: dict[TreeNode, list[tuple[int, int, TreeNode]]] = {}
+    small: dict[TreeNode, list[TreeNode]] = {}  # children under min_tokens (always folded)
+    taken: dict[TreeNode, int] = {}  # how many of ranked[node] are shown
+    heap: list[tuple[int, int, TreeNode, TreeNode]] = []  # (-score, uid, child, parent)
 
-    def offer(i: int) -> None:
-        """Push the best children of newly shown node ``i`` (at most the budget left)."""
-        node = nodes[i]
-        if not node.children:
+    def offer(node: TreeNode) -> None:
+        """Rank the children of newly shown ``node`` and offer the best one."""
+        children = node.children
+        if not children:
             return
-        kids = kids_of[i] = _child_indices(i, len(node.children), sub_nodes)
-        budget = max_nodes - len(prefix_of)
-        if budget <= 0:
-            return
+        kids: Any = children.values()
         if min_tokens:
-            kids = [j for j in kids if sub_tokens[j] >= min_tokens]
-        scored = [(-(sub_tokens[j] * (1 + nodes[j].hit_count)), j, i) for j in kids]
-        for item in heapq.nsmallest(budget, scored) if len(scored) > budget else scored:
-            heapq.heappush(heap, item)
+            small[node] = [c for c in kids if c.sub_tokens < min_tokens]
+            kids = [c for c in kids if c.sub_tokens >= min_tokens]
+        best = sorted([(-(c.sub_tokens * (1 + c.hit_count)), c.uid, c) for c in kids])
+        ranked[node] = best
+        taken[node] = 0
+        if best:
+            heapq.heappush(heap, (*best[0], node))
 
-    offer(0)
+    offer(root)
     while heap and len(prefix_of) < max_nodes:
-        _, i, pi = heapq.heappop(heap)
-        node = nodes[i]
-        parent = node.parent
-        assert parent is nodes[pi]
-        prefix = 0 if node.is_namespace else prefix_of[pi] + len(node.key)
-        prefix_of[i] = prefix
-        order.append(i)
+        _, _, node, parent = heapq.heappop(heap)
+        i = taken[parent] = taken[parent] + 1
+        siblings = ranked[parent]
+        if i < len(siblings):  # the next best sibling competes now
+            heapq.heappush(heap, (*siblings[i], parent))
+        prefix = 0 if node.is_namespace else prefix_of[parent] + len(node.key)
+        prefix_of[node] = prefix
+        order.append(node)
         out.append(
             {
                 "id": node.uid,
@@ -306,8 +268,8 @@ def tree_view(
                 "kind": "namespace" if node.is_namespace else "node",
                 "tokens": len(node.key),
                 "prefix_tokens": prefix,
-                "subtree_tokens": sub_tokens[i],
-                "subtree_nodes": sub_nodes[i],
+                "subtree_tokens": node.sub_tokens,
+                "subtree_nodes": node.sub_nodes,
                 "children": len(node.children),
                 "text": text_of(node),
                 "lock_ref": node.lock_ref,
@@ -322,49 +284,54 @@ def tree_view(
                 "namespace": label(node.salt),
             }
         )
-        offer(i)
+        offer(node)
 
     more_id = 0
-    for i in order:
-        kids = kids_of.get(i)
-        if not kids:
+    for node in order:
+        if not node.children:
             continue
-        folded = [j for j in kids if j not in prefix_of]
+        folded = [e[2] for e in ranked[node][taken[node] :]]
+        folded += small.get(node, ())
         if not folded:
             continue
         more_id -= 1
-        fnodes = [nodes[j] for j in folded]
-        ftokens = sum(sub_tokens[j] for j in folded)
+        tokens = nodes = locks = hits = last = 0
+        pinned = device = host = False
+        for c in folded:
+            tokens += c.sub_tokens
+            nodes += c.sub_nodes
+            locks += c.lock_ref
+            hits += c.hit_count
+            if c.last_access > last:
+                last = c.last_access
+            pinned = pinned or c.pin_expiry is not None
+            device = device or c.value is not None
+            host = host or c.host_value is not None
         out.append(
             {
                 "id": more_id,
-                "parent": nodes[i].uid,
+                "parent": node.uid,
                 "kind": "more",
-                "tokens": ftokens,
-                "prefix_tokens": prefix_of[i],
-                "subtree_tokens": ftokens,
-                "subtree_nodes": sum(sub_nodes[j] for j in folded),
+                "tokens": tokens,
+                "prefix_tokens": prefix_of[node],
+                "subtree_tokens": tokens,
+                "subtree_nodes": nodes,
                 "children": len(folded),
                 "text": None,
-                "lock_ref": sum(c.lock_ref for c in fnodes),
-                "pinned": any(c.pin_expiry is not None for c in fnodes),
-                "residency": {
-                    "device": any(c.value is not None for c in fnodes),
-                    "host": any(c.host_value is not None for c in fnodes),
-                    "disk": False,
-                    "remote": False,
-                },
-                "last_access": max(c.last_access for c in fnodes),
-                "hit_count": sum(c.hit_count for c in fnodes),
-                "namespace": label(fnodes[0].salt) if i else None,
+                "lock_ref": locks,
+                "pinned": pinned,
+                "residency": {"device": device, "host": host, "disk": False, "remote": False},
+                "last_access": last,
+                "hit_count": hits,
+                "namespace": label(folded[0].salt) if node is not root else None,
             }
         )
     return {
         "version": SCHEMA_VERSION,
         "page_size": tree.page_size,
         "tick": tick,
-        "total_nodes": sub_nodes[0] - 1,
-        "total_tokens": sub_tokens[0],
+        "total_nodes": root.sub_nodes - 1,
+        "total_tokens": root.sub_tokens,
         "device_tokens": tree.total_size,
         "host_tokens": tree.host_size,
         "shown_nodes": len(prefix_of),
