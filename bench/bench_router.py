@@ -16,7 +16,8 @@ between cases:
 
 Hit rate = cached prompt tokens / prompt tokens, from the replicas' ``usage``. Throughput is
 requests/s and generated tokens/s over the wall time of the case. Targets: cache_aware's hit rate
->= 95% of one_replica's and above round robin's. Each replica gets half the CPUs, so on a
+>= 95% of one_replica's and above round robin's (without ``--remote-cache``: with it, round
+robin's misses are served from Redis, which is what the shared tier is for). Each replica gets half the CPUs, so on a
 2-core host "two replicas" is two single-core servers against one single-core server.
 
 Usage (from the repo root; time it under the shared lock)::
@@ -166,7 +167,12 @@ async def _drive(base: str, model: str, prompts: list[str], max_tokens: int, con
     return out
 
 
-def _flush(urls: list[str]) -> None:
+def _flush(urls: list[str], redis_url: str | None) -> None:
+    """Empty every replica's cache (and the shared Redis): each case starts cold."""
+    if redis_url is not None:
+        import redis
+
+        redis.Redis.from_url(redis_url).flushdb()
     for u in urls:
         for _ in range(50):
             if httpx.post(u + "/flush_cache", timeout=30).status_code == 200:
@@ -174,8 +180,10 @@ def _flush(urls: list[str]) -> None:
             time.sleep(0.2)
 
 
-def run_case(case: str, urls: list[str], model: str, prompts: list[str], args) -> dict[str, Any]:
-    _flush(urls)
+def run_case(
+    case: str, urls: list[str], model: str, prompts: list[str], args, redis_url: str | None
+) -> dict[str, Any]:
+    _flush(urls, redis_url)
     t0 = time.perf_counter()
     if case == "one_replica":
         rows = asyncio.run(_drive(urls[0], model, prompts, args.max_tokens, args.concurrency))
@@ -239,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         # warm both replicas (first-use costs: kernels, allocator) outside the measurement
         for u in cluster.urls:
             asyncio.run(_drive(u, model, ["warm up " * 20], 2, 1))
-        results = [run_case(c, cluster.urls, model, prompts, args) for c in order]
+        results = [
+            run_case(c, cluster.urls, model, prompts, args, cluster.redis_url) for c in order
+        ]
     total = time.perf_counter() - t_start
     by = {r["case"]: r for r in results}
     one = by["one_replica"]["hit_rate"]
