@@ -280,6 +280,25 @@ def test_tree_view_residency_of_the_tiers() -> None:
     tiers.check_integrity()
 
 
+def test_tree_view_remote_residency() -> None:
+    from radixkv.cache.remote_store import RemoteStore
+
+    P = 2
+    alloc = BlockAllocator(32, P)
+    tree = RadixTree(alloc, P)
+    remote = RemoteStore(None, b"\0" * 32, capacity_pages=64)
+    tiers = TieredCache(tree, alloc, None, None, None, "write_through", b"\0" * 32, remote=remote)
+    pages = alloc.allocate(6)
+    tree.insert(words(12, 10), pages)
+    doc = tree_view(tree, max_nodes=10, tiers=tiers)
+    check_schema(doc)
+    (node,) = [n for n in doc["nodes"] if n["kind"] == "node"]
+    assert node["residency"] == {"device": True, "host": False, "disk": False, "remote": True}
+    without = tree_view(tree, max_nodes=10)  # no tiers given: nothing is looked up
+    assert not [n for n in without["nodes"] if n["residency"]["remote"]]
+    tree.check_integrity()
+
+
 # ------------------------------------------------------------------------------- server
 
 

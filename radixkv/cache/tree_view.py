@@ -48,9 +48,11 @@ whose subtree holds fewer than ``min_tokens`` tokens is never shown on its own. 
 whose children are not all shown gets one ``"more"`` child summarising the rest, so ``nodes``
 holds at most ``2 * max_nodes`` entries. Shown nodes always form a connected tree from the root.
 
-Residency: ``device`` / ``host`` from the node's ``value`` / ``host_value``; ``disk`` (and
-``remote``) when every page of the edge is in that store, looked up by the chained page hashes
-of :func:`~radixkv.cache.disk_store.chain_hashes` (only for shown nodes; ``tiers`` must be given).
+Residency: ``device`` / ``host`` from the node's ``value`` / ``host_value``; ``disk`` when every
+page of the edge is in the disk store, looked up by the chained page hashes of
+:func:`~radixkv.cache.disk_store.chain_hashes` (only for shown nodes; ``tiers`` must be given);
+``remote`` when every page was written to (or is queued for) the remote store by this process
+within its ``recent_ttl`` (Redis itself is never asked: it is shared and evicts on its own).
 
 Cost: proportional to the shown nodes and their children, not to the tree: subtree sizes come
 from the ``sub_tokens`` / ``sub_nodes`` counts the tree keeps on every node
@@ -127,6 +129,10 @@ def salt_label(salt: Hashable, key: bytes | None = None) -> str:
     return digest[:SALT_LABEL_CHARS]
 
 
+def _not(fn: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
+    return lambda key: not fn(key)
+
+
 class _Stores:
     """The page stores beneath the host tier that residency is looked up in (disk, remote)."""
 
@@ -136,11 +142,19 @@ class _Stores:
         self.chain_hashes = chain_hashes
         self.page_size = page_size
         self.fingerprint: bytes = getattr(tiers, "fingerprint", b"\0" * 32) if tiers else b""
-        self.stores: dict[str, Any] = {}
+        self.stores: dict[str, Callable[[bytes], bool]] = {}
         for name in ("disk", "remote"):
             store = getattr(tiers, name, None) if tiers is not None else None
-            if store is not None and callable(getattr(store, "contains", None)):
-                self.stores[name] = store
+            if store is None:
+                continue
+            if callable(getattr(store, "contains", None)):
+                self.stores[name] = store.contains
+            elif getattr(store, "_sim", None) is not None:  # a simulated remote store
+                self.stores[name] = store._sim.__contains__
+            elif callable(getattr(store, "wants", None)):
+                # a remote store is not asked over the network: a page it does not want is
+                # queued or was written recently by this process
+                self.stores[name] = _not(store.wants)
         self._last: dict[int, bytes] = {}  # node uid -> hash of its last page
 
     def residency(self, node: TreeNode, parent: TreeNode) -> dict[str, bool]:
@@ -153,8 +167,8 @@ class _Stores:
         hashes = self.chain_hashes(self.fingerprint, node.key, self.page_size, node.salt, prev=prev)
         if hashes:
             self._last[node.uid] = hashes[-1]
-        for name, store in self.stores.items():
-            out[name] = bool(hashes) and all(store.contains(h) for h in hashes)
+        for name, has in self.stores.items():
+            out[name] = bool(hashes) and all(has(h) for h in hashes)
         return out
 
 
