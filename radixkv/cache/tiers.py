@@ -490,14 +490,15 @@ class TieredCache:
             tree.host_protect(protected)
         try:
             if alloc is not None:
+                if not partial and alloc.num_free + tree.evictable_size // P < need + reserve_pages:
+                    # the caller waits for room rather than load part: evict nothing for it now
+                    self.counters["loads_waiting"] += 1
+                    keep.unloaded_pages = need
+                    return keep
                 short = need + reserve_pages - alloc.num_free
                 if short > 0:
                     tree.evict(short * P)
                 fit = min(need, alloc.num_free - reserve_pages)
-                if fit < need and not partial:
-                    self.counters["loads_waiting"] += 1
-                    keep.unloaded_pages = need
-                    return keep
                 if fit < need:  # partial load-back: the longest prefix that fits
                     if fit <= 0 or fit * P < self.min_load_tokens:
                         self.counters["loads_skipped"] += 1
