@@ -184,6 +184,7 @@ def test_redis_killed_mid_run_then_back(tiny, golden, caplog) -> None:
     try:
         a = make_engine(tiny, server.url, host_write_policy="write_through")
         remote = a.tiers.remote
+        remote.retry_max = 1.0  # probe at least once a second while down (default 10 s)
         assert run(a, prompt(1)).outputs[0].token_ids == golden[1]
         a.tiers.sync()
         server.stop()  # Redis goes away mid-run
