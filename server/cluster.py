@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -122,6 +123,7 @@ class Cluster:
         self.redis: subprocess.Popen[Any] | None = None
         self.procs: list[subprocess.Popen[Any]] = []
         self._logs: list[Any] = []
+        self._old_sigterm: Any = None
 
     @property
     def urls(self) -> list[str]:
@@ -140,7 +142,15 @@ class Cluster:
         return f
 
     def start(self, timeout: float = 600.0) -> Cluster:
-        """Start Redis and the replicas and wait until every replica is healthy."""
+        """Start Redis and the replicas and wait until every replica is healthy. In the main
+        thread, SIGTERM becomes ``SystemExit`` until :meth:`stop`, so a terminated caller still
+        stops its replicas (they run in process groups of their own)."""
+        if threading.current_thread() is threading.main_thread():
+
+            def on_sigterm(signum: int, frame: Any) -> None:
+                raise SystemExit(128 + signum)
+
+            self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
         try:
             if self.remote_cache:
                 self._start_redis()
@@ -220,6 +230,9 @@ class Cluster:
         for f in self._logs:
             f.close()
         self._logs = []
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
 
     def __enter__(self) -> Cluster:
         return self.start()
