@@ -9,6 +9,7 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo")
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
 WRITE_POLICIES = ("write_back", "write_through")
+KV_LAYOUTS = ("paged", "virtual")
 
 
 @dataclass
@@ -22,6 +23,8 @@ class EngineConfig:
     AVX512-BF16 or AMX, else float32).
     ``disk_write_policy``: ``write_back`` (pages reach the disk when they leave the device or the
     host, and when the engine closes) or ``write_through`` (queued for the disk when cached).
+    ``kv_layout``: ``paged`` (page table, the default) or ``virtual`` (each running sequence's K/V
+    contiguous in virtual memory over a shared memfd page pool; see radixkv/model/virtual_kv.py).
     """
 
     model: str = "smollm2"
@@ -44,6 +47,7 @@ class EngineConfig:
     disk_cache_bytes: int = 8 << 30
     disk_write_policy: str = "write_back"
     remote_cache_url: str | None = None
+    kv_layout: str = "paged"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad knob and what values it takes."""
@@ -80,6 +84,8 @@ class EngineConfig:
             raise bad("disk_cache_bytes", "must be > 0")
         if self.disk_write_policy not in WRITE_POLICIES:
             raise bad("disk_write_policy", f"choose one of {', '.join(WRITE_POLICIES)}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise bad("kv_layout", f"choose one of {', '.join(KV_LAYOUTS)}")
         if self.remote_cache_url is not None and not str(self.remote_cache_url).startswith(
             ("redis://", "rediss://", "unix://")
         ):

@@ -44,6 +44,13 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         str,
         "shared remote tier, redis://HOST:PORT[/DB] (off if unset)",
     ),
+    (
+        "--kv-layout",
+        "kv_layout",
+        str,
+        "paged (page table, default) | virtual (contiguous per-request K/V mapped over shared "
+        "pages; Linux CPU)",
+    ),
 ]
 
 

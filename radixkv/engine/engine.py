@@ -27,6 +27,7 @@ from radixkv.engine.request import RequestOutput, SeqStatus, Sequence, StepOutpu
 from radixkv.engine.sampling import SamplingParams, SequenceState
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.tokenizer_lock import LockedTokenizer
+from radixkv.engine.virtual_layout import VirtualLayout
 from radixkv.model.runner import RequestSlice
 
 Prompt = str | list[int]
@@ -106,6 +107,8 @@ class Engine:
             dtype=dtype,
             device=device,
             attention_backend=cfg.attention_backend,
+            kv_layout=cfg.kv_layout,
+            max_model_len=cfg.max_model_len,
         )
         self.sampler = Sampler()
         num_pages = self.runner.num_pages
@@ -115,6 +118,7 @@ class Engine:
         self.kv = KVManager(
             self.allocator, self.tree, cfg.enable_prefix_cache, self.runner.pool.copy_pages
         )
+        self.virtual_layout = VirtualLayout.attach(self)  # None unless kv_layout="virtual"
         self.tiers = None
         if cfg.host_cache_tokens or cfg.disk_cache_dir or cfg.remote_cache_url:
             from radixkv.cache.tiers import TieredCache
@@ -308,19 +312,19 @@ class Engine:
             if not seq.accounted:
                 self._account_admission(seq)
         all_rows = any(seq.skip_cache_read for seq, _ in batch.entries)
-        logits = self.runner.forward(
-            self.runner.build_batch(
-                [
-                    RequestSlice(
-                        seq.tokens[seq.num_computed : seq.num_computed + n],
-                        seq.num_computed,
-                        seq.pages,
-                    )
-                    for seq, n in batch.entries
-                ]
-            ),
-            return_all_logits=all_rows,
+        fb = self.runner.build_batch(
+            [
+                RequestSlice(
+                    seq.tokens[seq.num_computed : seq.num_computed + n],
+                    seq.num_computed,
+                    seq.pages,
+                )
+                for seq, n in batch.entries
+            ]
         )
+        if self.virtual_layout is not None:
+            self.virtual_layout.before_forward(fb, [seq for seq, _ in batch.entries])
+        logits = self.runner.forward(fb, return_all_logits=all_rows)
         if all_rows:  # some prompt wants its logprobs: every row was computed
             logits = collect_prompt_logprobs(logits, batch.entries)
         rows: list[int] = []
@@ -343,6 +347,8 @@ class Engine:
         if to_sample:
             self._sample_and_advance(logits, rows, to_sample, outputs)
         self.beams.advance_ready(outputs)
+        if self.virtual_layout is not None:
+            self.virtual_layout.after_step(self.scheduler.running)
         return outputs
 
     def _account_admission(self, seq: Sequence) -> None:
@@ -554,8 +560,15 @@ class Engine:
             self.add_request(
                 rid, ids + [ids[-1]], SamplingParams(max_tokens=1, temperature=0.0), salt
             )
+            idle = 0
             while rid in self._requests:  # other requests' outputs stay queued for step()
+                before = self.counters["steps"]
                 self._pending.extend(o for o in self.step() if o.request_id != rid)
+                idle = idle + 1 if self.counters["steps"] == before else 0
+                if idle > 8 or not self.scheduler.has_work():  # no progress: give up, bounded
+                    self.abort(rid)
+                    self._pending = [o for o in self._pending if o.request_id != rid]
+                    break
         return self.tree.pin(ids, salt=salt, ttl=ttl)
 
     # -- introspection -----------------------------------------------------------------------
@@ -570,5 +583,7 @@ class Engine:
         for s in self.scheduler.waiting:
             assert not s.pages and s.lock_node is None, "a waiting sequence holds pages"
         self.kv.check_integrity(live)
+        if self.virtual_layout is not None:
+            self.virtual_layout.check_integrity(live)
         if self.tiers is not None:
             self.tiers.check_integrity()

@@ -36,6 +36,8 @@ class KVManager:
         self.tiers: Any = None
         #: Cached pages the last :meth:`admit` left on the host / disk for lack of device room.
         self.last_unloaded_pages = 0
+        #: Called with each sequence :meth:`release` empties (the virtual KV layout unmaps it).
+        self.on_release: Callable[[Sequence], None] | None = None
 
     # -- admission ---------------------------------------------------------------------------
     def match(self, seq: Sequence) -> tuple[list[int], int, object]:
@@ -168,6 +170,8 @@ class KVManager:
         if seq.lock_node is not None:
             self.tree.unlock(seq.lock_node)
         seq.lock_node = None
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.pages = []
         seq.num_computed = 0
         seq.num_tree_tokens = 0

@@ -143,6 +143,10 @@ class ModelRunner:
         device: ``"cpu"`` or ``"cuda"``.
         attention_backend: ``"torch"``, ``"triton"`` or ``None`` (triton on CUDA, else torch).
         num_threads: intra-op CPU threads (``None`` leaves torch's setting).
+        kv_layout: ``"paged"`` or ``"virtual"`` (memfd pool, contiguous per-sequence ranges:
+            :mod:`radixkv.model.virtual_kv`; falls back to paged with a warning where the OS
+            page does not divide a KV page, or off Linux/CPU). ``self.virtual`` is set when on.
+        max_model_len: longest sequence (sizes the virtual ranges; default the model's context).
     """
 
     def __init__(
@@ -157,6 +161,8 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         attention_backend: str | None = None,
         num_threads: int | None = None,
+        kv_layout: str = "paged",
+        max_model_len: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
@@ -175,7 +181,7 @@ class ModelRunner:
         self.page_size = page_size
         if num_pages is None:
             num_pages = max(1, -(-kv_cache_tokens // page_size))
-        self.pool = KVPool(
+        pool_args = (
             self.config.num_layers,
             num_pages,
             page_size,
@@ -184,9 +190,30 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.backend: AttentionBackend = make_attention_backend(
-            attention_backend, self.device, self.dtype, self.config.head_dim
-        )
+        self.virtual: Any = None
+        self.kv_layout = kv_layout
+        if kv_layout == "virtual":
+            from radixkv.model.virtual_kv import virtual_layout_problem
+
+            problem = virtual_layout_problem(*pool_args[2:])
+            if problem is not None:
+                log.warning("%s; falling back to kv_layout='paged'", problem)
+                self.kv_layout = "paged"
+        elif kv_layout != "paged":
+            raise ValueError(f"unknown kv_layout {kv_layout!r}: use 'paged' or 'virtual'")
+        if self.kv_layout == "virtual":
+            from radixkv.model.attention.virtual_backend import VirtualAttentionBackend
+            from radixkv.model.virtual_kv import VirtualKV, VirtualKVPool
+
+            self.pool = VirtualKVPool(*pool_args)
+            context = getattr(hf_config, "max_position_embeddings", None) or 2048
+            self.virtual = VirtualKV(self.pool, (max_model_len or context) + page_size)
+            self.backend: AttentionBackend = VirtualAttentionBackend(self.virtual)
+        else:
+            self.pool = KVPool(*pool_args)
+            self.backend = make_attention_backend(
+                attention_backend, self.device, self.dtype, self.config.head_dim
+            )
         self.attention_backend = self.backend.name
 
     @property
