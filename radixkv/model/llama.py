@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch
+from radixkv.model.linear import prepack_linears
 
 __all__ = ["ModelConfig", "LlamaModel", "RMSNorm", "RotaryEmbedding"]
 
@@ -324,6 +325,8 @@ class LlamaModel(nn.Module):
         else:
             model.lm_head.weight = param(take("lm_head.weight"))
         model.rotary = RotaryEmbedding(config).to(device)
+        # float32 on the CPU: the lm_head's weight prepacked for oneDNN (see radixkv.model.linear)
+        prepack_linears(model, names=("lm_head",))
         return model.eval()
 
     def forward(

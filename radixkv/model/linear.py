@@ -1,0 +1,103 @@
+"""CPU linears with prepacked weights: oneDNN's blocked-weight GEMM for many rows.
+
+``F.linear`` on the CPU calls MKL's sgemm on the plain ``[N, K]`` weight every time. oneDNN can
+instead keep the weight *prepacked* in its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
+done once at load) and run ``torch.ops.mkldnn._linear_pointwise`` on it; for the row counts of a
+prefill chunk or a batched decode that is measurably faster on the hosts radixkv runs on
+(``bench/bench_linears.py`` prints both, side by side, against a plain matmul). For few rows (a
+batch-1 decode) oneDNN's packed path is slower than MKL's sgemv, so :class:`PackedLinear` keeps
+the plain weight too and picks by row count.
+
+:func:`prepack_linears` swaps a model's ``nn.Linear`` modules for :class:`PackedLinear` (same
+``weight``/``bias`` parameters, so tied weights stay tied and state dicts are unchanged).
+``RADIXKV_PACKED_LINEAR=0`` turns it off.
+
+The Llama model packs only its ``lm_head``: oneDNN sums in another order than MKL, and through
+30 layers that moves fp32 logits by up to ~1.5e-3 from transformers' (which runs MKL), past the
+1e-3 the accuracy tests hold; the decoder's own linears already run at 0.9-1.0x of a plain matmul
+(MKL) on the AVX2 host, while the lm_head (a 49,152 x 576 matrix, memory-bound for decode) runs
+~1.5x faster packed, and being the last op it changes logits only by one dot product's rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PackedLinear", "packed_linear_supported", "prepack_linears", "MIN_PACKED_ROWS"]
+
+log = logging.getLogger(__name__)
+
+#: Below this many rows the plain weight (MKL sgemv) is used; the lm_head (a wide, memory-bound
+#: matrix) reads its packed copy even for one row (faster there on the AVX2 host as well).
+MIN_PACKED_ROWS = 2
+
+
+def packed_linear_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether prepacked oneDNN linears serve this dtype/device (CPU float32, oneDNN built)."""
+    if os.environ.get("RADIXKV_PACKED_LINEAR", "1") == "0":
+        return False
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    )
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` also held prepacked by oneDNN (rows >= ``min_rows``).
+
+    Invariant: ``packed`` is the oneDNN layout of ``weight`` at construction; the weights are
+    inference-only (``requires_grad=False``) and must not be modified in place afterwards.
+    """
+
+    def __init__(self, linear: nn.Linear, min_rows: int = MIN_PACKED_ROWS) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.min_rows = min_rows
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows < self.min_rows:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, packed=onednn (rows >= {self.min_rows})"
+        )
+
+
+def prepack_linears(model: nn.Module, names: tuple[str, ...] | None = None) -> int:
+    """Replace ``nn.Linear`` modules of ``model`` by :class:`PackedLinear`; returns how many.
+
+    ``names``: only children with these attribute names (e.g. ``("lm_head",)``); ``None``: all.
+    Does nothing (returns 0) when :func:`packed_linear_supported` says no for the weights.
+    """
+    linears = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and (names is None or name in names)
+    ]
+    if not linears:
+        return 0
+    w = linears[0][2].weight
+    if not packed_linear_supported(w.dtype, w.device):
+        return 0
+    for parent, name, child in linears:
+        wide = child.out_features >= 16 * child.in_features  # an lm_head over the vocabulary
+        setattr(parent, name, PackedLinear(child, min_rows=1 if wide else MIN_PACKED_ROWS))
+    return len(linears)
