@@ -217,6 +217,7 @@ def run_vllm(
     warmup: list[list[int]],
     output_len: int,
     max_model_len: int,
+    verbose: bool = True,
 ) -> dict[str, Any]:
     spec = {
         "hf_dir": str(hf_dir),
@@ -233,18 +234,28 @@ def run_vllm(
         script.write_text(VLLM_WORKER)
         env = {**os.environ, **VLLM_ENV}
         env.pop("PYTHONPATH", None)
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [python, str(script), str(spec_path)],
             env=env,
             cwd=tmp,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
         )
-    for line in proc.stdout.splitlines():
-        if line.startswith("VLLM_RESULT "):
-            return json.loads(line.removeprefix("VLLM_RESULT "))
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
+        assert proc.stdout is not None
+        tail: list[str] = []
+        result = None
+        for line in proc.stdout:  # vLLM's log, passed on as it comes (its start takes minutes)
+            if line.startswith("VLLM_RESULT "):
+                result = json.loads(line.removeprefix("VLLM_RESULT "))
+                continue
+            if verbose:
+                print("[vllm]", line, end="", file=sys.stderr, flush=True)
+            tail = (tail + [line])[-40:]
+        proc.wait()
+    if result is None:
+        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{''.join(tail)}")
+    return result
 
 
 def main() -> None:
