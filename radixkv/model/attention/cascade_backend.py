@@ -44,16 +44,19 @@ def _flash(
     """Attention ``[B, H, Lq, D]`` with its log-sum-exp ``[B, H, Lq]`` (float32).
 
     Low-precision dtypes use ATen's fused CPU flash kernel (fast, approximate ``exp``); float32
-    is the accuracy mode and computes exactly with matmuls.
+    is the accuracy mode and computes with float32 matmuls and an exact log-sum-exp, as
+    transformers' eager fp32 attention does (one GEMM for all of a group's query rows).
     """
     if q.dtype != torch.float32:
         return _flash_cpu(q, k, v, dropout, causal, attn_mask=attn_mask, scale=scale)
-    scores = torch.matmul(q.double(), k.double().transpose(-1, -2)).mul_(scale)
+    if causal:
+        raise ValueError("float32 cascade parts take an explicit mask, not causal=True")
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if attn_mask is not None:
         scores = scores + attn_mask
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    out = torch.matmul(scores.sub_(lse).exp_(), v.double())
-    return out.float(), lse.squeeze(-1).float()
+    out = torch.matmul(scores.sub_(lse).exp_(), v)
+    return out, lse.squeeze(-1)
 
 
 # A shared prefix shorter than this is attended per request (the split costs more than it saves).
@@ -192,7 +195,7 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
         return o.squeeze(0).transpose(0, 1)
     g = hq // hkv
     causal = torch.ones(n, n, dtype=torch.bool).tril_().repeat_interleave(g, dim=0)
-    mask = torch.zeros(n * g, n, dtype=torch.float64).masked_fill_(~causal, float("-inf"))
+    mask = torch.zeros(n * g, n, dtype=q.dtype).masked_fill_(~causal, float("-inf"))
     keys, vals = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     every = torch.arange(n)
     o, lse = _flash(

@@ -3,9 +3,18 @@ none of them imports another)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from radixkv.model.attention.base import AttentionBackend
+
+
+def _fp32_plain() -> bool:
+    mode = os.environ.get("RADIXKV_FP32_ATTENTION", "cascade")
+    if mode not in ("cascade", "plain"):
+        raise ValueError(f"RADIXKV_FP32_ATTENTION={mode!r}: use 'cascade' or 'plain'")
+    return mode == "plain"
 
 
 def make_attention_backend(
@@ -19,14 +28,17 @@ def make_attention_backend(
     On the CPU (``"torch"``), bfloat16 pools get the native paged-attention kernel
     (:mod:`radixkv.model.attention.native_backend`, K/V read in place) when it builds and serves ``head_dim``,
     else the shared-prefix cascade backend (:mod:`radixkv.model.attention.cascade_backend`, ATen's fused
-    kernels); float32, the accuracy mode, gets the plain backend whose arithmetic follows
-    transformers' fp32 attention step for step, so logits stay within 1e-3 of it.
+    kernels). float32 on the CPU (the default where the host has no native bf16) also gets the
+    cascade backend, computing in float32 with exact log-sum-exp merges (logits within 1e-3 of
+    transformers, tested), so a prefix shared by a batch is read once per step, not once per
+    request; ``RADIXKV_FP32_ATTENTION=plain`` keeps the plain backend, whose arithmetic follows
+    transformers' fp32 attention step for step.
     """
     dev = torch.device(device)
     if name is None:
         name = "triton" if dev.type == "cuda" else "torch"
     if name == "torch":
-        if dtype == torch.float32:
+        if dtype == torch.float32 and (dev.type != "cpu" or _fp32_plain()):
             from radixkv.model.attention.torch_backend import TorchAttentionBackend
 
             return TorchAttentionBackend()
