@@ -15,6 +15,7 @@ import torch
 
 from radixkv.cli import main
 from radixkv.model import host_cpu
+from radixkv.model.platform_info import format_platform_info
 from radixkv.model.runner import ModelRunner, default_dtype
 
 
@@ -39,6 +40,7 @@ def test_info_json_reports_host_and_default_path(capsys: pytest.CaptureFixture[s
     assert info["dtype"] == info["default_dtype"]
     assert info["attention_backend"] == "torch" and info["attention_impl"].endswith("Backend")
     assert info["native_kernels"] == "built" or info["native_kernels"].startswith("unavailable")
+    assert "\n" not in format_platform_info(info)  # one log line, even for a compiler error
 
 
 def test_info_backend_follows_the_dtype(

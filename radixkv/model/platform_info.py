@@ -23,9 +23,11 @@ def _native_info() -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     module = native.load()
-    out["native_kernels"] = (
-        "built" if module is not None else f"unavailable ({native.build_error()})"
-    )
+    if module is not None:
+        out["native_kernels"] = "built"
+    else:  # a compiler error is many lines: the first says which; the log has the rest
+        why = (native.build_error() or "unknown").strip().splitlines() or ["unknown"]
+        out["native_kernels"] = f"unavailable ({why[0][:160]})"
     for name in ("host_isa", "kernel_isa"):
         fn = getattr(native, name, None)
         if callable(fn):
