@@ -152,12 +152,12 @@ async def _drive(base: str, model: str, prompts: list[str], max_tokens: int, con
                 )
                 r.raise_for_status()
                 usage = r.json()["usage"]
+                details = usage.get("prompt_tokens_details") or {}
                 out.append(
                     {
                         "prompt": usage["prompt_tokens"],
-                        "cached": (usage.get("prompt_tokens_details") or {}).get(
-                            "cached_tokens", 0
-                        ),
+                        "cached": details.get("cached_tokens", 0),
+                        "remote": (details.get("cached_tokens_by_tier") or {}).get("remote", 0),
                         "completion": usage["completion_tokens"],
                         "replica": r.headers.get("x-radixkv-replica"),
                     }
@@ -205,6 +205,7 @@ def run_case(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "hit_rate": cached / prompt if prompt else 0.0,
+        "remote_hit_rate": sum(r["remote"] for r in rows) / prompt if prompt else 0.0,
         "requests_per_replica": per_replica,
     }
 
@@ -284,10 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         f"systems, {w['max_tokens']} output tokens, concurrency {w['concurrency']}, replica "
         f"cores {cluster.core_groups}, remote cache {'on' if args.remote_cache else 'off'}"
     )
-    print(f"{'case':<12} {'hit_rate':>8} {'req/s':>7} {'out tok/s':>9} {'secs':>6}  per replica")
+    print(
+        f"{'case':<12} {'hit_rate':>8} {'(remote)':>8} {'req/s':>7} {'out tok/s':>9} "
+        f"{'secs':>6}  per replica"
+    )
     for r in results:
         print(
-            f"{r['case']:<12} {r['hit_rate']:>8.3f} {r['requests_per_s']:>7.2f} "
+            f"{r['case']:<12} {r['hit_rate']:>8.3f} {r['remote_hit_rate']:>8.3f} "
+            f"{r['requests_per_s']:>7.2f} "
             f"{r['output_tokens_per_s']:>9.1f} {r['seconds']:>6.1f}  "
             f"{sorted(r['requests_per_replica'].values())}"
         )

@@ -268,3 +268,24 @@ def test_serve_flag_sets_the_knob() -> None:
 
     args = build_parser().parse_args(["serve", "--remote-cache", "redis://127.0.0.1:1/0"])
     assert engine_kwargs(args)["remote_cache_url"] == "redis://127.0.0.1:1/0"
+
+
+def test_pages_are_sent_again_after_a_flush(tiny, golden, redis_server) -> None:
+    """The store's memory of what it sent never stands in for Redis: after Redis lost the pages
+    and the engine flushed its cache, recomputed pages are sent again."""
+    flushdb(redis_server)
+    a = make_engine(tiny, redis_server.url, host_write_policy="write_through")
+    ids = prompt(3)
+    run(a, ids)
+    a.tiers.sync()
+    assert redis_server.client().dbsize() > 0
+    flushdb(redis_server)  # Redis dropped them (maxmemory, restart, FLUSHDB)
+    assert a.flush_cache()
+    run(a, ids)
+    a.tiers.sync()
+    b = make_engine(tiny, redis_server.url)
+    out = run(b, ids)
+    assert out.cached_tokens_by_tier["remote"] >= len(ids) - 2 * P
+    assert out.outputs[0].token_ids == golden[3]
+    a.tiers.close()
+    b.tiers.close()

@@ -12,7 +12,9 @@ Redis bounds itself (``maxmemory`` + ``allkeys-lru``); this store never assumes 
 there. It keeps no index of the server's keys, only:
 
 * ``_recent``: keys written in the last ``recent_ttl`` seconds (bounded), so a page evicted twice
-  in a row is not sent twice; it never answers a lookup;
+  in a row is not sent twice; it never answers a lookup, and it is forgotten when the server comes
+  back after being down (it may have restarted empty) and on :meth:`forget_recent` (the engine's
+  cache flush);
 * ``_pending``: keys queued for the writer thread (which batches ``SET``s into pipelines).
 
 Lookups (:meth:`RemoteStore.get_prefix`) fetch a chain continuation with ``MGET`` in batches and
@@ -199,6 +201,7 @@ class RemoteStore:
             self._up = True
             self._backoff = self.retry_min
             self.counters["came_back"] += 1
+            self._recent.clear()  # a restarted server is empty: send pages again
         logger.warning("remote KV cache %s answers again; the remote tier is back on", self.url)
         return True
 
@@ -236,6 +239,11 @@ class RemoteStore:
             return False
         t = self._recent.get(key)
         return t is None or time.monotonic() - t > self.recent_ttl
+
+    def forget_recent(self) -> None:
+        """Forget which keys were written lately: the next eviction or insert sends them again."""
+        with self._lock:
+            self._recent.clear()
 
     def put(self, key: bytes, payload: Any) -> bool:
         """Store ``payload`` (bytes, or a zero-argument callable returning bytes, evaluated by the

@@ -581,8 +581,11 @@ class TieredCache:
     def flush(self) -> None:
         """Called after ``tree.reset()`` (which already freed the host pages of every dropped
         node): finish queued disk writes. Disk files stay: they are the persistent tier
-        (:meth:`clear_disk` removes them)."""
+        (:meth:`clear_disk` removes them). The remote tier forgets which pages it sent lately,
+        so pages computed again after a flush are sent again (Redis may have dropped them)."""
         self.sync()
+        if self.remote is not None:
+            self.remote.forget_recent()
 
     def clear_disk(self) -> None:
         """Remove every file of the disk tier."""
