@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .context import ServerContext
@@ -39,6 +39,7 @@ from .routes_metrics import metrics_routes
 from .routes_native import native_routes
 from .routes_openai import openai_routes
 from .stats_history import StatsHistory, collect_sample
+from .streaming import ClientDisconnected
 from .tenancy import REQUEST_TENANT_SALT, tenant_salt
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ def create_app(
         return JSONResponse(
             error_body(str(exc.detail), type=kind), status_code=exc.status_code, headers=exc.headers
         )
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # the client hung up: nobody reads this, no traceback
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

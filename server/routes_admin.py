@@ -104,10 +104,16 @@ def admin_routes(ctx: ServerContext) -> APIRouter:
             finally:
                 engine_loop.release(stream.request_id)
         salt = effective_salt(body.salt)  # the tenant's namespace (submit applies it itself)
+
+        def do_pin(e: Any) -> int:
+            # never let pin_prefix step the engine inside a command while others run (it would
+            # hold the engine thread and their outputs): busy, pin what the warm-up cached
+            if e.has_unfinished() and e.config.enable_prefix_cache:
+                return int(e.tree.pin(list(ids), salt=salt, ttl=body.ttl))
+            return int(e.pin_prefix(ids, salt=salt, ttl=body.ttl))
+
         try:
-            pinned = await engine_loop.call(
-                lambda e: int(e.pin_prefix(ids, salt=salt, ttl=body.ttl))
-            )
+            pinned = await engine_loop.call(do_pin)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         return {"pinned_tokens": pinned, "prompt_tokens": len(ids)}
