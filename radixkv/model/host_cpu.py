@@ -91,7 +91,7 @@ def relevant_flags() -> list[str]:
 
 
 def best_isa() -> str:
-    """The widest x86 vector ISA level here: ``avx512_bf16``, ``avx512``, ``avx2`` or ``portable``."""
+    """The widest x86 vector ISA level: ``avx512_bf16``, ``avx512``, ``avx2`` or ``portable``."""
     flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         return "avx512_bf16" if "avx512_bf16" in flags else "avx512"

@@ -1,12 +1,11 @@
 """CPU linears with prepacked weights: oneDNN's blocked-weight GEMM for many rows.
 
 ``F.linear`` on the CPU calls MKL's sgemm on the plain ``[N, K]`` weight every time. oneDNN can
-instead keep the weight *prepacked* in its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
-done once at load) and run ``torch.ops.mkldnn._linear_pointwise`` on it; for the row counts of a
-prefill chunk or a batched decode that is measurably faster on the hosts radixkv runs on
-(``bench/bench_linears.py`` prints both, side by side, against a plain matmul). For few rows (a
-batch-1 decode) oneDNN's packed path is slower than MKL's sgemv, so :class:`PackedLinear` keeps
-the plain weight too and picks by row count.
+instead keep the weight *prepacked* in its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, done once at load) and run
+``torch.ops.mkldnn._linear_pointwise`` on it (``bench/bench_linears.py`` times both, side by
+side, against a plain matmul). For one row (a batch-1 decode) the packed path measured no better
+than MKL's sgemv, so :class:`PackedLinear` keeps the plain weight too and picks by row count.
 
 :func:`prepack_linears` swaps a model's ``nn.Linear`` modules for :class:`PackedLinear` (same
 ``weight``/``bias`` parameters, so tied weights stay tied and state dicts are unchanged).
@@ -14,9 +13,10 @@ the plain weight too and picks by row count.
 
 The Llama model packs only its ``lm_head``: oneDNN sums in another order than MKL, and through
 30 layers that moves fp32 logits by up to ~1.5e-3 from transformers' (which runs MKL), past the
-1e-3 the accuracy tests hold; the decoder's own linears already run at 0.9-1.0x of a plain matmul
-(MKL) on the AVX2 host, while the lm_head (a 49,152 x 576 matrix, memory-bound for decode) runs
-~1.5x faster packed, and being the last op it changes logits only by one dot product's rounding.
+1e-3 the accuracy tests hold; the decoder's own linears already run at 0.9-1.0x of a plain
+matmul (MKL) on the AVX2 host, while the lm_head (a 49,152 x 576 matrix, memory-bound in decode)
+runs ~1.5x faster packed from 2 rows up, and as the last op it changes logits only by one dot
+product's rounding.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ __all__ = ["PackedLinear", "packed_linear_supported", "prepack_linears", "MIN_PA
 
 log = logging.getLogger(__name__)
 
-#: Below this many rows the plain weight (MKL sgemv) is used; the lm_head (a wide, memory-bound
-#: matrix) reads its packed copy even for one row (faster there on the AVX2 host as well).
+#: Below this many rows the plain weight (MKL sgemv) is used: for one row (a batch-1 decode)
+#: the packed path measured no better, and at times worse, on the AVX2 host.
 MIN_PACKED_ROWS = 2
 
 
@@ -98,6 +98,5 @@ def prepack_linears(model: nn.Module, names: tuple[str, ...] | None = None) -> i
     if not packed_linear_supported(w.dtype, w.device):
         return 0
     for parent, name, child in linears:
-        wide = child.out_features >= 16 * child.in_features  # an lm_head over the vocabulary
-        setattr(parent, name, PackedLinear(child, min_rows=1 if wide else MIN_PACKED_ROWS))
+        setattr(parent, name, PackedLinear(child))
     return len(linears)
