@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -115,6 +116,7 @@ def test_no_mapping_leak_after_aborts(tiny_model):
         chunked_prefill_tokens=48,
     )
     v = engine.runner.virtual
+    gc.collect()  # pools of earlier tests' engines unmap when collected
     before_memfd = kv_memfd_lines()
     before = count_process_mappings()
     for i, p in enumerate(rand_prompts(8, 60, seed=6, shared=50)):
@@ -128,12 +130,13 @@ def test_no_mapping_leak_after_aborts(tiny_model):
     assert v.ranges, "requests were running"
     during = count_process_mappings()
     assert during > before
+    assert kv_memfd_lines() > before_memfd, "the ranges map the memfd"
     for i in range(8):
         engine.abort(f"r{i}")
     engine.step()
     engine.check_integrity()
     assert v.ranges == {} and v.mappings == 0
-    assert kv_memfd_lines() == before_memfd == 1, "only the pool's own view maps the memfd"
+    assert 1 <= kv_memfd_lines() <= before_memfd, "only pools' own views map a memfd"
     # torch's allocator may hold a few mappings of its own; the ranges held hundreds
     assert count_process_mappings() <= before + 8, (before, during, count_process_mappings())
 
