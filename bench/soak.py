@@ -105,8 +105,8 @@ def serve_main(args: argparse.Namespace) -> int:
         knobs.update(dtype="float32", attention_backend="torch")
     else:
         model = args.model
-        knobs = dict(page_size=16, kv_cache_tokens=1536, host_cache_tokens=2048)
-        knobs.update(max_model_len=768)
+        knobs = dict(page_size=16, kv_cache_tokens=768, host_cache_tokens=2048)
+        knobs.update(max_model_len=512)
     engine = Engine(
         model,
         disk_cache_dir=args.disk_dir,
