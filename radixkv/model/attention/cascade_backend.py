@@ -180,28 +180,21 @@ def _buckets(ids: list[int], n: list[int], keys: list[int]) -> list[list[int]]:
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of a fresh prompt: ``q [n, Hq, D]``, ``k, v [n, Hkv, D]``."""
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    if q.dtype != torch.float32:  # 4-D inputs: 3-D ones miss ATen's fused kernel
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=hq != hkv,
-        )
-        return o.squeeze(0).transpose(0, 1)
-    g = hq // hkv
-    causal = torch.ones(n, n, dtype=torch.bool).tril_().repeat_interleave(g, dim=0)
-    mask = torch.zeros(n * g, n, dtype=q.dtype).masked_fill_(~causal, float("-inf"))
-    keys, vals = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    every = torch.arange(n)
-    o, lse = _flash(
-        _fold_rows(q, every.view(1, n), hkv), keys, vals, 0.0, False, attn_mask=mask, scale=scale
+    """Causal attention of a fresh prompt: ``q [n, Hq, D]``, ``k, v [n, Hkv, D]``.
+
+    ATen's fused SDPA in every dtype (4-D inputs: 3-D ones miss the fused kernel); in float32 it
+    is what transformers' default ``sdpa`` attention and the plain backend run for a fresh prompt.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=hq != hkv,
     )
-    return _unfold_rows(o, lse, n, every)[0]
+    return o.squeeze(0).transpose(0, 1)
 
 
 def _pad_rows(row_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
