@@ -101,7 +101,7 @@ def serve_main(args: argparse.Namespace) -> int:
         from bench.tiny_model import tiny_loaded_model
 
         model: Any = tiny_loaded_model()
-        knobs = dict(page_size=4, kv_cache_tokens=640, host_cache_tokens=512, max_model_len=384)
+        knobs = dict(page_size=4, kv_cache_tokens=1024, host_cache_tokens=512, max_model_len=384)
         knobs.update(dtype="float32", attention_backend="torch")
     else:
         model = args.model
