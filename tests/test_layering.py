@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = {"radixkv": ROOT / "radixkv", "radixkv.server": ROOT / "server", "radixkv.kernels": ROOT / "kernels"}
+FOLDERS = {
+    "radixkv": ROOT / "radixkv",
+    "radixkv.server": ROOT / "server",
+    "radixkv.kernels": ROOT / "kernels",
+}
 
 # layer -> the layers it may import (itself always allowed). The package root ``radixkv`` only
 # re-exports lazily (importlib), so importing it is a dependency on the engine.
