@@ -14,7 +14,18 @@ from radixkv.model.attention.native_backend import (
     native_paged_attention,
 )
 from radixkv.model.attention.torch_backend import torch_extend_attention
+from radixkv.model.host_cpu import cpu_flags
 from radixkv.model.runner import ModelRunner, RequestSlice
+
+# The kernel's fast path is AVX512-BF16 (vdpbf16ps); elsewhere the build has only the portable
+# path, which the kernel tests below still check against the oracle, and the model keeps the
+# cascade backend.
+_FAST_PATH_FLAGS = {"avx512f", "avx512bw", "avx512_bf16"}
+MISSING_FAST_PATH = sorted(_FAST_PATH_FLAGS - cpu_flags())
+needs_fast_path = pytest.mark.skipif(
+    bool(MISSING_FAST_PATH),
+    reason=f"this CPU lacks {', '.join(MISSING_FAST_PATH)}: the native bf16 fast path cannot run",
+)
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +122,15 @@ def test_bad_inputs_raise_clear_errors(module):
 
 
 def test_backend_selection(module):
-    assert native_attention_supported(torch.bfloat16, 64)
+    """The factory picks by what this host can run: the native kernel for bf16 where its
+    AVX512-BF16 fast path exists, the shared-prefix cascade otherwise (and for float32)."""
+    fast = not MISSING_FAST_PATH
+    assert native_attention_supported(torch.bfloat16, 64) == fast
     assert not native_attention_supported(torch.float32, 64)
+    expected = NativeAttentionBackend if fast else CascadeTorchBackend
+    assert isinstance(make_attention_backend("torch", "cpu", torch.bfloat16, 64), expected)
     assert isinstance(
-        make_attention_backend("torch", "cpu", torch.bfloat16, 64), NativeAttentionBackend
+        make_attention_backend("torch", "cpu", torch.float32, 64), CascadeTorchBackend
     )
     # a head dim without a fast path keeps the cascade backend (the portable path is an oracle)
     assert isinstance(
@@ -150,6 +166,7 @@ def llama_d64():
     return LlamaForCausalLM(config).eval()
 
 
+@needs_fast_path
 def test_model_native_vs_cascade_backend(module, llama_d64):
     """Whole-model logits of a mixed batch agree between the two bf16 CPU backends."""
     page = 16
