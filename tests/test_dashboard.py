@@ -403,9 +403,16 @@ def test_cache_tree_over_http(server: ServerThread) -> None:
 
 
 def test_cache_stats_history(server: ServerThread) -> None:
-    r = get(server, "/cache/stats?history=true")
-    assert r.status_code == 200, r.text
-    body = r.json()
+    # Samples are taken once a second (a poll adds one only when the last is older than half
+    # that), so the newest may predate the chats that just finished: wait for one that does not.
+    deadline = time.monotonic() + 10
+    while True:
+        r = get(server, "/cache/stats?history=true")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        if body["history"][-1]["requests"] >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert "running" in body and "hit_rate" in body  # still engine.stats()
     hist = body["history"]
     assert hist and all(set(s) == SAMPLE_KEYS for s in hist)

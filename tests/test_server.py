@@ -677,7 +677,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         "smollm2",
         "127.0.0.1",
         9001,
-        "k",
+        ["k"],  # --api-key is repeatable: each key may be a tenant (--salt-from-api-key)
         8,
     )
     assert engine_kwargs(args) == {
