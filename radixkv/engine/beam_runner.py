@@ -111,11 +111,7 @@ class BeamRunner:
             cached_by_tier=dict(parent.cached_by_tier),
             accounted=True,
         )
-        e.kv.fork(parent, child)
-        child.status = SeqStatus.RUNNING
-        e.scheduler._admit_counter += 1
-        child.admit_order = e.scheduler._admit_counter
-        e.scheduler.running.append(child)
+        e.scheduler.start_fork(parent, child)
         return child
 
     def _drop(self, seq: Sequence) -> None:

@@ -377,11 +377,7 @@ class Engine:
                 cached_by_tier=dict(parent.cached_by_tier),
                 accounted=True,
             )
-            self.kv.fork(parent, child)
-            child.status = SeqStatus.RUNNING
-            self.scheduler._admit_counter += 1
-            child.admit_order = self.scheduler._admit_counter
-            self.scheduler.running.append(child)
+            self.scheduler.start_fork(parent, child)
             self._requests.setdefault(parent.request_id, []).append(child)
             children.append(child)
         parent.fork_children = 0

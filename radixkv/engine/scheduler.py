@@ -80,6 +80,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def start_fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run ``child`` beside ``parent``: it shares the parent's pages (copy-on-write of the
+        tail page, :meth:`KVManager.fork`) and joins the running set as the newest admission."""
+        self.kv.fork(parent, child)
+        child.status = SeqStatus.RUNNING
+        self._admit_counter += 1
+        child.admit_order = self._admit_counter
+        self.running.append(child)
+
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
