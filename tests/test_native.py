@@ -10,10 +10,11 @@ from radixkv.model.attention.cascade_backend import CascadeTorchBackend
 from radixkv.model.attention.factory import make_attention_backend
 from radixkv.model.attention.native_backend import (
     NativeAttentionBackend,
+    NativeCascadeBackend,
     native_attention_supported,
     native_paged_attention,
 )
-from radixkv.model.attention.torch_backend import torch_extend_attention
+from radixkv.model.attention.torch_backend import TorchAttentionBackend, torch_extend_attention
 from radixkv.model.host_cpu import cpu_flags
 from radixkv.model.runner import ModelRunner, RequestSlice
 
@@ -121,21 +122,32 @@ def test_bad_inputs_raise_clear_errors(module):
         native_paged_attention(q, k_cache, v_cache, table, prefix + [0], ext, starts, 0.1)
 
 
-def test_backend_selection(module):
-    """The factory picks by what this host can run: the native kernel for bf16 where its
-    AVX512-BF16 fast path exists, the shared-prefix cascade otherwise (and for float32)."""
+def test_backend_selection(module, monkeypatch):
+    """The factory picks by what this host can run: the bf16 kernel where its AVX512-BF16 fast
+    path exists; the float32-math kernel with in-kernel shared-prefix groups for float32, for
+    fp16, and for bf16 elsewhere; ``RADIXKV_FP32_ATTENTION`` can ask for the torch backends."""
     fast = not MISSING_FAST_PATH
     assert native_attention_supported(torch.bfloat16, 64) == fast
     assert not native_attention_supported(torch.float32, 64)
-    expected = NativeAttentionBackend if fast else CascadeTorchBackend
+    expected = NativeAttentionBackend if fast else NativeCascadeBackend
     assert isinstance(make_attention_backend("torch", "cpu", torch.bfloat16, 64), expected)
+    for dtype in (torch.float32, torch.float16):
+        assert isinstance(make_attention_backend("torch", "cpu", dtype, 64), NativeCascadeBackend)
+    # a head dim without a bf16 fast path takes the float32-math kernel (any head dim)
+    assert isinstance(
+        make_attention_backend("torch", "cpu", torch.bfloat16, 80), NativeCascadeBackend
+    )
+    monkeypatch.setenv("RADIXKV_FP32_ATTENTION", "cascade")
     assert isinstance(
         make_attention_backend("torch", "cpu", torch.float32, 64), CascadeTorchBackend
     )
-    # a head dim without a fast path keeps the cascade backend (the portable path is an oracle)
+    monkeypatch.setenv("RADIXKV_FP32_ATTENTION", "plain")
     assert isinstance(
-        make_attention_backend("torch", "cpu", torch.bfloat16, 80), CascadeTorchBackend
+        make_attention_backend("torch", "cpu", torch.float32, 64), TorchAttentionBackend
     )
+    monkeypatch.setenv("RADIXKV_FP32_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="RADIXKV_FP32_ATTENTION"):
+        make_attention_backend("torch", "cpu", torch.float32, 64)
 
 
 def test_disabled_by_env_falls_back(monkeypatch):

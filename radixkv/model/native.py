@@ -1,44 +1,146 @@
-"""radixkv's native CPU kernels (``radixkv/model/csrc``), compiled on first use.
+"""radixkv's native CPU kernels (``radixkv/model/csrc``), compiled on first use for the host's ISA.
 
-The C++ sources are built with ``torch.utils.cpp_extension`` for the host CPU (``-march=native``)
-into ``<cache dir>/torch_extensions`` (see :func:`radixkv.model.loader.cache_dir`); later imports
-load the built module in milliseconds. ``radixkv prepare-model`` (run by ``setup.sh``) builds them
-ahead of the first request.
+**ISA dispatch.** :func:`host_isa` reads what the CPU can run (``/proc/cpuinfo`` flags, see
+:mod:`radixkv.model.host_cpu`) as one of :data:`ISAS`, widest first:
 
-If the build fails (no C++ compiler, unusual platform) :func:`load` returns ``None`` once, logs
-why, and callers fall back to the pure-torch paths. ``RADIXKV_NATIVE=0`` disables the kernels.
+- ``avx512_bf16``: AVX-512 F/BW/VL + AVX512-BF16 (the bf16 kernel's ``vdpbf16ps`` path);
+- ``avx512``: AVX-512 F/BW/VL (fp32 kernels with 512-bit vectors);
+- ``avx2``: AVX2 + FMA + F16C (fp32 kernels with 256-bit vectors, bf16/fp16 converted in registers);
+- ``portable``: whatever the compiler's baseline target is (SSE2 on x86-64).
+
+The sources are compiled with explicit flags for that ISA (:data:`ISA_FLAGS`, never
+``-march=native``) into ``<cache dir>/torch_extensions/radixkv_cpu_<isa>_<hash>``, the hash
+covering the sources and the flags, so a build made on one host is never loaded on a host that
+lacks its instructions, and an edited source rebuilds. ``RADIXKV_ISA=<isa>`` forces a lower level
+(e.g. ``avx2`` on an AVX-512 host, to test that path); asking for one the host cannot run raises
+``ValueError`` naming the missing instruction. :func:`kernel_isa` says what the loaded build uses.
+
+If the build fails (no C++ compiler, unusual platform) :func:`load` returns ``None``, warns once,
+and callers fall back to the pure-torch paths. ``RADIXKV_NATIVE=0`` disables the kernels.
+``radixkv prepare-model`` (run by ``setup.sh``) builds them ahead of the first request.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load", "available", "build_error"]
+__all__ = [
+    "ISAS",
+    "ISA_FLAGS",
+    "ISA_REQUIRES",
+    "load",
+    "available",
+    "build_error",
+    "host_isa",
+    "kernel_isa",
+    "missing_instructions",
+]
 
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "bindings.cpp", _CSRC / "cpu_attention.cpp", _CSRC / "cpu_fused.cpp"]
-_MODULE_NAME = "radixkv_cpu_attention"
+_SOURCES = [
+    _CSRC / "bindings.cpp",
+    _CSRC / "cpu_attention.cpp",
+    _CSRC / "cpu_attention_f32.cpp",
+    _CSRC / "cpu_fused.cpp",
+]
+_HEADERS = [_CSRC / "cpu_attention.h", _CSRC / "cpu_fused.h"]
+_MODULE_PREFIX = "radixkv_cpu"
+
+#: ISA levels, widest first.
+ISAS = ("avx512_bf16", "avx512", "avx2", "portable")
+#: ``/proc/cpuinfo`` flags each level needs.
+ISA_REQUIRES: dict[str, tuple[str, ...]] = {
+    "avx512_bf16": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "portable": (),
+}
+#: Compiler flags of each level (added to ``-O3 -fopenmp``).
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512_bf16": (
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512bf16",
+    ),
+    "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "portable": (),
+}
+
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-def _build() -> Any:
+def missing_instructions(isa: str) -> list[str]:
+    """The ``/proc/cpuinfo`` flags ``isa`` needs that this host lacks (empty: it can run it)."""
+    if isa not in ISA_REQUIRES:
+        raise ValueError(f"unknown ISA {isa!r}: use one of {', '.join(ISAS)}")
+    import platform
+
+    from radixkv.model import host_cpu
+
+    if isa != "portable" and platform.machine().lower() not in ("x86_64", "amd64"):
+        return [f"x86-64 (this is {platform.machine()})"]
+    flags = host_cpu.cpu_flags()
+    return [f for f in ISA_REQUIRES[isa] if f not in flags]
+
+
+def host_isa() -> str:
+    """The widest level of :data:`ISAS` this CPU runs (ignores ``RADIXKV_ISA``)."""
+    for isa in ISAS:
+        if not missing_instructions(isa):
+            return isa
+    return "portable"
+
+
+def _target_isa() -> str:
+    """The level to build: the host's, or ``RADIXKV_ISA`` if set (it must run here)."""
+    forced = os.environ.get("RADIXKV_ISA", "").strip().lower()
+    if not forced:
+        return host_isa()
+    missing = missing_instructions(forced)
+    if missing:
+        raise ValueError(
+            f"RADIXKV_ISA={forced} needs {', '.join(missing)}, which this CPU lacks "
+            f"(host ISA: {host_isa()})"
+        )
+    return forced
+
+
+def _build_name(isa: str) -> str:
+    """``radixkv_cpu_<isa>_<hash of sources + headers + flags>``."""
+    h = hashlib.sha256()
+    for path in _SOURCES + _HEADERS:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    h.update(" ".join(ISA_FLAGS[isa]).encode())
+    return f"{_MODULE_PREFIX}_{isa}_{h.hexdigest()[:12]}"
+
+
+def _build(isa: str) -> Any:
     from torch.utils import cpp_extension
 
     from radixkv.model.loader import cache_dir
 
-    build_dir = cache_dir() / "torch_extensions" / _MODULE_NAME
+    name = _build_name(isa)
+    build_dir = cache_dir() / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name=_MODULE_NAME,
+        name=name,
         sources=[str(s) for s in _SOURCES],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa], f"-DRADIXKV_ISA_NAME={isa}"],
         extra_include_paths=[str(_CSRC)],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -47,7 +149,8 @@ def _build() -> Any:
 
 
 def load() -> Any | None:
-    """The compiled module (``paged_attention``, ``rms_norm``, ``silu_mul``...) or ``None``."""
+    """The compiled module (``paged_attention``, ``paged_attention_f32``, ``rms_norm``...) or
+    ``None`` (disabled, or the build failed: see :func:`build_error`)."""
     if "module" in _state:
         return _state["module"]
     with _lock:
@@ -57,7 +160,9 @@ def load() -> Any | None:
                 _state["error"] = "disabled by RADIXKV_NATIVE=0"
             else:
                 try:
-                    module = _build()
+                    isa = _target_isa()
+                    module = _build(isa)
+                    _state["isa"] = isa
                 except Exception as exc:  # a compiler error must not take the engine down
                     _state["error"] = f"{type(exc).__name__}: {exc}"
                     log.warning(
@@ -71,6 +176,11 @@ def load() -> Any | None:
 def available() -> bool:
     """Whether the native kernels built and loaded."""
     return load() is not None
+
+
+def kernel_isa() -> str | None:
+    """The ISA level of the loaded build (``None`` if the kernels are unavailable)."""
+    return _state.get("isa") if load() is not None else None
 
 
 def build_error() -> str | None:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixkv.cache.prefix import common_prefix_len
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch, torch_store_kvcache
+from radixkv.model.attention.prefix_groups import shared_prefix_groups
 from radixkv.model.attention.torch_backend import blockdiag_decode
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -114,27 +114,16 @@ def build_cascade_meta(batch: ForwardBatch, dtype: torch.dtype) -> CascadeMeta:
     starts = batch.extend_starts
     n_req = len(ext)
     pages = [table[i][: -(-(prefix[i] + ext[i]) // P)] for i in range(n_req)]
-    # -- groups of requests whose cached prefixes start with the same page ------------------
+    # -- groups of requests whose cached prefixes start with the same pages -----------------
     shared = [0] * n_req  # tokens of request i attended through its group
-    by_first: dict[int, list[int]] = {}
-    for i in range(n_req):
-        if prefix[i] >= MIN_SHARED_TOKENS and ext[i] > 0:
-            by_first.setdefault(pages[i][0], []).append(i)
     by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
-    for members in by_first.values():
-        if len(members) < 2:
-            continue
-        ref = pages[members[0]]
-        s = min(prefix[i] // P for i in members)
-        for i in members[1:]:
-            s = min(s, common_prefix_len(ref, pages[i]))
-        if s * P < MIN_SHARED_TOKENS:
-            continue
+    for group in shared_prefix_groups(pages, prefix, ext, P, MIN_SHARED_TOKENS):
         rows: list[int] = []
-        for i in members:
-            shared[i] = s * P
+        for i in group.members:
+            shared[i] = group.shared
             rows.extend(range(starts[i], starts[i] + ext[i]))
-        by_length.setdefault(s, []).append((rows, ref[:s]))
+        s = group.shared // P
+        by_length.setdefault(s, []).append((rows, pages[group.members[0]][:s]))
     groups = []
     for s, items in by_length.items():
         padded, valid, real = _pad_rows([rows for rows, _ in items])

@@ -9,12 +9,14 @@ import torch
 
 from radixkv.model.attention.base import AttentionBackend
 
+FP32_MODES = ("native", "cascade", "plain")
 
-def _fp32_plain() -> bool:
-    mode = os.environ.get("RADIXKV_FP32_ATTENTION", "cascade")
-    if mode not in ("cascade", "plain"):
-        raise ValueError(f"RADIXKV_FP32_ATTENTION={mode!r}: use 'cascade' or 'plain'")
-    return mode == "plain"
+
+def _fp32_mode() -> str:
+    mode = os.environ.get("RADIXKV_FP32_ATTENTION", "native")
+    if mode not in FP32_MODES:
+        raise ValueError(f"RADIXKV_FP32_ATTENTION={mode!r}: use one of {', '.join(FP32_MODES)}")
+    return mode
 
 
 def make_attention_backend(
@@ -25,30 +27,40 @@ def make_attention_backend(
 ) -> AttentionBackend:
     """``"torch"``, ``"triton"`` or ``None`` (triton on CUDA, torch elsewhere).
 
-    On the CPU (``"torch"``), bfloat16 pools get the native paged-attention kernel
-    (:mod:`radixkv.model.attention.native_backend`, K/V read in place) when it builds and serves ``head_dim``,
-    else the shared-prefix cascade backend (:mod:`radixkv.model.attention.cascade_backend`, ATen's fused
-    kernels). float32 on the CPU (the default where the host has no native bf16) also gets the
-    cascade backend, computing in float32 with exact log-sum-exp merges (logits within 1e-3 of
-    transformers, tested), so a prefix shared by a batch is read once per step, not once per
-    request; ``RADIXKV_FP32_ATTENTION=plain`` keeps the plain backend, whose arithmetic follows
-    transformers' fp32 attention step for step.
+    On the CPU (``"torch"``) the pick follows what the host runs fastest, falling back when the
+    native kernels did not build (:func:`radixkv.model.native.build_error`):
+
+    - bfloat16 with AVX512-BF16 and a fast head dim: the bf16 native kernel
+      (:class:`~radixkv.model.attention.native_backend.NativeAttentionBackend`);
+    - every other dtype and host (float32, the default without native bf16; bf16 or fp16 on an
+      AVX2 host): the float32-math native kernel with in-kernel shared-prefix groups
+      (:class:`~radixkv.model.attention.native_backend.NativeCascadeBackend`, built for the
+      host's ISA), else the torch cascade backend (:mod:`radixkv.model.attention.cascade_backend`).
+
+    ``RADIXKV_FP32_ATTENTION`` picks float32's backend: ``native`` (default), ``cascade`` (the
+    torch cascade) or ``plain`` (the plain backend, whose arithmetic follows transformers' fp32
+    attention step for step). Off the CPU, float32 keeps the plain backend.
     """
     dev = torch.device(device)
     if name is None:
         name = "triton" if dev.type == "cuda" else "torch"
     if name == "torch":
-        if dtype == torch.float32 and (dev.type != "cpu" or _fp32_plain()):
+        mode = _fp32_mode() if dtype == torch.float32 else "native"
+        if dtype == torch.float32 and (dev.type != "cpu" or mode == "plain"):
             from radixkv.model.attention.torch_backend import TorchAttentionBackend
 
             return TorchAttentionBackend()
         from radixkv.model.attention.native_backend import (
             NativeAttentionBackend,
+            NativeCascadeBackend,
             native_attention_supported,
+            native_cascade_supported,
         )
 
         if dev.type == "cpu" and native_attention_supported(dtype, head_dim):
             return NativeAttentionBackend()
+        if dev.type == "cpu" and mode == "native" and native_cascade_supported(dtype):
+            return NativeCascadeBackend()
         from radixkv.model.attention.cascade_backend import CascadeTorchBackend
 
         return CascadeTorchBackend()

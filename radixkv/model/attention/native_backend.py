@@ -1,14 +1,21 @@
-"""The native CPU attention backend: one C++ call per layer, K/V read in place from the pages.
+"""The native CPU attention backends: one C++ call per layer, K/V read in place from the pages.
 
-``radixkv/model/csrc/cpu_attention.cpp`` (built by :mod:`radixkv.model.native`) computes, for every new token
-of a step, attention over its request's cached prefix and its own new tokens (causal), walking
-the page table instead of gathering pages into a contiguous copy. It handles decodes, extends
-after a cached prefix and fresh prompts in the same call, with flash-style online softmax,
-AVX512-BF16 dot products and float32 accumulation. It serves bfloat16 pools; float32 (the accuracy
-mode) keeps the plain torch backend.
+Both kernels (built by :mod:`radixkv.model.native` for the host's ISA) compute, for every new
+token of a step, attention over its request's cached prefix and its own new tokens (causal),
+walking the page table instead of gathering pages into a contiguous copy. They handle decodes,
+extends after a cached prefix and fresh prompts in the same call, with flash-style online softmax
+and float32 accumulation.
 
-Requests that share tree pages read the same memory, so a shared system prompt stays hot in the
-CPU caches across the requests of a step without an explicit cascade split.
+- :class:`NativeAttentionBackend` (``csrc/cpu_attention.cpp``): bfloat16 pools, AVX512-BF16 dot
+  products; only on hosts with AVX512-BF16 and a fast head dim. Requests that share tree pages
+  read the same memory, so a shared prompt stays hot in the CPU caches across a step's requests.
+- :class:`NativeCascadeBackend` (``csrc/cpu_attention_f32.cpp``): float32 math over float32,
+  bfloat16 or float16 pools (converted in registers), any head dim, built for AVX-512, AVX2+FMA
+  or the portable baseline. It takes the step's shared-prefix groups
+  (:mod:`radixkv.model.attention.prefix_groups`): each group's shared K/V is read once per KV head
+  for the query rows of all its members stacked (a GEMM-like tile), and each request then
+  continues the same online softmax over its own keys, which is the exact log-sum-exp merge.
+  A burst of 64 requests on one system prompt reads the prompt's KV once per step, not 64 times.
 """
 
 from __future__ import annotations
@@ -20,8 +27,19 @@ import torch
 
 from radixkv.model import native
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch, torch_store_kvcache
+from radixkv.model.attention.prefix_groups import PrefixGroup, shared_prefix_groups
 
-__all__ = ["NativeAttentionBackend", "native_attention_supported", "native_paged_attention"]
+__all__ = [
+    "NativeAttentionBackend",
+    "NativeCascadeBackend",
+    "native_attention_supported",
+    "native_cascade_supported",
+    "native_paged_attention",
+    "native_paged_attention_f32",
+]
+
+#: Shared prefixes shorter than this are attended per request by the float32 kernel.
+NATIVE_MIN_SHARED_TOKENS = 16
 
 
 def native_attention_supported(dtype: torch.dtype, head_dim: int | None = None) -> bool:
@@ -120,3 +138,119 @@ class NativeAttentionBackend(AttentionBackend):
             meta.extend_starts,
             sm_scale,
         )
+
+
+def native_cascade_supported(dtype: torch.dtype) -> bool:
+    """Whether the float32-math kernel serves this pool dtype (and the kernels are built)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    module = native.load()
+    return module is not None and hasattr(module, "paged_attention_f32")
+
+
+def native_paged_attention_f32(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    extend_starts: list[int],
+    sm_scale: float,
+    groups: list[PrefixGroup] | None = None,
+) -> torch.Tensor:
+    """``q [T, Hq, D] -> o [T, Hq, D]`` (float32) over float32/bf16/fp16 pages, in place.
+
+    Same contract as :func:`native_paged_attention`; ``groups`` (see
+    :func:`radixkv.model.attention.prefix_groups.shared_prefix_groups`) name requests whose
+    first ``shared`` tokens are the same pages, read once for all members. The kernel checks
+    that members really share those page ids and raises ``RuntimeError`` otherwise.
+    """
+    module = native.load()
+    if module is None:
+        raise RuntimeError(f"native CPU kernels unavailable: {native.build_error()}")
+    members: list[int] = []
+    offsets: list[int] = []
+    shared: list[int] = []
+    for group in groups or ():
+        offsets.append(len(members))
+        members.extend(group.members)
+        shared.append(group.shared)
+    if shared:
+        offsets.append(len(members))
+    table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
+    return module.paged_attention_f32(
+        q.to(torch.float32).contiguous(),
+        k_cache,
+        v_cache,
+        table.contiguous(),
+        prefix_lens,
+        extend_lens,
+        extend_starts,
+        float(sm_scale),
+        members,
+        offsets,
+        shared,
+    )
+
+
+@dataclass
+class NativeCascadeMeta(NativeAttnMeta):
+    """:class:`NativeAttnMeta` plus the step's shared-prefix groups."""
+
+    groups: list[PrefixGroup]
+
+
+class NativeCascadeBackend(AttentionBackend):
+    """CPU backend over the float32-math kernel with in-kernel shared-prefix groups (any ISA)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self.module = native.load()
+        if self.module is None:
+            raise RuntimeError(f"native CPU kernels unavailable: {native.build_error()}")
+
+    def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> NativeCascadeMeta:
+        if batch.page_size <= 0:
+            raise ValueError("ForwardBatch.page_size must be set for the torch backend")
+        P = batch.page_size
+        prefix = [int(x) for x in batch.prefix_lens]
+        ext = [int(x) for x in batch.extend_lens]
+        table = batch.page_table.to(torch.int32).contiguous()
+        lead = max((p // P for p in prefix), default=0)
+        pages = table[:, :lead].tolist() if lead else [[] for _ in prefix]
+        groups = shared_prefix_groups(pages, prefix, ext, P, NATIVE_MIN_SHARED_TOKENS)
+        slots = batch.out_slots if batch.out_slots.dtype == torch.long else batch.out_slots.long()
+        return NativeCascadeMeta(
+            out_slots=slots,
+            page_table=table,
+            prefix_lens=prefix,
+            extend_lens=ext,
+            extend_starts=batch.extend_starts,
+            groups=groups,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots)
+        out = native_paged_attention_f32(
+            q,
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.prefix_lens,
+            meta.extend_lens,
+            meta.extend_starts,
+            sm_scale,
+            meta.groups,
+        )
+        return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -8,6 +8,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Paged attention over the KV pool for a step's decodes and extends (bf16, CPU)");
   m.def("has_fast_path", &has_fast_path, "Whether the AVX512-BF16 path serves this head dim");
+  m.def("paged_attention_f32", &paged_attention_f32,
+        "Paged attention, float32 math over float32/bf16/fp16 pools, shared-prefix groups");
+  m.def("kernel_isa", []() { return std::string(f32_kernel_isa()); },
+        "The ISA level this build was compiled for");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows (float32 math)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of the residual");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [rows, 2 * n] bf16 tensor");

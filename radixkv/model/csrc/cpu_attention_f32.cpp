@@ -1,0 +1,509 @@
+// Paged attention with float32 math over float32, bfloat16 or float16 KV pools, with
+// shared-prefix (cascade) groups, for any x86 ISA level (built per level by native.py).
+//
+// Same contract as paged_attention (cpu_attention.cpp): query token t of request b (absolute
+// position prefix_b + t) attends to keys 0 .. prefix_b + t of that request, read in place through
+// page_table[b]; the new tokens' K/V are already stored. q is float32 and so is the output.
+//
+// Shared prefixes: a group is a list of requests whose page tables start with the same page ids
+// over their first `shared` tokens (shared <= every member's prefix_len, so every new token of a
+// member sees all of it and no mask is needed there). Phase A walks each group's shared keys ONCE
+// per KV head for the query rows of all its members stacked (members x tokens x G query heads, in
+// blocks of kRowBlock rows): every K/V block is loaded (and converted to float32) once and reused
+// by all rows. Phase B continues each request's online softmax over its own keys (shared ..
+// prefix + t, causal) and normalises. Continuing the running (max, sum, acc) of phase A is the
+// log-sum-exp merge of the two parts. A request in no group has shared = 0.
+//
+// Within a work item, keys are visited in blocks of kKeyBlock: K^T and V of the block are
+// converted to float32 scratch (K transposed, so S = Q K^T vectorises over keys without a
+// horizontal reduction), then per row: S = sm_scale * q K^T, running max m, P = 2^((S - m) log2 e)
+// (2^x by a minimax polynomial, ~2e-8 relative; log2 e is applied after subtracting the max, where
+// the argument is small, so its rounding costs nothing for the keys that matter: folding it into q
+// cost ~1e-6 of relative error that the real model amplified 10x past transformers in fp32
+// logits), l = l * e^(m_old - m) + sum P and
+// O = O * e^(m_old - m) + P V, all float32. Vectors are GCC vector extensions of the build's
+// width (16 floats with AVX-512, 8 otherwise), so one source serves every ISA level.
+
+#include "cpu_attention.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// native.py passes the level bare (-DRADIXKV_ISA_NAME=avx2): shell quoting of a string literal
+// does not survive the build tool, so it is stringified here.
+#ifndef RADIXKV_ISA_NAME
+#define RADIXKV_ISA_NAME portable
+#endif
+#define RADIXKV_STR2(x) #x
+#define RADIXKV_STR(x) RADIXKV_STR2(x)
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kKeyBlock = 64;   // keys per online-softmax step (a multiple of VW)
+constexpr int kKV = kKeyBlock / VW;
+constexpr int kRowBlock = 64;   // query rows per shared-prefix work item
+constexpr int kDChunk = 64;     // head-dim floats kept in registers by the P V loop
+constexpr int kDV = kDChunk / VW;
+
+enum class KV { F32, BF16, F16 };
+
+inline vf splat(float x) { return vf{} + x; }
+
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// 2^x for x <= 0 (clamped at -126): x = n + f, f in [-0.5, 0.5], 2^f = 1 + f P(f).
+inline vf exp2v(vf x) {
+  const vf lo = splat(-126.f);
+  x = x < lo ? lo : x;
+  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x + magic) - magic;
+  const vf f = x - n;
+  vf y = splat(1.535336188319500e-4f);  // minimax on [-0.5, 0.5] (Cephes exp2f), ~2e-8
+  y = y * f + 1.339887440266574e-3f;
+  y = y * f + 9.618437357674640e-3f;
+  y = y * f + 5.550332471162809e-2f;
+  y = y * f + 2.402264791363012e-1f;
+  y = y * f + 6.931472028550421e-1f;
+  y = y * f + 1.f;  // 2^f = 1 + f P(f)
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return y * scale;
+}
+
+inline float bf16_bits_to_float(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// dst[0 .. n) = float32 of src[0 .. n).
+template <KV T>
+inline void to_float(const void* src, float* dst, int n) {
+  if constexpr (T == KV::F32) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if constexpr (T == KV::BF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(s[i]);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(s[i], c10::Half::from_bits()));
+  }
+}
+
+template <KV T>
+constexpr int64_t elem_size() {
+  return T == KV::F32 ? 4 : 2;
+}
+
+struct Problem {
+  const float* q;
+  const char* k_cache;
+  const char* v_cache;
+  const int32_t* page_table;
+  float* out;
+  float* m;  // [T * hq] running max of the scaled scores
+  float* l;  // [T * hq] running sum
+  int64_t table_stride, page_size, hq, hkv, group, d;
+  float scale;
+  const std::vector<int64_t>* prefix;
+  const std::vector<int64_t>* ext;
+  const std::vector<int64_t>* start;
+};
+
+// One work item: `rows` query rows of KV head h over keys [lo, hi) of the page table row `table`.
+struct Item {
+  int32_t kind;  // 0: shared part of a group, 1: own part of a request
+  int32_t id;    // group or request
+  int32_t r0, nr;  // shared: rows [r0, r0 + nr) of the group's stacked rows; own: token range
+  int32_t h;
+  int64_t lo;    // first key (own part: the request's shared length)
+  int64_t cost;  // for ordering, longest first
+};
+
+struct Scratch {
+  std::vector<float> kt;    // [D][kKeyBlock] K^T of the block
+  std::vector<float> vb;    // [kKeyBlock][D]
+  std::vector<float> qbuf;  // [rows][D] scaled queries
+  std::vector<int64_t> row_index;  // [rows] token * hq + q head
+  std::vector<int64_t> row_limit;  // [rows] last visible absolute key
+  std::vector<int64_t> koff;       // [kKeyBlock]
+};
+
+// Attend rows (qbuf, row_index, row_limit in sc) of KV head h to keys [lo, hi) of `table`,
+// continuing each row's running (m, l, out) state.
+template <int DT, KV T>
+void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64_t hi, int nrows,
+            Scratch& sc) {
+  const int D = DT ? DT : static_cast<int>(p.d);
+  const int64_t es = elem_size<T>();
+  const int64_t token_bytes = p.hkv * p.d * es;
+  const int64_t head_bytes = h * p.d * es;
+  alignas(64) float s[kKeyBlock];
+  for (int64_t kb = lo; kb < hi; kb += kKeyBlock) {
+    const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb));
+    // rows that see nothing of this block are skipped (limit < kb)
+    bool any = false;
+    for (int r = 0; r < nrows; ++r) any |= sc.row_limit[r] >= kb;
+    if (!any) continue;
+    {
+      int64_t pi = kb / p.page_size, slot = kb % p.page_size;
+      for (int j = 0; j < nk; ++j) {
+        sc.koff[j] = (static_cast<int64_t>(table[pi]) * p.page_size + slot) * token_bytes +
+                     head_bytes;
+        if (++slot == p.page_size) {
+          slot = 0;
+          ++pi;
+        }
+      }
+    }
+    // K^T (zero-padded to kKeyBlock keys) and V rows, as float32
+    alignas(64) float krow[512];
+    float* kt = sc.kt.data();
+    for (int j = 0; j < nk; ++j) {
+      const float* src;
+      if constexpr (T == KV::F32) {
+        src = reinterpret_cast<const float*>(p.k_cache + sc.koff[j]);
+      } else {
+        to_float<T>(p.k_cache + sc.koff[j], krow, D);
+        src = krow;
+      }
+      for (int i = 0; i < D; ++i) kt[i * kKeyBlock + j] = src[i];
+      to_float<T>(p.v_cache + sc.koff[j], &sc.vb[j * D], D);
+    }
+    if (nk < kKeyBlock) {
+      for (int i = 0; i < D; ++i) {
+        std::fill(kt + i * kKeyBlock + nk, kt + (i + 1) * kKeyBlock, 0.f);
+      }
+    }
+    for (int r = 0; r < nrows; ++r) {
+      const int64_t lim = sc.row_limit[r] - kb;
+      if (lim < 0) continue;
+      const int valid = static_cast<int>(std::min<int64_t>(nk, lim + 1));
+      const float* qr = &sc.qbuf[static_cast<int64_t>(r) * D];
+      // S = q K^T over the block (vectorised over keys)
+      vf acc[kKV];
+      for (int c = 0; c < kKV; ++c) acc[c] = vf{};
+      for (int i = 0; i < D; ++i) {
+        const vf qi = splat(qr[i]);
+        const float* kti = kt + i * kKeyBlock;
+        for (int c = 0; c < kKV; ++c) acc[c] += qi * loadv(kti + c * VW);
+      }
+      const vf sv = splat(p.scale);
+      for (int c = 0; c < kKV; ++c) storev(s + c * VW, acc[c] * sv);
+      float bmax = -INFINITY;
+      for (int j = 0; j < valid; ++j) bmax = std::max(bmax, s[j]);
+      const int64_t ri = sc.row_index[r];
+      const float m_old = p.m[ri];
+      const float m_new = std::max(m_old, bmax);
+      const vf mv = splat(m_new), l2e = splat(kLog2e);
+      for (int c = 0; c < kKV; ++c) storev(s + c * VW, exp2v((loadv(s + c * VW) - mv) * l2e));
+      float lsum = 0.f;
+      for (int j = 0; j < valid; ++j) lsum += s[j];
+      const float alpha = m_old == -INFINITY ? 0.f : std::exp2((m_old - m_new) * kLog2e);
+      p.l[ri] = p.l[ri] * alpha + lsum;
+      p.m[ri] = m_new;
+      float* o = p.out + ri * D;
+      const float* vb = sc.vb.data();
+      if (DT && D % kDChunk == 0) {
+        const vf av = splat(alpha);
+        for (int c0 = 0; c0 < D; c0 += kDChunk) {
+          vf oa[kDV];
+          for (int c = 0; c < kDV; ++c) oa[c] = av * loadv(o + c0 + c * VW);
+          for (int j = 0; j < valid; ++j) {
+            const vf pj = splat(s[j]);
+            const float* vr = vb + j * D + c0;
+            for (int c = 0; c < kDV; ++c) oa[c] += pj * loadv(vr + c * VW);
+          }
+          for (int c = 0; c < kDV; ++c) storev(o + c0 + c * VW, oa[c]);
+        }
+      } else {
+        for (int i = 0; i < D; ++i) o[i] *= alpha;
+        for (int j = 0; j < valid; ++j) {
+          const float pj = s[j];
+          const float* vr = vb + j * D;
+          for (int i = 0; i < D; ++i) o[i] += pj * vr[i];
+        }
+      }
+    }
+  }
+}
+
+struct Groups {
+  const std::vector<int64_t>* members;
+  const std::vector<int64_t>* offsets;
+  const std::vector<int64_t>* shared;
+};
+
+// Rows of a request's tokens [t0, t0 + nt) for KV head h, into sc; returns the row count.
+int fill_rows(const Problem& p, int64_t b, int64_t t0, int64_t nt, int64_t h, int64_t limit_cap,
+              Scratch& sc, int offset) {
+  const int64_t G = p.group, D = p.d;
+  const int64_t prefix = (*p.prefix)[b], start = (*p.start)[b];
+  int n = offset;
+  for (int64_t t = t0; t < t0 + nt; ++t) {
+    for (int64_t g = 0; g < G; ++g, ++n) {
+      const int64_t ri = (start + t) * p.hq + h * G + g;
+      sc.row_index[n] = ri;
+      sc.row_limit[n] = std::min(prefix + t, limit_cap);
+      const float* src = p.q + ri * D;
+      float* dst = &sc.qbuf[static_cast<int64_t>(n) * D];
+      std::memcpy(dst, src, D * sizeof(float));
+    }
+  }
+  return n;
+}
+
+template <int DT, KV T>
+void run_item(const Problem& p, const Groups& gr, const Item& it, Scratch& sc) {
+  const int64_t G = p.group;
+  if (it.kind == 0) {
+    // shared part: stacked rows (member, token, g) r0 .. r0 + nr of group it.id
+    const int64_t g0 = (*gr.offsets)[it.id], g1 = (*gr.offsets)[it.id + 1];
+    const int64_t S = (*gr.shared)[it.id];
+    int n = 0;
+    int64_t row = 0;
+    for (int64_t mi = g0; mi < g1 && row < it.r0 + it.nr; ++mi) {
+      const int64_t b = (*gr.members)[mi];
+      const int64_t rows_b = (*p.ext)[b] * G;
+      if (row + rows_b > it.r0) {
+        const int64_t t_first = std::max<int64_t>(0, (it.r0 - row) / G);
+        const int64_t t_last = std::min<int64_t>((*p.ext)[b], (it.r0 + it.nr - row + G - 1) / G);
+        n = fill_rows(p, b, t_first, t_last - t_first, it.h, S - 1, sc, n);
+      }
+      row += rows_b;
+    }
+    const int32_t* table = p.page_table + (*gr.members)[g0] * p.table_stride;
+    attend<DT, T>(p, table, it.h, 0, S, n, sc);
+    return;
+  }
+  const int64_t b = it.id;
+  const int n = fill_rows(p, b, it.r0, it.nr, it.h, std::numeric_limits<int64_t>::max(), sc, 0);
+  const int32_t* table = p.page_table + b * p.table_stride;
+  const int64_t hi = (*p.prefix)[b] + it.r0 + it.nr;
+  attend<DT, T>(p, table, it.h, it.lo, hi, n, sc);
+  const int D = DT ? DT : static_cast<int>(p.d);
+  for (int r = 0; r < n; ++r) {
+    const int64_t ri = sc.row_index[r];
+    const float inv = 1.f / p.l[ri];
+    float* o = p.out + ri * D;
+    for (int i = 0; i < D; ++i) o[i] *= inv;
+  }
+}
+
+template <KV T>
+void run_any(const Problem& p, const Groups& gr, const Item& it, Scratch& sc) {
+  if (p.d == 64) {
+    run_item<64, T>(p, gr, it, sc);
+  } else if (p.d == 128) {
+    run_item<128, T>(p, gr, it, sc);
+  } else {
+    run_item<0, T>(p, gr, it, sc);
+  }
+}
+
+void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV kv) {
+  if (items.empty()) return;
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch sc;
+    const int64_t max_rows = std::max<int64_t>(kRowBlock + p.group, 128 * p.group);
+    sc.kt.resize(p.d * kKeyBlock);
+    sc.vb.resize(p.d * kKeyBlock);
+    sc.koff.resize(kKeyBlock);
+    sc.qbuf.resize(max_rows * p.d);
+    sc.row_index.resize(max_rows);
+    sc.row_limit.resize(max_rows);
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      switch (kv) {
+        case KV::F32:
+          run_any<KV::F32>(p, gr, it, sc);
+          break;
+        case KV::BF16:
+          run_any<KV::BF16>(p, gr, it, sc);
+          break;
+        case KV::F16:
+          run_any<KV::F16>(p, gr, it, sc);
+          break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor page_table, std::vector<int64_t> prefix_lens,
+                               std::vector<int64_t> extend_lens,
+                               std::vector<int64_t> extend_starts, double sm_scale,
+                               std::vector<int64_t> group_members,
+                               std::vector<int64_t> group_offsets,
+                               std::vector<int64_t> group_shared) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention_f32: tensors must be on the CPU");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention_f32: q must be float32");
+  KV kv;
+  if (k_cache.scalar_type() == at::kFloat) {
+    kv = KV::F32;
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    kv = KV::BF16;
+  } else if (k_cache.scalar_type() == at::kHalf) {
+    kv = KV::F16;
+  } else {
+    TORCH_CHECK(false, "paged_attention_f32: the caches must be float32, bfloat16 or float16");
+  }
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention_f32: k_cache and v_cache dtypes differ");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_attention_f32: q [T, Hq, D], caches [pages, page_size, Hkv, D]");
+  TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.dim() == 2,
+              "paged_attention_f32: page_table must be int32 [B, max_pages]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  page_table.is_contiguous(),
+              "paged_attention_f32: inputs must be contiguous");
+  const int64_t B = static_cast<int64_t>(extend_lens.size());
+  TORCH_CHECK(static_cast<int64_t>(prefix_lens.size()) == B &&
+                  static_cast<int64_t>(extend_starts.size()) == B && page_table.size(0) >= B,
+              "paged_attention_f32: one prefix_len, extend_len, extend_start and page row per "
+              "request");
+  const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0 && d <= 512,
+              "paged_attention_f32: head shapes disagree (or head dim > 512)");
+  const int64_t page_size = k_cache.size(1);
+  const int64_t num_pages = k_cache.size(0);
+  const int32_t* tab = page_table.data_ptr<int32_t>();
+  const int64_t stride = page_table.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t total = prefix_lens[b] + extend_lens[b];
+    TORCH_CHECK(extend_lens[b] >= 0 && prefix_lens[b] >= 0 && extend_starts[b] >= 0 &&
+                    extend_starts[b] + extend_lens[b] <= q.size(0) &&
+                    (total + page_size - 1) / page_size <= stride,
+                "paged_attention_f32: request ", b, " does not fit q or its page table");
+    for (int64_t i = 0; i < (total + page_size - 1) / page_size; ++i) {
+      TORCH_CHECK(tab[b * stride + i] >= 0 && tab[b * stride + i] < num_pages,
+                  "paged_attention_f32: request ", b, " has a page id outside the pool");
+    }
+  }
+  // groups: members of group g are group_members[offsets[g] .. offsets[g + 1])
+  const int64_t n_groups = static_cast<int64_t>(group_shared.size());
+  TORCH_CHECK(static_cast<int64_t>(group_offsets.size()) == (n_groups ? n_groups + 1 : 0) ||
+                  (n_groups == 0 && group_offsets.size() <= 1),
+              "paged_attention_f32: group_offsets must have one entry per group plus one");
+  std::vector<int64_t> shared_of(B, 0);
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t g0 = group_offsets[g], g1 = group_offsets[g + 1];
+    TORCH_CHECK(0 <= g0 && g0 < g1 && g1 <= static_cast<int64_t>(group_members.size()),
+                "paged_attention_f32: group ", g, " has bad member offsets");
+    const int64_t S = group_shared[g];
+    const int64_t ref = group_members[g0];
+    for (int64_t mi = g0; mi < g1; ++mi) {
+      const int64_t b = group_members[mi];
+      TORCH_CHECK(b >= 0 && b < B && shared_of[b] == 0 && S >= 0 && S <= prefix_lens[b],
+                  "paged_attention_f32: group ", g, " member ", b,
+                  " is not a request, is in two groups, or its prefix is shorter than the "
+                  "shared part");
+      for (int64_t i = 0; i < (S + page_size - 1) / page_size; ++i) {
+        TORCH_CHECK(tab[b * stride + i] == tab[ref * stride + i], "paged_attention_f32: group ",
+                    g, " members do not share their first pages");
+      }
+      shared_of[b] = S;
+    }
+  }
+  auto out = at::zeros_like(q);
+  auto m = at::full({q.size(0), hq}, -INFINITY, q.options());
+  auto l = at::zeros({q.size(0), hq}, q.options());
+  Problem p{};
+  p.q = q.data_ptr<float>();
+  p.k_cache = static_cast<const char*>(k_cache.data_ptr());
+  p.v_cache = static_cast<const char*>(v_cache.data_ptr());
+  p.page_table = tab;
+  p.out = out.data_ptr<float>();
+  p.m = m.data_ptr<float>();
+  p.l = l.data_ptr<float>();
+  p.table_stride = stride;
+  p.page_size = page_size;
+  p.hq = hq;
+  p.hkv = hkv;
+  p.group = hq / hkv;
+  p.d = d;
+  p.scale = static_cast<float>(sm_scale);
+  p.prefix = &prefix_lens;
+  p.ext = &extend_lens;
+  p.start = &extend_starts;
+  Groups gr{&group_members, &group_offsets, &group_shared};
+  auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
+  // Phase A: shared parts, kRowBlock stacked rows per item and KV head.
+  std::vector<Item> items;
+  for (int64_t g = 0; g < n_groups; ++g) {
+    if (group_shared[g] == 0) continue;
+    int64_t rows = 0;
+    for (int64_t mi = group_offsets[g]; mi < group_offsets[g + 1]; ++mi) {
+      rows += extend_lens[group_members[mi]] * p.group;
+    }
+    // row blocks start on token boundaries (multiples of G rows)
+    const int64_t block = std::max<int64_t>(p.group, kRowBlock / p.group * p.group);
+    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+      const int64_t nr = std::min(block, rows - r0);
+      for (int64_t h = 0; h < hkv; ++h) {
+        items.push_back(
+            Item{0, i32(g), i32(r0), i32(nr), i32(h), 0, group_shared[g] * (nr + 8)});
+      }
+    }
+  }
+  run_items(p, gr, items, kv);
+  // Phase B: own parts (keys shared .. prefix + t, causal), blocks of query tokens per KV head.
+  items.clear();
+  const int64_t tok_per_item = 128;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = extend_lens[b];
+    for (int64_t t0 = 0; t0 < n; t0 += tok_per_item) {
+      const int64_t nt = std::min(tok_per_item, n - t0);
+      for (int64_t h = 0; h < hkv; ++h) {
+        const int64_t keys = prefix_lens[b] + t0 + nt - shared_of[b];
+        items.push_back(Item{1, i32(b), i32(t0), i32(nt), i32(h), shared_of[b], keys * (nt + 8)});
+      }
+    }
+  }
+  run_items(p, gr, items, kv);
+  return out;
+}
+
+const char* f32_kernel_isa() { return RADIXKV_STR(RADIXKV_ISA_NAME); }
