@@ -78,9 +78,9 @@ inline vf loadv(const float* p) {
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
 // 2^x for x <= 0 (clamped at -126): x = n + f, f in [-0.5, 0.5], 2^f = 1 + f P(f).
-inline vf exp2v(vf x) {
+inline vf exp2v(vf x0) {
   const vf lo = splat(-126.f);
-  x = x < lo ? lo : x;
+  const vf x = x0 < lo ? lo : x0;
   const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
   const vf n = (x + magic) - magic;
   const vf f = x - n;
@@ -94,7 +94,7 @@ inline vf exp2v(vf x) {
   const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   std::memcpy(&scale, &e, sizeof(scale));
-  return y * scale;
+  return x0 < lo ? vf{} : y * scale;  // masked keys (-inf) give exactly 0
 }
 
 inline float bf16_bits_to_float(uint16_t x) {
@@ -164,6 +164,90 @@ struct Scratch {
   std::vector<int64_t> koff;       // [kKeyBlock]
 };
 
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < VW; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float hsum(vf v) {
+  float t = 0.f;
+  for (int i = 0; i < VW; ++i) t += v[i];
+  return t;
+}
+
+constexpr int kTile = 4;  // vectors per register tile: NR rows x kTile vectors of accumulators
+static_assert(kKV % kTile == 0, "a key block is a whole number of tiles");
+
+// The register-blocked path for NR (1 or 2) rows of one key block: S = scale * q K^T from the
+// transposed block kt, the online-softmax update of each row's (m, l, out), and out += P V.
+// `valid[r]` keys of the block are visible to row r (the rest are masked). D is a multiple of
+// kTile * VW.
+template <int NR, int D>
+inline void rows_block(const Problem& p, const float* const* qr, const int64_t* ri,
+                       const int* valid, const float* kt, const float* vb) {
+  alignas(64) float s[NR][kKeyBlock];
+  for (int c0 = 0; c0 < kKV; c0 += kTile) {
+    vf acc[NR][kTile];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < kTile; ++c) acc[r][c] = vf{};
+    for (int i = 0; i < D; ++i) {
+      vf kv[kTile];
+      for (int c = 0; c < kTile; ++c) kv[c] = loadv(kt + i * kKeyBlock + (c0 + c) * VW);
+      for (int r = 0; r < NR; ++r) {
+        const vf qi = splat(qr[r][i]);
+        for (int c = 0; c < kTile; ++c) acc[r][c] += qi * kv[c];
+      }
+    }
+    const vf sv = splat(p.scale);
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < kTile; ++c) storev(s[r] + (c0 + c) * VW, acc[r][c] * sv);
+  }
+  float alpha[NR];
+  int jmax = 0;
+  for (int r = 0; r < NR; ++r) {
+    for (int j = valid[r]; j < kKeyBlock; ++j) s[r][j] = -INFINITY;
+    jmax = std::max(jmax, valid[r]);
+    vf mx = loadv(s[r]);
+    for (int c = 1; c < kKV; ++c) {
+      const vf x = loadv(s[r] + c * VW);
+      mx = mx < x ? x : mx;
+    }
+    const float m_old = p.m[ri[r]];
+    const float m_new = std::max(m_old, hmax(mx));
+    const vf mv = splat(m_new), l2e = splat(kLog2e);
+    vf sum = vf{};
+    for (int c = 0; c < kKV; ++c) {
+      const vf e = exp2v((loadv(s[r] + c * VW) - mv) * l2e);
+      storev(s[r] + c * VW, e);
+      sum += e;
+    }
+    alpha[r] = m_old == -INFINITY ? 0.f : std::exp2((m_old - m_new) * kLog2e);
+    p.l[ri[r]] = p.l[ri[r]] * alpha[r] + hsum(sum);
+    p.m[ri[r]] = m_new;
+  }
+  for (int d0 = 0; d0 < D; d0 += kTile * VW) {
+    // P V of this block alone, then out = alpha out + P V: the serial sum over keys is one
+    // block long (not the whole sequence), which keeps long contexts at float32 accuracy
+    vf oa[NR][kTile];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < kTile; ++c) oa[r][c] = vf{};
+    for (int j = 0; j < jmax; ++j) {
+      vf vv[kTile];
+      for (int c = 0; c < kTile; ++c) vv[c] = loadv(vb + j * D + d0 + c * VW);
+      for (int r = 0; r < NR; ++r) {
+        const vf pj = splat(s[r][j]);
+        for (int c = 0; c < kTile; ++c) oa[r][c] += pj * vv[c];
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const vf av = splat(alpha[r]);
+      float* o = p.out + ri[r] * D + d0;
+      for (int c = 0; c < kTile; ++c) storev(o + c * VW, av * loadv(o + c * VW) + oa[r][c]);
+    }
+  }
+}
+
 // Attend rows (qbuf, row_index, row_limit in sc) of KV head h to keys [lo, hi) of `table`,
 // continuing each row's running (m, l, out) state.
 template <int DT, KV T>
@@ -209,6 +293,26 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
       for (int i = 0; i < D; ++i) {
         std::fill(kt + i * kKeyBlock + nk, kt + (i + 1) * kKeyBlock, 0.f);
       }
+    }
+    if constexpr (DT != 0 && DT % (kTile * VW) == 0) {
+      // rows in pairs (register-blocked); a row that sees nothing of this block is skipped
+      const float* qr[2];
+      int64_t ri[2];
+      int valid[2];
+      int n = 0;
+      for (int r = 0; r < nrows; ++r) {
+        const int64_t lim = sc.row_limit[r] - kb;
+        if (lim < 0) continue;
+        qr[n] = &sc.qbuf[static_cast<int64_t>(r) * DT];
+        ri[n] = sc.row_index[r];
+        valid[n] = static_cast<int>(std::min<int64_t>(nk, lim + 1));
+        if (++n == 2) {
+          rows_block<2, DT>(p, qr, ri, valid, kt, sc.vb.data());
+          n = 0;
+        }
+      }
+      if (n == 1) rows_block<1, DT>(p, qr, ri, valid, kt, sc.vb.data());
+      continue;
     }
     for (int r = 0; r < nrows; ++r) {
       const int64_t lim = sc.row_limit[r] - kb;
@@ -269,9 +373,11 @@ struct Groups {
   const std::vector<int64_t>* shared;
 };
 
-// Rows of a request's tokens [t0, t0 + nt) for KV head h, into sc; returns the row count.
+// Rows of a request's tokens [t0, t0 + nt) for KV head h, into sc; returns the row count. With
+// `init` (the first part to touch these rows) their running state starts empty: the output and
+// (m, l) are allocated uninitialised, so each row is written by the one thread that owns it.
 int fill_rows(const Problem& p, int64_t b, int64_t t0, int64_t nt, int64_t h, int64_t limit_cap,
-              Scratch& sc, int offset) {
+              Scratch& sc, int offset, bool init) {
   const int64_t G = p.group, D = p.d;
   const int64_t prefix = (*p.prefix)[b], start = (*p.start)[b];
   int n = offset;
@@ -283,6 +389,11 @@ int fill_rows(const Problem& p, int64_t b, int64_t t0, int64_t nt, int64_t h, in
       const float* src = p.q + ri * D;
       float* dst = &sc.qbuf[static_cast<int64_t>(n) * D];
       std::memcpy(dst, src, D * sizeof(float));
+      if (init) {
+        p.m[ri] = -INFINITY;
+        p.l[ri] = 0.f;
+        std::memset(p.out + ri * D, 0, D * sizeof(float));
+      }
     }
   }
   return n;
@@ -303,7 +414,7 @@ void run_item(const Problem& p, const Groups& gr, const Item& it, Scratch& sc) {
       if (row + rows_b > it.r0) {
         const int64_t t_first = std::max<int64_t>(0, (it.r0 - row) / G);
         const int64_t t_last = std::min<int64_t>((*p.ext)[b], (it.r0 + it.nr - row + G - 1) / G);
-        n = fill_rows(p, b, t_first, t_last - t_first, it.h, S - 1, sc, n);
+        n = fill_rows(p, b, t_first, t_last - t_first, it.h, S - 1, sc, n, true);
       }
       row += rows_b;
     }
@@ -312,7 +423,8 @@ void run_item(const Problem& p, const Groups& gr, const Item& it, Scratch& sc) {
     return;
   }
   const int64_t b = it.id;
-  const int n = fill_rows(p, b, it.r0, it.nr, it.h, std::numeric_limits<int64_t>::max(), sc, 0);
+  const int n = fill_rows(p, b, it.r0, it.nr, it.h, std::numeric_limits<int64_t>::max(), sc, 0,
+                          it.lo == 0);
   const int32_t* table = p.page_table + b * p.table_stride;
   const int64_t hi = (*p.prefix)[b] + it.r0 + it.nr;
   attend<DT, T>(p, table, it.h, it.lo, hi, n, sc);
@@ -447,9 +559,13 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
       shared_of[b] = S;
     }
   }
-  auto out = at::zeros_like(q);
-  auto m = at::full({q.size(0), hq}, -INFINITY, q.options());
-  auto l = at::zeros({q.size(0), hq}, q.options());
+  // Every row of a request is initialised by the first part that touches it (fill_rows); rows
+  // of q that belong to no request (none in the engine's batches) are zero.
+  int64_t covered = 0;
+  for (int64_t b = 0; b < B; ++b) covered += extend_lens[b];
+  auto out = covered == q.size(0) ? at::empty_like(q) : at::zeros_like(q);
+  auto m = at::empty({q.size(0), hq}, q.options());
+  auto l = at::empty({q.size(0), hq}, q.options());
   Problem p{};
   p.q = q.data_ptr<float>();
   p.k_cache = static_cast<const char*>(k_cache.data_ptr());
