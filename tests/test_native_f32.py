@@ -1,0 +1,360 @@
+"""The float32-math native paged-attention kernel with shared-prefix groups
+(radixkv/model/csrc/cpu_attention_f32.cpp), its backend, and the per-ISA builds, against torch
+oracles. The host's own ISA level is always tested; levels it cannot run are skipped naming the
+missing instructions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from radixkv.model import native
+from radixkv.model.attention.base import ForwardBatch
+from radixkv.model.attention.native_backend import (
+    NativeCascadeBackend,
+    native_paged_attention_f32,
+)
+from radixkv.model.attention.prefix_groups import PrefixGroup, shared_prefix_groups
+from radixkv.model.runner import ModelRunner, RequestSlice
+
+
+@pytest.fixture(scope="module")
+def module():
+    m = native.load()
+    # the host path is never skipped: a build failure is a defect to see
+    assert m is not None, f"native kernels failed to build: {native.build_error()}"
+    return m
+
+
+def oracle(q, k_cache, v_cache, table, prefix, ext, starts, scale):
+    """Per-request float64 attention: token t (absolute position prefix + t) sees keys 0..prefix+t."""
+    page, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    g = q.shape[1] // hkv
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, (p, n, s) in enumerate(zip(prefix, ext, starts)):
+        if n == 0:
+            continue
+        total = p + n
+        pages = table[b, : -(-total // page)].long()
+        k = k_cache[pages].reshape(-1, hkv, d)[:total].double().repeat_interleave(g, 1)
+        v = v_cache[pages].reshape(-1, hkv, d)[:total].double().repeat_interleave(g, 1)
+        scores = torch.einsum("thd,khd->htk", q[s : s + n].double(), k) * scale
+        masked = torch.arange(total)[None, :] > (p + torch.arange(n))[:, None]
+        scores = scores.masked_fill(masked[None], float("-inf"))
+        out[s : s + n] = torch.einsum("htk,khd->thd", scores.softmax(-1), v)
+    return out
+
+
+class Case:
+    """A pool and page tables where ``groups`` of requests share their leading pages by id.
+
+    ``reqs``: ``(prefix, new)`` per request; ``groups``: ``(member indices, shared tokens)``; a
+    shared part may end mid-page (the page holding the boundary is shared too)."""
+
+    def __init__(self, page, hq, hkv, d, reqs, groups=(), dtype=torch.float32, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        need = [-(-(p + n) // page) for p, n in reqs]
+        num_pages = sum(need) + 4
+        self.k_cache = torch.randn(num_pages, page, hkv, d, generator=g).to(dtype)
+        self.v_cache = torch.randn(num_pages, page, hkv, d, generator=g).to(dtype)
+        free = torch.randperm(num_pages, generator=g).tolist()
+        self.table = torch.zeros(len(reqs), max(need), dtype=torch.int32)
+        filled = [0] * len(reqs)
+        for members, shared in groups:
+            run = [free.pop() for _ in range(-(-shared // page))]
+            for b in members:
+                self.table[b, : len(run)] = torch.tensor(run)
+                filled[b] = len(run)
+        for b, k in enumerate(need):
+            for i in range(filled[b], k):
+                self.table[b, i] = free.pop()
+        self.prefix = [p for p, _ in reqs]
+        self.ext = [n for _, n in reqs]
+        self.starts = [sum(self.ext[:b]) for b in range(len(reqs))]
+        self.q = 2 * torch.randn(sum(self.ext), hq, d, generator=g)
+        self.scale = d**-0.5
+        self.groups = [PrefixGroup(list(m), s) for m, s in groups]
+
+    def run(self, groups=None):
+        return native_paged_attention_f32(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.table,
+            self.prefix,
+            self.ext,
+            self.starts,
+            self.scale,
+            self.groups if groups is None else groups,
+        )
+
+    def reference(self):
+        args = (self.q, self.k_cache, self.v_cache, self.table)
+        return oracle(*args, self.prefix, self.ext, self.starts, self.scale)
+
+
+# fresh prompts, decodes, extends after a cached prefix; lengths on and off page boundaries
+MIXED = [(0, 37), (100, 1), (63, 5), (16, 1), (0, 1), (200, 70), (5, 130), (64, 64)]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 5e-5, torch.float16: 5e-5}
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("d", [64, 128, 80])  # 80: the generic (non-tiled) path
+def test_mixed_batch_matches_oracle(module, page, hq, hkv, d):
+    case = Case(page, hq, hkv, d, MIXED, seed=page + hq + d)
+    out = case.run()
+    assert out.dtype == torch.float32 and out.shape == case.q.shape
+    err = (out.double() - case.reference()).abs().max().item()
+    assert err < TOL[torch.float32], err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 80])
+def test_half_precision_pages(module, dtype, d):
+    """bf16/fp16 pages are converted in registers: the result is the float32 attention over the
+    rounded K/V (the oracle reads the same rounded values)."""
+    reqs = [(40, 1), (40, 9), (0, 20), (130, 1)]
+    case = Case(16, 9, 3, d, reqs, groups=[([0, 1, 3], 40)], dtype=dtype, seed=3)
+    err = (case.run().double() - case.reference()).abs().max().item()
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("size", [2, 5, 64])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_shared_group_equals_ungrouped_and_oracle(module, size, page):
+    shared = 130  # mid-page for 16 and 64
+    reqs = [(shared + 7 * b % 23, 1 + (b % 3) * 4) for b in range(size)]
+    case = Case(page, 9, 3, 64, reqs, groups=[(range(size), shared)], seed=size + page)
+    grouped, plain = case.run(), case.run(groups=[])
+    ref = case.reference()
+    assert (grouped.double() - ref).abs().max().item() < 2e-5
+    assert (grouped - plain).abs().max().item() < 2e-5
+
+
+def test_single_member_group_is_exact(module):
+    case = Case(16, 8, 2, 128, [(70, 3)], groups=[([0], 64)], seed=11)
+    assert (case.run().double() - case.reference()).abs().max().item() < 2e-5
+
+
+def test_long_shared_prefix_decode_burst(module):
+    """The W1 shape in small: many decodes over a 1,024-token shared prefix (16 key blocks of the
+    online softmax, row blocks split across work items) plus each request's own suffix."""
+    reqs = [(1024 + 20 + b, 1) for b in range(48)]
+    case = Case(16, 9, 3, 64, reqs, groups=[(range(48), 1024)], seed=5)
+    assert (case.run().double() - case.reference()).abs().max().item() < 2e-5
+
+
+def test_two_groups_and_ungrouped_requests(module):
+    reqs = [(96, 1), (96, 4), (50, 1), (200, 1), (210, 12), (0, 9), (33, 2)]
+    groups = [([0, 1], 96), ([3, 4, 6], 33)]
+    # request 6's prefix is only 33 tokens: the shared part may be all of it
+    case = Case(16, 9, 3, 64, reqs, groups=groups, seed=8)
+    assert (case.run().double() - case.reference()).abs().max().item() < 2e-5
+
+
+def test_fork_copy_on_write_tables(module):
+    """Forked children share the parent's full pages; each has its own copy of the partial last
+    page (copy-on-write) with different new tokens, then its own suffix."""
+    page = 16
+    case = Case(page, 9, 3, 64, [(40, 1), (40, 1), (40, 1)], groups=[([0, 1, 2], 32)], seed=9)
+    parent_last = int(case.table[0, 2])
+    for b in (1, 2):  # the copied partial page: same first 8 tokens, then each child's own
+        child = int(case.table[b, 2])
+        for cache in (case.k_cache, case.v_cache):
+            cache[child, :8] = cache[parent_last, :8]
+    out = case.run()
+    assert (out.double() - case.reference()).abs().max().item() < 2e-5
+    assert (out - case.run(groups=[])).abs().max().item() < 2e-5
+
+
+def test_peaked_scores_stay_finite(module):
+    case = Case(16, 4, 4, 64, [(300, 2), (300, 1)], groups=[([0, 1], 288)], seed=1)
+    case.q *= 40
+    out = case.run()
+    assert torch.isfinite(out).all()
+    assert (out.double() - case.reference()).abs().max().item() < 1e-4
+
+
+def test_bad_inputs_raise_clear_errors(module):
+    case = Case(16, 4, 4, 64, [(40, 1), (40, 1), (20, 1)], groups=[([0, 1], 32)], seed=2)
+    with pytest.raises(RuntimeError, match="do not share"):
+        case.run(groups=[PrefixGroup([0, 2], 16)])
+    with pytest.raises(RuntimeError, match="two groups"):
+        case.run(groups=[PrefixGroup([0, 1], 32), PrefixGroup([1], 16)])
+    with pytest.raises(RuntimeError, match="shorter than the shared part"):
+        case.run(groups=[PrefixGroup([0, 1], 48)])
+    bad = case.table.clone()
+    bad[0, 0] = 10_000
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        native_paged_attention_f32(
+            case.q, case.k_cache, case.v_cache, bad, case.prefix, case.ext, case.starts, 0.1
+        )
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        native_paged_attention_f32(
+            case.q,
+            case.k_cache,
+            case.v_cache.half(),
+            case.table,
+            case.prefix,
+            case.ext,
+            case.starts,
+            0.1,
+        )
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        native_paged_attention_f32(
+            case.q,
+            case.k_cache.double(),
+            case.v_cache.double(),
+            case.table,
+            case.prefix,
+            case.ext,
+            case.starts,
+            0.1,
+        )
+
+
+# -- prefix groups ------------------------------------------------------------------------------
+
+
+def test_shared_prefix_groups():
+    pages = [
+        [1, 2, 3, 4],  # 0: group with 1 (3 common pages) and 4
+        [1, 2, 3, 9],
+        [5, 6, 7],  # 2: alone on its first page
+        [1, 2, 3, 4],  # 3: no new tokens -> not a member
+        [1, 2, 8],  # 4: limits the group to 2 pages
+        [10, 11],  # 5, 6: prefix below min_tokens
+        [10, 11],
+    ]
+    prefix = [64, 60, 48, 64, 40, 15, 15]
+    ext = [1, 3, 1, 0, 1, 1, 1]
+    groups = shared_prefix_groups(pages, prefix, ext, 16, min_tokens=16)
+    assert groups == [PrefixGroup([0, 1, 4], 32)]
+    for grp in groups:  # the invariants the kernels rely on
+        assert grp.shared % 16 == 0 and all(prefix[i] >= grp.shared for i in grp.members)
+        assert len({tuple(pages[i][: grp.shared // 16]) for i in grp.members}) == 1
+    # request 4's 40-token prefix is below 48: without it, 0 and 1 share 3 pages (request 1's
+    # 60-token prefix caps it at 3 whole pages)
+    assert shared_prefix_groups(pages, prefix, ext, 16, min_tokens=48) == [PrefixGroup([0, 1], 48)]
+    assert shared_prefix_groups(pages, prefix, ext, 16, min_tokens=64) == []  # a singleton
+
+
+# -- the backend inside the model -----------------------------------------------------------------
+
+
+def test_backend_in_model_matches_plain_fp32(tiny_llama, monkeypatch):
+    """Whole-model fp32 logits of steps with a shared prefix: the native backend (groups in use)
+    against the plain backend (transformers' arithmetic) and transformers itself."""
+    page = 16
+    runner = ModelRunner(tiny_llama, num_pages=64, page_size=page, dtype=torch.float32)
+    assert isinstance(runner.backend, NativeCascadeBackend)
+    monkeypatch.setenv("RADIXKV_FP32_ATTENTION", "plain")
+    plain = ModelRunner(tiny_llama, num_pages=64, page_size=page, dtype=torch.float32)
+    assert not isinstance(plain.backend, NativeCascadeBackend)
+    system = [(7 * i) % 200 + 3 for i in range(70)]
+    shared_pages = [1, 2, 3, 4, 5]
+    first = [RequestSlice(system, 0, shared_pages)]
+    users = [list(range(10 + i, 30 + i)) for i in range(3)]
+    own = [[6, 7], [8, 9], [10, 11]]
+    second = [RequestSlice(u, 64, shared_pages[:4] + o) for u, o in zip(users, own)]
+    batch = runner.build_batch(second)
+    meta = runner.backend.prepare(batch, torch.float32)
+    assert meta.groups == [PrefixGroup([0, 1, 2], 64)]
+    for step in (first, second):
+        ours = runner.forward(runner.build_batch(step))
+        theirs = plain.forward(plain.build_batch(step))
+        assert (ours - theirs).abs().max().item() < 1e-4
+    with torch.inference_mode():
+        for row, u in enumerate(users):
+            ref = tiny_llama(torch.tensor([system[:64] + u])).logits[0, -1]
+            assert (ours[row] - ref).abs().max().item() < 1e-4
+
+
+def test_prepare_without_groups_on_fresh_prompts(module):
+    batch = ForwardBatch(
+        input_ids=torch.zeros(5, dtype=torch.long),
+        positions=torch.arange(5),
+        extend_lens=[3, 2],
+        prefix_lens=[0, 0],
+        page_table=torch.tensor([[1], [2]], dtype=torch.int32),
+        out_slots=torch.arange(5),
+        page_size=16,
+    )
+    assert NativeCascadeBackend().prepare(batch, torch.float32).groups == []
+
+
+# -- ISA levels -----------------------------------------------------------------------------------
+
+PROBE = textwrap.dedent(
+    """
+    import torch
+    from radixkv.model import native
+    from radixkv.model.attention.native_backend import native_paged_attention_f32
+    from radixkv.model.attention.prefix_groups import PrefixGroup
+    m = native.load()
+    assert m is not None, native.build_error()
+    assert native.kernel_isa() == m.kernel_isa() == {level!r}, (native.kernel_isa(), m.kernel_isa())
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(6, 16, 2, 64, generator=g), torch.randn(6, 16, 2, 64, generator=g)
+    table = torch.tensor([[0, 1, 2], [0, 1, 3]], dtype=torch.int32)
+    q = torch.randn(2, 4, 64, generator=g)
+    out = native_paged_attention_f32(q, kc, vc, table, [40, 35], [1, 1], [0, 1], 0.125,
+                                     [PrefixGroup([0, 1], 32)])
+    for b, n in enumerate((41, 36)):
+        pages = table[b].long()
+        k = kc[pages].reshape(-1, 2, 64)[:n].repeat_interleave(2, 1)
+        v = vc[pages].reshape(-1, 2, 64)[:n].repeat_interleave(2, 1)
+        p = (torch.einsum("hd,khd->hk", q[b], k) * 0.125).softmax(-1)
+        ref = torch.einsum("hk,khd->hd", p, v)
+        assert (out[b] - ref).abs().max() < 1e-5
+    print("OK", m.kernel_isa())
+    """
+)
+
+
+@pytest.mark.parametrize("level", native.ISAS)
+def test_each_isa_level_builds_and_matches(level):
+    missing = native.missing_instructions(level)
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}: the {level} build cannot run here")
+    env = dict(os.environ, RADIXKV_ISA=level)
+    res = subprocess.run(
+        [sys.executable, "-c", PROBE.format(level=level)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0 and f"OK {level}" in res.stdout, res.stderr[-3000:]
+
+
+def test_host_level_is_runnable_and_loaded(module):
+    level = native.host_isa()
+    assert native.missing_instructions(level) == []
+    assert native.kernel_isa() in native.ISAS
+    assert native.ISAS.index(native.kernel_isa()) >= native.ISAS.index(level)
+
+
+def test_forcing_a_level_the_host_lacks_names_the_flags(monkeypatch):
+    from radixkv.model import host_cpu
+
+    monkeypatch.setattr(host_cpu, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setenv("RADIXKV_ISA", "avx512_bf16")
+    with pytest.raises(ValueError, match="avx512f.*avx512bw.*avx512_bf16"):
+        native._target_isa()
+    monkeypatch.setenv("RADIXKV_ISA", "sse9")
+    with pytest.raises(ValueError, match="unknown ISA"):
+        native._target_isa()
+
+
+def test_build_names_are_keyed_by_level():
+    names = {level: native._build_name(level) for level in native.ISAS}
+    assert len(set(names.values())) == len(native.ISAS)
+    for level, name in names.items():
+        assert name.startswith(f"radixkv_cpu_{level}_")
