@@ -37,7 +37,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__F16C__) || defined(__AVX__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -68,7 +68,17 @@ constexpr int kDV = kDChunk / VW;
 
 enum class KV { F32, BF16, F16 };
 
-inline vf splat(float x) { return vf{} + x; }
+// Broadcast. (Not `vf{} + x`: 0 + x is not x for x = -0, so the compiler must emit a scalar add
+// before every broadcast, one in the innermost loops.)
+inline vf splat(float x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_set1_ps(x));
+#elif defined(__AVX__)
+  return reinterpret_cast<vf>(_mm256_set1_ps(x));
+#else
+  return x - vf{};  // x - 0 == x for every x, so this folds to a broadcast
+#endif
+}
 
 inline vf loadv(const float* p) {
   vf v;
@@ -162,6 +172,10 @@ struct Scratch {
   std::vector<int64_t> row_index;  // [rows] token * hq + q head
   std::vector<int64_t> row_limit;  // [rows] last visible absolute key
   std::vector<int64_t> koff;       // [kKeyBlock]
+  // the tiled path (attend_tiled): queries transposed, scores with rows along the vector lanes
+  std::vector<float> qt;     // [D][rows padded]
+  std::vector<float> st;     // [kKeyBlock][rows padded]
+  std::vector<float> mrow, lrow, arow;  // [rows padded] running max, sum, this block's rescale
 };
 
 inline float hmax(vf v) {
@@ -248,11 +262,187 @@ inline void rows_block(const Problem& p, const float* const* qr, const int64_t* 
   }
 }
 
+// ---- the tiled path: many rows (a group's stacked rows, a prefill chunk) -----------------------
+// Scores are computed transposed, S^T [keys][rows], rows along the vector lanes: Q^T is built once
+// per work item, K is read in place (no per-block transpose), and the microkernel is the classic
+// GEMM tile (kKeyTile keys broadcast x 2 vectors of rows: 12 accumulators on AVX2). The softmax
+// (max, exp, sum, rescale) is then elementwise over rows. P V goes row by row as in rows_block.
+constexpr int kKeyTile = 6;
+
+template <int KT>
+inline void st_tile(const float* qt, int64_t rp, int r0, const float* const* kp, float* st, int d,
+                    float scale) {
+  vf acc[KT][2];
+  for (int k = 0; k < KT; ++k) acc[k][0] = acc[k][1] = vf{};
+  for (int i = 0; i < d; ++i) {
+    const vf q0 = loadv(qt + i * rp + r0), q1 = loadv(qt + i * rp + r0 + VW);
+    for (int k = 0; k < KT; ++k) {
+      const vf kv = splat(kp[k][i]);
+      acc[k][0] += kv * q0;
+      acc[k][1] += kv * q1;
+    }
+  }
+  const vf sv = splat(scale);
+  for (int k = 0; k < KT; ++k) {
+    storev(st + k * rp + r0, acc[k][0] * sv);
+    storev(st + k * rp + r0 + VW, acc[k][1] * sv);
+  }
+}
+
+// out rows ri[0..NR) = alpha * out + P V over nk keys, P read from column c of S^T (stride rp).
+template <int NR, int D>
+inline void pv_rows(const Problem& p, const int64_t* ri, const float* alpha, const float* st,
+                    int64_t rp, const int* col, const float* const* vp, int nk) {
+  for (int d0 = 0; d0 < D; d0 += kTile * VW) {
+    vf oa[NR][kTile];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < kTile; ++c) oa[r][c] = vf{};
+    for (int j = 0; j < nk; ++j) {
+      vf vv[kTile];
+      for (int c = 0; c < kTile; ++c) vv[c] = loadv(vp[j] + d0 + c * VW);
+      for (int r = 0; r < NR; ++r) {
+        const vf pj = splat(st[j * rp + col[r]]);
+        for (int c = 0; c < kTile; ++c) oa[r][c] += pj * vv[c];
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const vf av = splat(alpha[r]);
+      float* o = p.out + ri[r] * D + d0;
+      for (int c = 0; c < kTile; ++c) storev(o + c * VW, av * loadv(o + c * VW) + oa[r][c]);
+    }
+  }
+}
+
+template <int DT, KV T>
+void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64_t hi,
+                  int nrows, Scratch& sc) {
+  constexpr int D = DT;
+  constexpr int RW = 2 * VW;
+  const int64_t rp = (nrows + RW - 1) / RW * RW;
+  const int64_t es = elem_size<T>();
+  const int64_t token_bytes = p.hkv * p.d * es;
+  const int64_t head_bytes = h * p.d * es;
+  float* qt = sc.qt.data();
+  float* st = sc.st.data();
+  float* mrow = sc.mrow.data();
+  float* lrow = sc.lrow.data();
+  float* arow = sc.arow.data();
+  int64_t min_limit = std::numeric_limits<int64_t>::max(), max_limit = -1;
+  for (int r = 0; r < rp; ++r) {
+    if (r < nrows) {
+      const float* q = &sc.qbuf[static_cast<int64_t>(r) * D];
+      for (int i = 0; i < D; ++i) qt[i * rp + r] = q[i];
+      mrow[r] = p.m[sc.row_index[r]];
+      lrow[r] = p.l[sc.row_index[r]];
+      min_limit = std::min(min_limit, sc.row_limit[r]);
+      max_limit = std::max(max_limit, sc.row_limit[r]);
+    } else {
+      for (int i = 0; i < D; ++i) qt[i * rp + r] = 0.f;
+      mrow[r] = -INFINITY;
+      lrow[r] = 0.f;
+    }
+  }
+  const float* kp[kKeyBlock];
+  const float* vp[kKeyBlock];
+  const vf ninf = splat(-INFINITY), l2e = splat(kLog2e);
+  for (int64_t kb = lo; kb < hi && kb <= max_limit; kb += kKeyBlock) {
+    const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb));
+    int64_t pi = kb / p.page_size, slot = kb % p.page_size;
+    for (int j = 0; j < nk; ++j) {
+      const int64_t off =
+          (static_cast<int64_t>(table[pi]) * p.page_size + slot) * token_bytes + head_bytes;
+      if constexpr (T == KV::F32) {
+        kp[j] = reinterpret_cast<const float*>(p.k_cache + off);
+        vp[j] = reinterpret_cast<const float*>(p.v_cache + off);
+      } else {
+        to_float<T>(p.k_cache + off, &sc.kt[j * D], D);
+        to_float<T>(p.v_cache + off, &sc.vb[j * D], D);
+        kp[j] = &sc.kt[j * D];
+        vp[j] = &sc.vb[j * D];
+      }
+      if (++slot == p.page_size) {
+        slot = 0;
+        ++pi;
+      }
+    }
+    // S^T = scale * K Q^T
+    for (int64_t r0 = 0; r0 < rp; r0 += RW) {
+      int j0 = 0;
+      for (; j0 + kKeyTile <= nk; j0 += kKeyTile) {
+        st_tile<kKeyTile>(qt, rp, r0, kp + j0, st + j0 * rp, D, p.scale);
+      }
+      switch (nk - j0) {
+        case 5: st_tile<5>(qt, rp, r0, kp + j0, st + j0 * rp, D, p.scale); break;
+        case 4: st_tile<4>(qt, rp, r0, kp + j0, st + j0 * rp, D, p.scale); break;
+        case 3: st_tile<3>(qt, rp, r0, kp + j0, st + j0 * rp, D, p.scale); break;
+        case 2: st_tile<2>(qt, rp, r0, kp + j0, st + j0 * rp, D, p.scale); break;
+        case 1: st_tile<1>(qt, rp, r0, kp + j0, st + j0 * rp, D, p.scale); break;
+        default: break;
+      }
+    }
+    // causal mask: keys past a row's limit
+    if (kb + nk - 1 > min_limit) {
+      for (int r = 0; r < nrows; ++r) {
+        for (int64_t j = std::max<int64_t>(0, sc.row_limit[r] - kb + 1); j < nk; ++j) {
+          st[j * rp + r] = -INFINITY;
+        }
+      }
+    }
+    // online softmax, elementwise over rows
+    for (int64_t r0 = 0; r0 < rp; r0 += VW) {
+      vf mx = ninf;
+      for (int j = 0; j < nk; ++j) {
+        const vf x = loadv(st + j * rp + r0);
+        mx = mx < x ? x : mx;
+      }
+      const vf mo = loadv(mrow + r0);
+      const vf mn = mo < mx ? mx : mo;
+      const vf base = mn == ninf ? vf{} : mn;  // a row that has seen no key yet keeps P = 0
+      vf sum = vf{};
+      for (int j = 0; j < nk; ++j) {
+        const vf e = exp2v((loadv(st + j * rp + r0) - base) * l2e);
+        storev(st + j * rp + r0, e);
+        sum += e;
+      }
+      const vf alpha = mo == ninf ? vf{} : exp2v((mo - base) * l2e);
+      storev(lrow + r0, loadv(lrow + r0) * alpha + sum);
+      storev(mrow + r0, mn);
+      storev(arow + r0, alpha);
+    }
+    // out = alpha out + P V, rows in pairs
+    int col[2];
+    int64_t ri[2];
+    float al[2];
+    int n = 0;
+    for (int r = 0; r < nrows; ++r) {
+      if (sc.row_limit[r] < kb) continue;  // sees nothing of this block (P = 0, alpha = 1)
+      col[n] = r;
+      ri[n] = sc.row_index[r];
+      al[n] = arow[r];
+      if (++n == 2) {
+        pv_rows<2, D>(p, ri, al, st, rp, col, vp, nk);
+        n = 0;
+      }
+    }
+    if (n == 1) pv_rows<1, D>(p, ri, al, st, rp, col, vp, nk);
+  }
+  for (int r = 0; r < nrows; ++r) {
+    p.m[sc.row_index[r]] = mrow[r];
+    p.l[sc.row_index[r]] = lrow[r];
+  }
+}
+
 // Attend rows (qbuf, row_index, row_limit in sc) of KV head h to keys [lo, hi) of `table`,
 // continuing each row's running (m, l, out) state.
 template <int DT, KV T>
 void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64_t hi, int nrows,
             Scratch& sc) {
+  if constexpr (DT != 0 && DT % (kTile * VW) == 0) {
+    if (nrows >= 2 * VW) {
+      attend_tiled<DT, T>(p, table, h, lo, hi, nrows, sc);
+      return;
+    }
+  }
   const int D = DT ? DT : static_cast<int>(p.d);
   const int64_t es = elem_size<T>();
   const int64_t token_bytes = p.hkv * p.d * es;
@@ -464,6 +654,12 @@ void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV 
     sc.qbuf.resize(max_rows * p.d);
     sc.row_index.resize(max_rows);
     sc.row_limit.resize(max_rows);
+    const int64_t padded = (max_rows + 2 * VW - 1) / (2 * VW) * (2 * VW);
+    sc.qt.resize(padded * p.d);
+    sc.st.resize(padded * kKeyBlock);
+    sc.mrow.resize(padded);
+    sc.lrow.resize(padded);
+    sc.arow.resize(padded);
     for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
       switch (kv) {
