@@ -358,3 +358,46 @@ def test_build_names_are_keyed_by_level():
     assert len(set(names.values())) == len(native.ISAS)
     for level, name in names.items():
         assert name.startswith(f"radixkv_cpu_{level}_")
+
+
+@pytest.mark.parametrize("level", native.ISAS)
+def test_each_isa_level_compiles(level, tmp_path):
+    """The kernel sources compile with the flags of every level this host cannot run (a compile
+    error there would silently drop such hosts to the pure-torch paths). Levels the host runs are
+    built and run by test_each_isa_level_builds_and_matches."""
+    import shutil
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    if not native.missing_instructions(level):
+        pytest.skip(f"{level} runs here: built and run by test_each_isa_level_builds_and_matches")
+    compiler = shutil.which("c++") or shutil.which("g++")
+    assert compiler, "no C++ compiler on this host"
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(native._CSRC)]
+    # bindings.cpp has no ISA-specific code
+    sources = [src for src in native._SOURCES if src.name != "bindings.cpp"]
+    procs = [
+        (
+            src,
+            subprocess.Popen(
+                [
+                    compiler,
+                    "-fsyntax-only",
+                    "-std=c++20",
+                    "-fopenmp",
+                    *native.ISA_FLAGS[level],
+                    f"-DRADIXKV_ISA_NAME={level}",
+                    *(f"-I{path}" for path in includes),
+                    str(src),
+                ],
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=tmp_path,
+            ),
+        )
+        for src in sources
+    ]
+    for src, proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{src.name} for {level}:\n{err[-3000:]}"
