@@ -130,7 +130,8 @@ def test_backend_selection(module, monkeypatch):
     assert native_attention_supported(torch.bfloat16, 64) == fast
     assert not native_attention_supported(torch.float32, 64)
     expected = NativeAttentionBackend if fast else NativeCascadeBackend
-    assert isinstance(make_attention_backend("torch", "cpu", torch.bfloat16, 64), expected)
+    # exact types: NativeCascadeBackend subclasses NativeAttentionBackend
+    assert type(make_attention_backend("torch", "cpu", torch.bfloat16, 64)) is expected
     for dtype in (torch.float32, torch.float16):
         assert isinstance(make_attention_backend("torch", "cpu", dtype, 64), NativeCascadeBackend)
     # a head dim without a bf16 fast path takes the float32-math kernel (any head dim)
@@ -184,7 +185,7 @@ def test_model_native_vs_cascade_backend(module, llama_d64):
     page = 16
     a = ModelRunner(llama_d64, num_pages=32, page_size=page, dtype=torch.bfloat16)
     b = ModelRunner(llama_d64, num_pages=32, page_size=page, dtype=torch.bfloat16)
-    assert isinstance(a.backend, NativeAttentionBackend)
+    assert type(a.backend) is NativeAttentionBackend
     b.backend = CascadeTorchBackend()
     prompt = list(range(5, 90))
     first = [RequestSlice(prompt, 0, [1, 2, 3, 4, 5, 6])]

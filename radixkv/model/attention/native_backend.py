@@ -201,35 +201,17 @@ class NativeCascadeMeta(NativeAttnMeta):
     groups: list[PrefixGroup]
 
 
-class NativeCascadeBackend(AttentionBackend):
+class NativeCascadeBackend(NativeAttentionBackend):
     """CPU backend over the float32-math kernel with in-kernel shared-prefix groups (any ISA)."""
 
-    name = "torch"
-
-    def __init__(self) -> None:
-        self.module = native.load()
-        if self.module is None:
-            raise RuntimeError(f"native CPU kernels unavailable: {native.build_error()}")
-
     def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> NativeCascadeMeta:
-        if batch.page_size <= 0:
-            raise ValueError("ForwardBatch.page_size must be set for the torch backend")
+        meta = super().prepare(batch, dtype)
         P = batch.page_size
-        prefix = [int(x) for x in batch.prefix_lens]
-        ext = [int(x) for x in batch.extend_lens]
-        table = batch.page_table.to(torch.int32).contiguous()
+        prefix, ext = meta.prefix_lens, meta.extend_lens
         lead = max((p // P for p in prefix), default=0)
-        pages = table[:, :lead].tolist() if lead else [[] for _ in prefix]
+        pages = meta.page_table[:, :lead].tolist() if lead else [[] for _ in prefix]
         groups = shared_prefix_groups(pages, prefix, ext, P, NATIVE_MIN_SHARED_TOKENS)
-        slots = batch.out_slots if batch.out_slots.dtype == torch.long else batch.out_slots.long()
-        return NativeCascadeMeta(
-            out_slots=slots,
-            page_table=table,
-            prefix_lens=prefix,
-            extend_lens=ext,
-            extend_starts=batch.extend_starts,
-            groups=groups,
-        )
+        return NativeCascadeMeta(**vars(meta), groups=groups)
 
     def forward(
         self,
