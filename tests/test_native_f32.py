@@ -217,6 +217,22 @@ def test_bad_inputs_raise_clear_errors(module):
             case.starts,
             0.1,
         )
+    # the wrapper casts q to float32; the kernel itself rejects any other dtype
+    for dtype in (torch.float64, torch.bfloat16):
+        with pytest.raises(RuntimeError, match="q must be float32"):
+            module.paged_attention_f32(
+                case.q.to(dtype),
+                case.k_cache,
+                case.v_cache,
+                case.table,
+                case.prefix,
+                case.ext,
+                case.starts,
+                0.1,
+                [],
+                [],
+                [],
+            )
 
 
 # -- prefix groups ------------------------------------------------------------------------------

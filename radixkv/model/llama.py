@@ -340,7 +340,7 @@ class LlamaModel(nn.Module):
         """Run one step; returns float32 logits ``[B, vocab]`` (or ``[T, vocab]``)."""
         dtype = self.embed_tokens.weight.dtype
         meta = backend.prepare(batch, dtype)
-        ops = self._fused_ops()
+        ops = self._fused_ops(backend)
         if ops is not None:
             return self._forward_fused(
                 ops, batch, k_caches, v_caches, backend, meta, return_all_logits
@@ -353,11 +353,15 @@ class LlamaModel(nn.Module):
             (x,) = _last_token_rows(batch, x)
         return self.lm_head(self.norm(x)).float()
 
-    def _fused_ops(self) -> Any | None:
-        """The native fused ops when this model runs in bf16 on the CPU and they are built."""
+    def _fused_ops(self, backend: AttentionBackend) -> Any | None:
+        """The native fused ops when this model runs in bf16 on the CPU and they are built: the
+        attention backend's own native build where it has one (one ISA level per runner)."""
         w = self.embed_tokens.weight
         if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not self.use_fused_ops:
             return None
+        module = getattr(backend, "module", None)
+        if module is not None:
+            return module
         from radixkv.model import native
 
         return native.load()

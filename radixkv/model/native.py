@@ -39,6 +39,7 @@ __all__ = [
     "host_isa",
     "kernel_isa",
     "missing_instructions",
+    "runnable_isas",
 ]
 
 log = logging.getLogger(__name__)
@@ -148,29 +149,54 @@ def _build(isa: str) -> Any:
     )
 
 
-def load() -> Any | None:
+def load(isa: str | None = None) -> Any | None:
     """The compiled module (``paged_attention``, ``paged_attention_f32``, ``rms_norm``...) or
-    ``None`` (disabled, or the build failed: see :func:`build_error`)."""
-    if "module" in _state:
-        return _state["module"]
-    with _lock:
-        if "module" not in _state:
-            module = None
-            if os.environ.get("RADIXKV_NATIVE", "1") == "0":
-                _state["error"] = "disabled by RADIXKV_NATIVE=0"
-            else:
+    ``None`` (disabled, or the build failed: see :func:`build_error`).
+
+    ``isa=None`` loads the default level: ``RADIXKV_ISA`` if set, else :func:`host_isa` (read at
+    each call, so a test may switch levels between runners). An explicit ``isa`` loads that
+    level and raises ``ValueError`` if this host cannot run it. Each level is built and loaded
+    once per process; modules of several levels can live side by side (their names differ).
+    """
+    if os.environ.get("RADIXKV_NATIVE", "1") == "0":
+        _state["error"] = "disabled by RADIXKV_NATIVE=0"
+        return None
+    if isa is None:
+        try:
+            target = _target_isa()
+        except ValueError as exc:  # a RADIXKV_ISA this host cannot run: warn, use pure torch
+            _record_failure(None, exc)
+            return None
+    else:
+        missing = missing_instructions(isa)
+        if missing:
+            raise ValueError(f"ISA {isa} needs {', '.join(missing)}, which this CPU lacks")
+        target = isa
+    modules: dict[str, Any] = _state.setdefault("modules", {})
+    if target not in modules:
+        with _lock:
+            if target not in modules:
                 try:
-                    isa = _target_isa()
-                    module = _build(isa)
-                    _state["isa"] = isa
+                    modules[target] = _build(target)
                 except Exception as exc:  # a compiler error must not take the engine down
-                    _state["error"] = f"{type(exc).__name__}: {exc}"
-                    log.warning(
-                        "radixkv native CPU kernels unavailable (%s); using pure-torch attention",
-                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                    )
-            _state["module"] = module
-    return _state["module"]
+                    _record_failure(target, exc)
+                    modules[target] = None
+    module = modules[target]
+    if isa is None:
+        _state["isa"] = target if module is not None else None
+    return module
+
+
+def _record_failure(isa: str | None, exc: Exception) -> None:
+    """Remember why a level is unavailable and warn once per reason."""
+    error = f"{type(exc).__name__}: {exc}"
+    if _state.get("error") != error:
+        log.warning(
+            "radixkv native CPU kernels unavailable%s (%s); using pure-torch attention",
+            f" for {isa}" if isa else "",
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+    _state["error"] = error
 
 
 def available() -> bool:
@@ -179,8 +205,13 @@ def available() -> bool:
 
 
 def kernel_isa() -> str | None:
-    """The ISA level of the loaded build (``None`` if the kernels are unavailable)."""
+    """The ISA level of the default build (``None`` if the kernels are unavailable)."""
     return _state.get("isa") if load() is not None else None
+
+
+def runnable_isas() -> list[str]:
+    """Every level of :data:`ISAS` this host can run, widest first (``portable`` always)."""
+    return [isa for isa in ISAS if not missing_instructions(isa)]
 
 
 def build_error() -> str | None:

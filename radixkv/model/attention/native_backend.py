@@ -52,6 +52,14 @@ def native_attention_supported(dtype: torch.dtype, head_dim: int | None = None) 
     return head_dim is None or bool(module.has_fast_path(head_dim))
 
 
+def _module(module: Any | None) -> Any:
+    """``module``, else the default native build; ``RuntimeError`` if there is none."""
+    module = module if module is not None else native.load()
+    if module is None:
+        raise RuntimeError(f"native CPU kernels unavailable: {native.build_error()}")
+    return module
+
+
 def native_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -61,16 +69,16 @@ def native_paged_attention(
     extend_lens: list[int],
     extend_starts: list[int],
     sm_scale: float,
+    module: Any | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D] -> o [T, Hq, D]`` (bf16) over the pages; new K/V must already be stored.
 
     Same contract as :func:`radixkv.model.attention.base.torch_extend_attention` (causal over each
     request's new tokens, full over its cached prefix), with plain lists for the lengths.
+    ``module`` is the native build to call (default :func:`radixkv.model.native.load`).
     Raises ``RuntimeError`` if the native module is unavailable.
     """
-    module = native.load()
-    if module is None:
-        raise RuntimeError(f"native CPU kernels unavailable: {native.build_error()}")
+    module = _module(module)
     table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
     return module.paged_attention(
         q.to(torch.bfloat16).contiguous(),
@@ -96,14 +104,19 @@ class NativeAttnMeta:
 
 
 class NativeAttentionBackend(AttentionBackend):
-    """CPU backend over the native paged-attention kernel (bfloat16 pools)."""
+    """CPU backend over the native paged-attention kernel (bfloat16 pools).
+
+    The native build is chosen once, at construction (``isa``, else the default level of
+    :func:`radixkv.model.native.load`); :attr:`isa` names it.
+    """
 
     name = "torch"
 
-    def __init__(self) -> None:
-        self.module = native.load()
+    def __init__(self, isa: str | None = None) -> None:
+        self.module = native.load(isa)
         if self.module is None:
             raise RuntimeError(f"native CPU kernels unavailable: {native.build_error()}")
+        self.isa: str = self.module.kernel_isa()
 
     def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> NativeAttnMeta:
         if batch.page_size <= 0:
@@ -137,6 +150,7 @@ class NativeAttentionBackend(AttentionBackend):
             meta.extend_lens,
             meta.extend_starts,
             sm_scale,
+            self.module,
         )
 
 
@@ -158,6 +172,7 @@ def native_paged_attention_f32(
     extend_starts: list[int],
     sm_scale: float,
     groups: list[PrefixGroup] | None = None,
+    module: Any | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D] -> o [T, Hq, D]`` (float32) over float32/bf16/fp16 pages, in place.
 
@@ -166,9 +181,7 @@ def native_paged_attention_f32(
     first ``shared`` tokens are the same pages, read once for all members. The kernel checks
     that members really share those page ids and raises ``RuntimeError`` otherwise.
     """
-    module = native.load()
-    if module is None:
-        raise RuntimeError(f"native CPU kernels unavailable: {native.build_error()}")
+    module = _module(module)
     members: list[int] = []
     offsets: list[int] = []
     shared: list[int] = []
@@ -234,5 +247,6 @@ class NativeCascadeBackend(NativeAttentionBackend):
             meta.extend_starts,
             sm_scale,
             meta.groups,
+            self.module,
         )
         return out if out.dtype == q.dtype else out.to(q.dtype)
