@@ -76,3 +76,35 @@ def tiny_model(tiny_llama):
     from radixkv.model.loader import LoadedModel
 
     return LoadedModel(tiny_llama, ByteTokenizer(), tiny_llama.config, "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def real_oracle(real_model):
+    """The float64 oracle of SmolLM2 (see tests/oracle.py)."""
+    from oracle import Oracle
+
+    return Oracle(real_model.hf_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_oracle(tiny_llama):
+    """The float64 oracle of the tiny random Llama."""
+    from oracle import Oracle
+
+    return Oracle(tiny_llama)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Print the precision contract's worst ratio per kernel path (tests/oracle.py)."""
+    try:
+        from oracle import RATIOS
+    except ImportError:  # pragma: no cover
+        return
+    if not RATIOS:
+        return
+    from radixkv.model import native
+
+    terminalreporter.section("precision contract: worst radixkv error / transformers error")
+    terminalreporter.write_line(f"host ISA: {native.host_isa()}")
+    for path, ratio in sorted(RATIOS.items()):
+        terminalreporter.write_line(f"{path:32s} {ratio:8.3f}")

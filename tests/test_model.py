@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
+from kernel_paths import assert_runs_path, bf16_paths, fp32_paths, use_path
+from oracle import BF16, FP32, Contract, Oracle, check_greedy_tokens, check_rows
 
 from radixkv.model.attention.base import torch_store_kvcache
 from radixkv.model.attention.torch_backend import torch_decode_attention, torch_extend_attention
@@ -19,11 +22,6 @@ def hf_last_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """transformers' float32 logits of the last token of ``ids``."""
     with torch.inference_mode():
         return hf_model(torch.tensor([ids])).logits[0, -1].float()
-
-
-def hf_all_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf_model(torch.tensor([ids])).logits[0].float()
 
 
 class PageDealer:
@@ -42,63 +40,111 @@ def pages_for(n_tokens: int) -> int:
     return -(-n_tokens // PAGE)
 
 
-def run_mixed_scenario(
-    runner: ModelRunner,
-    hf_model: torch.nn.Module,
-    vocab: int,
-    decode_steps: int,
-    atol: float,
-    seed: int = 0,
-) -> float:
-    """Prefill A; then one mixed step (A decodes, B extends after A's first 2 pages, C prefills);
-    then ``decode_steps - 1`` steps where all three decode. Every logit row is checked against
-    transformers recomputing the whole sequence. Returns the worst max-abs error seen."""
-    g = torch.Generator().manual_seed(seed)
-    dealer = PageDealer(runner.num_pages, seed)
-    cap = 64 + decode_steps + 1
-    a_ids = torch.randint(0, vocab, (45,), generator=g).tolist()  # not a page multiple
-    a_pages = dealer.take(pages_for(cap))
-    logits = runner.forward(runner.build_batch([RequestSlice(a_ids, 0, a_pages)]), True)
-    worst = (logits - hf_all_logits(hf_model, a_ids)).abs().max().item()
-    assert worst < atol, f"plain prefill differs by {worst}"
+@dataclass
+class MixedScenario:
+    """Three sequences run as: prefill A; one mixed step (A decodes, B extends after A's first
+    2 pages, C prefills); then ``decode_steps - 1`` steps where all three decode. The tokens fed
+    after each prompt are the float64 oracle's greedy continuation, fixed up front, so every path
+    runs the same tokens and the oracle's rows are computed once."""
 
-    # B shares A's first two full pages (32 tokens) by page id, then adds 19 new tokens.
-    shared = 2 * PAGE
-    b_ids = a_ids[:shared] + torch.randint(0, vocab, (19,), generator=g).tolist()
-    b_pages = a_pages[:2] + dealer.take(pages_for(cap) - 2)
-    c_ids = torch.randint(0, vocab, (30,), generator=g).tolist()
-    c_pages = dealer.take(pages_for(cap))
-    a_next = int(logits[-1].argmax())
-    a_ids.append(a_next)
-    seqs = {"A": (a_ids, a_pages), "B": (b_ids, b_pages), "C": (c_ids, c_pages)}
-    reqs = [
-        RequestSlice(b_ids[shared:], shared, b_pages),
-        RequestSlice([a_next], len(a_ids) - 1, a_pages),
-        RequestSlice(c_ids, 0, c_pages),
-    ]
-    order = ["B", "A", "C"]
-    for step in range(decode_steps):
-        out = runner.forward(runner.build_batch(reqs))
-        assert out.shape == (len(reqs), vocab) and out.dtype == torch.float32
-        for row, name in enumerate(order):
-            ref = hf_last_logits(hf_model, seqs[name][0])
-            err = (out[row] - ref).abs().max().item()
-            worst = max(worst, err)
-            assert err < atol, f"step {step} request {name}: max abs diff {err}"
-        # next step: everybody decodes its greedy token
-        reqs = []
-        for row, name in enumerate(order):
-            ids, pages = seqs[name]
-            tok = int(out[row].argmax())
-            ids.append(tok)
-            reqs.append(RequestSlice([tok], len(ids) - 1, pages))
-    return worst
+    seqs: dict[str, list[int]]  # full sequences: prompt + fed continuation
+    prompt_lens: dict[str, int]
+    decode_steps: int
+    shared: int = 2 * PAGE  # B's first tokens are A's, on A's pages
+
+    @classmethod
+    def build(cls, oracle: Oracle, vocab: int, decode_steps: int, seed: int = 0) -> MixedScenario:
+        g = torch.Generator().manual_seed(seed)
+        a = torch.randint(0, vocab, (45,), generator=g).tolist()  # not a page multiple
+        b = a[: 2 * PAGE] + torch.randint(0, vocab, (19,), generator=g).tolist()
+        c = torch.randint(0, vocab, (30,), generator=g).tolist()
+        fed = {"A": decode_steps, "B": decode_steps - 1, "C": decode_steps - 1}
+        seqs = {}
+        for name, prompt in (("A", a), ("B", b), ("C", c)):
+            seqs[name] = prompt + oracle.greedy(prompt, fed[name])
+        return cls(seqs, {"A": len(a), "B": len(b), "C": len(c)}, decode_steps)
+
+    def run(self, runner: ModelRunner, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Every step through ``runner``; the logit rows of each sequence, by position."""
+        dealer = PageDealer(runner.num_pages, seed)
+        cap = max(len(s) for s in self.seqs.values()) + 1
+        pages = {name: dealer.take(pages_for(cap)) for name in ("A", "C")}
+        pages["B"] = pages["A"][:2] + dealer.take(pages_for(cap) - 2)
+        rows: dict[str, list[torch.Tensor]] = {"A": [], "B": [], "C": []}
+        a_len = self.prompt_lens["A"]
+        a0 = RequestSlice(self.seqs["A"][:a_len], 0, pages["A"])
+        logits = runner.forward(runner.build_batch([a0]), True)
+        rows["A"].extend(logits)
+        pos = {"A": a_len, "B": self.shared, "C": 0}  # next position to feed
+        order = ["B", "A", "C"]
+        for _step in range(self.decode_steps):
+            reqs = []
+            for name in order:
+                end = (
+                    self.prompt_lens[name] if pos[name] < self.prompt_lens[name] else pos[name] + 1
+                )
+                ids = self.seqs[name][pos[name] : end]
+                reqs.append(RequestSlice(ids, pos[name], pages[name]))
+                pos[name] = end
+            out = runner.forward(runner.build_batch(reqs))
+            assert out.shape == (len(reqs), runner.vocab_size) and out.dtype == torch.float32
+            for row, name in enumerate(order):
+                rows[name].append(out[row])
+        return {name: torch.stack(r) for name, r in rows.items()}
+
+    def positions(self, name: str) -> list[int]:
+        """The positions whose logits :meth:`run` returns for ``name``, in order."""
+        if name == "A":
+            return list(range(self.prompt_lens["A"] + self.decode_steps))
+        return list(range(self.prompt_lens[name] - 1, len(self.seqs[name])))
+
+    def judge(
+        self, rows: dict[str, torch.Tensor], oracle: Oracle, contract: Contract, path: str
+    ) -> int:
+        """Every row within ``contract`` of the oracle, greedy tokens the oracle's unless tied;
+        returns the number of decisive greedy rows."""
+        decisive = 0
+        for name, got in rows.items():
+            at = self.positions(name)
+            seq = self.seqs[name]
+            truth = oracle.logits(seq)[at]
+            prefill = self.prompt_lens[name]
+            refs = [r[at] for r in oracle.references(seq, contract_dtype(contract), prefill)]
+            bound = check_rows(got, truth, refs, contract, path, f"request {name} logits")
+            argmax = got.argmax(-1).tolist()
+            decisive += check_greedy_tokens(argmax, truth, bound, f"{path} request {name}")
+        return decisive
 
 
-def test_tiny_llama_matches_transformers_mixed_batch(tiny_llama):
+def contract_dtype(contract: Contract) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[contract.name]
+
+
+@pytest.fixture(scope="module")
+def tiny_scenario(tiny_oracle):
+    return MixedScenario.build(tiny_oracle, 256, decode_steps=6)
+
+
+@pytest.mark.parametrize("path", fp32_paths(), ids=str)
+def test_tiny_llama_matches_oracle_mixed_batch(
+    tiny_llama, tiny_oracle, tiny_scenario, path, monkeypatch
+):
+    use_path(path, monkeypatch)
     runner = ModelRunner(tiny_llama, num_pages=64, page_size=PAGE, dtype=torch.float32)
-    assert runner.attention_backend == "torch"
-    run_mixed_scenario(runner, tiny_llama, 256, decode_steps=6, atol=1e-4)
+    assert_runs_path(runner.backend, path, runner.config.head_dim)
+    rows = tiny_scenario.run(runner)
+    assert tiny_scenario.judge(rows, tiny_oracle, FP32, str(path)) > 0
+
+
+@pytest.mark.parametrize("path", bf16_paths(), ids=str)
+def test_tiny_llama_bf16_matches_oracle_mixed_batch(
+    tiny_llama, tiny_oracle, tiny_scenario, path, monkeypatch
+):
+    use_path(path, monkeypatch)
+    runner = ModelRunner(tiny_llama, num_pages=64, page_size=PAGE, dtype=torch.bfloat16)
+    assert_runs_path(runner.backend, path, runner.config.head_dim)
+    rows = tiny_scenario.run(runner)
+    tiny_scenario.judge(rows, tiny_oracle, BF16, str(path))
 
 
 def test_tiny_llama_config_and_state_dict_constructor(tiny_llama):
@@ -110,23 +156,35 @@ def test_tiny_llama_config_and_state_dict_constructor(tiny_llama):
     torch.testing.assert_close(logits[0], hf_last_logits(tiny_llama, ids), atol=1e-4, rtol=0)
 
 
-def test_tiny_llama_bf16_close_to_fp32(tiny_llama):
-    ids = list(range(10, 60))
-    ref = hf_last_logits(tiny_llama, ids)
-    runner = ModelRunner(tiny_llama, num_pages=8, page_size=PAGE, dtype=torch.bfloat16)
-    out = runner.forward(runner.build_batch([RequestSlice(ids, 0, [3, 1, 6, 4])]))
-    assert out.dtype == torch.float32
-    assert (out[0] - ref).abs().max().item() < 0.15 * ref.abs().max().item()
+@pytest.fixture(scope="module")
+def real_scenario(real_oracle, real_model):
+    return MixedScenario.build(real_oracle, real_model.config.vocab_size, decode_steps=16)
 
 
 @pytest.mark.real_model
 @pytest.mark.slow
-def test_smollm2_matches_transformers_mixed_batch(real_model):
+@pytest.mark.parametrize("path", fp32_paths(), ids=str)
+def test_smollm2_matches_oracle_mixed_batch(
+    real_model, real_oracle, real_scenario, path, monkeypatch
+):
+    use_path(path, monkeypatch)
     runner = ModelRunner(real_model, num_pages=40, page_size=PAGE, dtype=torch.float32)
-    worst = run_mixed_scenario(
-        runner, real_model.hf_model, real_model.config.vocab_size, decode_steps=16, atol=1e-3
-    )
-    assert worst < 1e-3
+    assert_runs_path(runner.backend, path, runner.config.head_dim)
+    rows = real_scenario.run(runner)
+    assert real_scenario.judge(rows, real_oracle, FP32, str(path)) > 0
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@pytest.mark.parametrize("path", bf16_paths(), ids=str)
+def test_smollm2_bf16_matches_oracle_mixed_batch(
+    real_model, real_oracle, real_scenario, path, monkeypatch
+):
+    use_path(path, monkeypatch)
+    runner = ModelRunner(real_model, num_pages=40, page_size=PAGE, dtype=torch.bfloat16)
+    assert_runs_path(runner.backend, path, runner.config.head_dim)
+    rows = real_scenario.run(runner)
+    real_scenario.judge(rows, real_oracle, BF16, str(path))
 
 
 @pytest.mark.real_model
