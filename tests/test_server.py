@@ -1,7 +1,7 @@
 """The HTTP server, run for real (uvicorn on a loopback port) and called with real clients.
 
-The server is built on the engine from ``server_engine`` below: the real :class:`radixkv.Engine`
-on a tiny random Llama when available, else the deterministic fake in ``fake_engine.py``.
+The server is built on each engine of ``server_engine`` below: the deterministic fake in
+``fake_engine.py``, then the real :class:`radixkv.Engine` on a tiny random Llama.
 Assertions about the exact text only hold for the fake (it echoes the prompt); everything else
 (shapes, usage, caching, aborts, page accounting) is checked on both.
 """
@@ -32,18 +32,14 @@ LONG_PROMPT = (
 
 
 def build_tiny_engine() -> Any:
-    """The real ``radixkv.Engine`` on a tiny random Llama with the fake's byte tokenizer.
+    """The real ``radixkv.Engine`` on a tiny random Llama with the fake's byte tokenizer (an
+    import or build error fails the tests that use it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    ``pytest.skip`` (naming what is missing) when the engine cannot be built yet.
-    """
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+    from radixkv.engine.engine import Engine
+    from radixkv.model.loader import LoadedModel
 
-        from radixkv.engine.engine import Engine
-        from radixkv.model.loader import LoadedModel
-    except Exception as exc:  # pragma: no cover - depends on the engine's progress
-        pytest.skip(f"radixkv.Engine is not importable: {exc!r}")
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=320,
