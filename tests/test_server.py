@@ -229,21 +229,32 @@ def test_completion_n_and_seed(client: openai.OpenAI, server_engine: Any) -> Non
 
 
 def test_completion_stream_n(client: openai.OpenAI) -> None:
-    texts: dict[int, str] = {}
-    finished: set[int] = set()
-    for chunk in client.completions.create(
+    """Two seeded sampled streams: each choice streams the text the same request gets without
+    streaming (seeded rows are reproducible), and the usage counts both."""
+    kwargs: dict[str, Any] = dict(
         model=MODEL,
         prompt="two streams",
         max_tokens=3,
         n=2,
-        stream=True,
+        seed=11,
+        temperature=0.8,
         extra_body={"ignore_eos": True},
+    )
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
     ):
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
             if choice.finish_reason:
-                finished.add(choice.index)
-    assert finished == {0, 1}
+                finished[choice.index] = choice.finish_reason
+        usage = chunk.usage or usage
+    assert finished == {0: "length", 1: "length"}
+    assert usage is not None and usage.completion_tokens == 6
+    full = client.completions.create(**kwargs)
+    assert texts == {c.index: c.text for c in full.choices}
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
@@ -423,31 +434,52 @@ def test_generate_input_ids_stream(server: ServerThread, server_engine: Any) -> 
     assert last["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_generate_n(server: ServerThread) -> None:
+def test_generate_n(server: ServerThread, server_engine: Any) -> None:
+    sampling = {"max_new_tokens": 2, "n": 2, "ignore_eos": True, "seed": 3}
     r = httpx.post(
         f"{server.base_url}/generate",
-        json={"text": "xyz!", "sampling_params": {"max_new_tokens": 2, "n": 2, "ignore_eos": True}},
+        json={"text": "xyz!", "sampling_params": sampling},
         timeout=30,
     )
+    assert r.status_code == 200, r.text
     body = r.json()
     assert isinstance(body, list) and [b["index"] for b in body] == [0, 1]
+    for b in body:
+        assert len(b["output_ids"]) == 2, b
+        assert b["meta_info"]["completion_tokens"] == 2
+        assert b["meta_info"]["finish_reason"]["type"] == "length"
+        assert b["text"] == server_engine.tokenizer.decode(b["output_ids"])
 
 
 # ---------------------------------------------------------------------------------- admin
 
 
 def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
-    client.completions.create(
+    """One request moves every counter by exactly its own share (nothing else runs)."""
+    wait_idle(server)
+    before = httpx.get(f"{server.base_url}/metrics", timeout=10)
+    assert before.status_code == 200
+    out = client.completions.create(
         model=MODEL, prompt="metrics please", max_tokens=3, extra_body={"ignore_eos": True}
     )
+    wait_idle(server)
     r = httpx.get(f"{server.base_url}/metrics", timeout=10)
     assert r.status_code == 200
     text = r.text
-    assert metric_value(text, "radixkv_prompt_tokens_total") > 0
-    assert metric_value(text, "radixkv_generation_tokens_total") >= 3
-    assert metric_value(text, "radixkv_time_to_first_token_seconds_count") > 0
-    assert metric_value(text, "radixkv_inter_token_latency_seconds_count") > 0
-    assert metric_value(text, "radixkv_e2e_request_latency_seconds_count") > 0
+
+    def delta(name: str, labels: str = "") -> float:
+        return metric_value(text, name, labels) - metric_value(before.text, name, labels)
+
+    usage = out.usage
+    assert usage is not None and usage.prompt_tokens > 0 and usage.completion_tokens == 3
+    cached = usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert delta("radixkv_prompt_tokens_total") == usage.prompt_tokens
+    assert delta("radixkv_generation_tokens_total") == 3
+    assert delta("radixkv_cached_tokens_total") == cached
+    assert delta("radixkv_requests_total", 'finish_reason="length"') == 1
+    assert delta("radixkv_time_to_first_token_seconds_count") == 1
+    assert delta("radixkv_inter_token_latency_seconds_count") == 2  # one token per step
+    assert delta("radixkv_e2e_request_latency_seconds_count") == 1
     for name in (
         "radixkv_cached_tokens_total",
         "radixkv_cache_hit_rate",
@@ -463,10 +495,21 @@ def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
     assert metric_value(text, "radixkv_kv_pages_used") > 0
 
 
-def test_cache_stats(server: ServerThread) -> None:
-    stats = httpx.get(f"{server.base_url}/cache/stats", timeout=10).json()
-    for key in ("running", "waiting", "pages_total", "pages_used", "pages_cached", "hit_rate"):
-        assert key in stats
+def test_cache_stats(server: ServerThread, client: openai.OpenAI) -> None:
+    client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    wait_idle(server)
+    r = httpx.get(f"{server.base_url}/cache/stats", timeout=10)
+    assert r.status_code == 200, r.text
+    stats = r.json()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["pages_used"] + stats["pages_free"] == stats["pages_total"] > 0
+    assert stats["pages_cached"] == stats["pages_used"]  # idle: only the cache holds pages
+    assert stats["prompt_tokens_total"] > 0 and stats["pages_cached"] > 0
+    assert stats["hit_rate"] == pytest.approx(
+        stats["cached_tokens_total"] / stats["prompt_tokens_total"]
+    )
 
 
 def test_pin(server: ServerThread, client: openai.OpenAI) -> None:
