@@ -733,6 +733,105 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         "disk_cache_dir": "/tmp/x",
         "disk_cache_bytes": 1000000,
     }
+    covered = set(engine_kwargs(args))
+    # the other knobs, and the flags that go to the app rather than the engine
+    args = parser.parse_args(
+        ["serve", "--kv-cache-memory-gb", "0.5", "--kv-layout", "virtual"]
+        + ["--disk-write-policy", "write_through", "--host-write-policy", "write_through"]
+        + ["--max-model-len", "256", "--device", "cpu", "--seed", "5"]
+        + ["--remote-cache", "redis://127.0.0.1:6399/0"]
+        + ["--served-model-name", "svc", "--api-key-file", "/tmp/keys.txt"]
+    )
+    assert engine_kwargs(args) == {
+        "kv_cache_memory_gb": 0.5,
+        "kv_layout": "virtual",
+        "disk_write_policy": "write_through",
+        "host_write_policy": "write_through",
+        "max_model_len": 256,
+        "device": "cpu",
+        "seed": 5,
+        "remote_cache_url": "redis://127.0.0.1:6399/0",
+    }
+    assert (args.served_model_name, args.api_key_file, args.api_key) == (
+        "svc",
+        "/tmp/keys.txt",
+        None,
+    )
+    covered |= set(engine_kwargs(args))
     from radixkv.config import EngineConfig
+    from radixkv.server.cli import ENGINE_FLAGS
 
-    assert set(engine_kwargs(args)) <= set(EngineConfig.knob_names())
+    # every engine flag is checked by one of the two parses, and each names a real knob
+    assert covered == {knob for _, knob, _, _ in ENGINE_FLAGS} | {"enable_prefix_cache"}
+    assert covered <= set(EngineConfig.knob_names())
+
+
+def test_run_serve_wires_its_flags_into_the_engine_and_the_app(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """``radixkv serve`` end to end on the tiny model (``Engine`` and ``uvicorn.run`` patched
+    to build it and to serve in a thread): the served name, keys from --api-key-file, a pool
+    sized by --kv-cache-memory-gb, the virtual layout and write-through to the disk tier."""
+    import uvicorn
+
+    import radixkv
+    from bench.tiny_model import tiny_loaded_model
+    from radixkv.cli import main
+    from radixkv.engine.engine import Engine
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# one tenant\nkey-from-file\n")
+    page, gb = 32, 0.001
+    built: dict[str, Any] = {}
+
+    def engine_from_name(model: str, **knobs: Any) -> Any:
+        built.update(model=model, knobs=knobs)
+        built["engine"] = Engine(tiny_loaded_model(), **knobs)
+        return built["engine"]
+
+    checked: list[str] = []
+
+    def serve(app: Any, host: str, port: int, log_level: str) -> None:
+        assert (host, port) == ("127.0.0.1", 9123)
+        auth = {"Authorization": "Bearer key-from-file"}
+        with ServerThread(app) as srv:
+            assert httpx.get(f"{srv.base_url}/v1/models", timeout=10).status_code == 401
+            r = httpx.get(f"{srv.base_url}/v1/models", headers=auth, timeout=10)
+            assert r.status_code == 200, r.text
+            assert [m["id"] for m in r.json()["data"]] == ["svc-name"]
+            body = {"model": "svc-name", "prompt": LONG_PROMPT, "max_tokens": 2}
+            r = httpx.post(
+                f"{srv.base_url}/v1/completions",
+                json={**body, "temperature": 0, "ignore_eos": True},
+                headers=auth,
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "svc-name"
+            prompt_pages = r.json()["usage"]["prompt_tokens"] // page
+            # write-through: the prompt's pages reach the disk at once (the pool holds 65
+            # pages, so nothing is evicted: write-back would leave the disk empty)
+            deadline = time.monotonic() + 20
+            while True:
+                stats = httpx.get(f"{srv.base_url}/cache/stats", headers=auth, timeout=10).json()
+                if stats["tiers"]["disk_files"] >= prompt_pages or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert stats["tiers"]["disk_files"] >= prompt_pages > 0, stats["tiers"]
+            # 2 layers x K,V x page x 2 kv heads x head dim 16 x 4 bytes per page
+            assert stats["pages_total"] == int(gb * (1 << 30)) // (2 * 2 * page * 2 * 16 * 4)
+        checked.append("served")
+
+    monkeypatch.setattr(radixkv, "Engine", engine_from_name)
+    monkeypatch.setattr(uvicorn, "run", serve)
+    argv = ["serve", "--model", "tiny", "--port", "9123", "--log-level", "warning"]
+    argv += ["--served-model-name", "svc-name", "--api-key-file", str(keys)]
+    argv += ["--page-size", str(page), "--dtype", "float32", "--kv-cache-memory-gb", str(gb)]
+    argv += ["--kv-layout", "virtual", "--disk-cache-dir", str(tmp_path / "disk")]
+    argv += ["--disk-write-policy", "write_through"]
+    assert main(argv) == 0
+    assert checked == ["served"]
+    assert built["model"] == "tiny"
+    engine = built["engine"]
+    assert engine.runner.virtual is not None  # --kv-layout virtual reached the runner
+    assert engine.tiers.disk is not None
