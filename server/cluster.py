@@ -32,7 +32,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Cluster", "add_cluster_parser", "free_port", "run_cluster", "split_cores"]
+__all__ = [
+    "Cluster",
+    "add_cluster_parser",
+    "cluster_from_args",
+    "free_port",
+    "run_cluster",
+    "split_cores",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -187,15 +194,20 @@ class Cluster:
             time.sleep(0.05)
         raise RuntimeError(f"redis-server did not start on port {self.redis_port}")
 
-    def _start_replica(self, i: int) -> None:
-        cores = self.core_groups[i]
+    def replica_command(self, i: int) -> list[str]:
+        """The command line of replica ``i`` (``radixkv serve`` with its port, the remote tier
+        when on, then the extra serve arguments)."""
         cmd = [sys.executable, "-m", "radixkv", "serve", "--model", self.model]
         cmd += ["--port", str(self.ports[i]), "--host", "127.0.0.1"]
         if self.remote_cache:
             cmd += ["--remote-cache", str(self.redis_url)]
             if "--host-write-policy" not in self.serve_args:
                 cmd += ["--host-write-policy", "write_through"]
-        cmd += self.serve_args
+        return cmd + self.serve_args
+
+    def _start_replica(self, i: int) -> None:
+        cores = self.core_groups[i]
+        cmd = self.replica_command(i)
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = str(len(cores))
         out = self._out(f"replica{i}")
@@ -270,6 +282,23 @@ def add_cluster_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     return p
 
 
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
+    """The (not yet started) :class:`Cluster` that ``radixkv cluster`` runs for ``args``."""
+    extra = list(args.serve_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    return Cluster(
+        args.replicas,
+        args.port,
+        args.model,
+        extra,
+        remote_cache=not args.no_remote_cache,
+        redis_maxmemory=args.redis_maxmemory,
+        redis_port=args.redis_port,
+        log_dir=args.log_dir,
+    )
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     """Start everything, serve the router until Ctrl-C, stop everything. Returns the exit
     code."""
@@ -280,20 +309,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    extra = list(args.serve_args)
-    if extra and extra[0] == "--":
-        extra = extra[1:]
     try:
-        cluster = Cluster(
-            args.replicas,
-            args.port,
-            args.model,
-            extra,
-            remote_cache=not args.no_remote_cache,
-            redis_maxmemory=args.redis_maxmemory,
-            redis_port=args.redis_port,
-            log_dir=args.log_dir,
-        )
+        cluster = cluster_from_args(args)
     except (ValueError, RuntimeError) as exc:
         print(f"radixkv cluster: {exc}", file=sys.stderr)
         return 2

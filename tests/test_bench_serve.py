@@ -3,10 +3,10 @@
 * A small fake OpenAI-compatible app defined here (streaming completions + chat, a page-granular
   toy prefix cache reporting ``cached_tokens``) checks the report schema, multi-turn replay with
   real answers, concurrency limits and the CLI. It needs nothing but FastAPI.
-* The real radixkv server (``server.app.create_app`` around ``radixkv.Engine`` on a tiny random
-  Llama) checks that hit rates measured over HTTP equal the server's ``/metrics`` counters and the
-  simulator's figure for the same trace and capacity (within one page per request). That test
-  skips, saying why, while the engine cannot be built.
+* The real radixkv server (``radixkv.server.app.create_app`` around ``radixkv.Engine`` on a tiny
+  random Llama) checks that hit rates measured over HTTP equal the server's ``/metrics`` counters
+  and the simulator's figure for the same trace and capacity (within one page per request). An
+  error building the engine fails that test.
 """
 
 from __future__ import annotations
@@ -368,43 +368,38 @@ class _ByteishTokenizer:
 
 
 def _real_app(kv_cache_tokens: int, page_size: int) -> tuple[Any, Any]:
-    """``create_app(Engine(tiny random Llama))``, or ``pytest.skip`` saying what is missing."""
-    try:
-        from server.app import create_app
-    except Exception as e:  # pragma: no cover - depends on the server's progress
-        pytest.skip(f"server.app.create_app is not importable yet: {e!r}")
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+    """``create_app(Engine(tiny random Llama))`` after one warm-up request. Any error building
+    the engine or generating is raised: an engine regression fails this test, never skips it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-        from radixkv.engine.engine import Engine
-        from radixkv.model.loader import LoadedModel
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.sampling import SamplingParams
+    from radixkv.model.loader import LoadedModel
+    from radixkv.server.app import create_app
 
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-        )
-        hf = LlamaForCausalLM(cfg).eval()
-        model = LoadedModel(hf_model=hf, tokenizer=_ByteishTokenizer(), config=cfg, name="tiny")
-        engine = Engine(
-            model,
-            page_size=page_size,
-            kv_cache_tokens=kv_cache_tokens,
-            attention_backend="torch",
-            dtype="float32",
-        )
-        from radixkv.engine.sampling import SamplingParams
-
-        engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0.0))
-        engine.flush_cache()
-    except Exception as e:  # pragma: no cover - depends on the engine's progress
-        pytest.skip(f"radixkv.engine.engine.Engine cannot run a tiny random Llama yet: {e!r}")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    hf = LlamaForCausalLM(cfg).eval()
+    model = LoadedModel(hf_model=hf, tokenizer=_ByteishTokenizer(), config=cfg, name="tiny")
+    engine = Engine(
+        model,
+        page_size=page_size,
+        kv_cache_tokens=kv_cache_tokens,
+        attention_backend="torch",
+        dtype="float32",
+    )
+    (warm,) = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(warm.token_ids) == 2, warm
+    engine.flush_cache()
     return create_app(engine, model_name="tiny"), engine
 
 

@@ -1,6 +1,7 @@
 """``radixkv cluster`` end to end: a real redis-server, two real ``radixkv serve`` processes
 (SmolLM2, fp32, each pinned to its own CPUs) and the router; a prompt one replica computed is
-served by the other from Redis with the same greedy text; Ctrl-C stops everything."""
+served by the other from Redis with the same greedy text; Ctrl-C stops everything. The replicas'
+command lines (with and without ``--no-remote-cache``) are checked without starting anything."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import time
 import httpx
 import pytest
 from redis_fixture import free_port
-
-pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 PROMPT = (
     "You are a helpful assistant for a public library. Opening hours are nine to five on "
@@ -35,6 +34,22 @@ def _complete(base: str, model: str) -> dict:
     return r.json()
 
 
+def _wait_written(url: str, tokens: int, timeout: float = 60.0) -> dict:
+    """Poll ``url``'s ``/cache/stats`` until its remote tier has written at least ``tokens``
+    tokens' worth of pages and has no write pending; its remote stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(url + "/cache/stats", timeout=10).json()
+        remote = stats["tiers"]["remote"]
+        if remote["pending_writes"] == 0 and remote["writes"] * stats["page_size"] >= tokens:
+            return remote
+        if time.monotonic() > deadline:
+            pytest.fail(f"{url} did not write {tokens} tokens to Redis in {timeout} s: {remote}")
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_cluster_command_shares_prefixes_and_stops_on_ctrl_c(tmp_path) -> None:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (bash setup.sh installs it)")
@@ -64,10 +79,11 @@ def test_cluster_command_shares_prefixes_and_stops_on_ctrl_c(tmp_path) -> None:
             pytest.fail("the cluster did not come up")
         model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         a = _complete(replicas[0], model)  # replica 0 computes it (write-through to Redis)
-        time.sleep(1.0)  # the writer thread sends the pages
+        need = a["usage"]["prompt_tokens"] - 2 * 16
+        _wait_written(replicas[0], need)  # its writer thread has sent the pages
         b = _complete(replicas[1], model)  # replica 1 has never seen it
         tiers = b["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]
-        assert tiers.get("remote", 0) >= a["usage"]["prompt_tokens"] - 2 * 16, tiers
+        assert tiers.get("remote", 0) >= need, tiers
         assert b["choices"][0]["text"] == a["choices"][0]["text"]
         via = _complete(base, model)
         assert via["choices"][0]["text"] == a["choices"][0]["text"]
@@ -91,3 +107,66 @@ def _busy(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _cluster(*argv: str):  # -> Cluster, built from the command line, not started
+    import argparse
+
+    from radixkv.server.cluster import add_cluster_parser, cluster_from_args
+
+    parser = argparse.ArgumentParser()
+    add_cluster_parser(parser.add_subparsers(dest="command"))
+    return cluster_from_args(parser.parse_args(["cluster", *argv]))
+
+
+SERVE = [sys.executable, "-m", "radixkv", "serve", "--model", "smollm2"]
+
+
+def test_replica_command_lines_with_the_remote_cache() -> None:
+    c = _cluster("--replicas", "2", "--port", "9100", "--redis-port", "6390")
+    remote = ["--remote-cache", "redis://127.0.0.1:6390/0", "--host-write-policy", "write_through"]
+    assert c.redis_url == "redis://127.0.0.1:6390/0"
+    assert c.replica_command(0) == SERVE + ["--port", "9101", "--host", "127.0.0.1"] + remote
+    assert c.replica_command(1) == SERVE + ["--port", "9102", "--host", "127.0.0.1"] + remote
+    # a write policy after -- replaces the write-through default; the rest is passed on
+    c = _cluster("--replicas", "1", "--port", "9100", "--redis-port", "6390", "--")
+    assert c.replica_command(0)[-2:] == ["--host-write-policy", "write_through"]
+    c = _cluster(
+        "--replicas", "1", "--port", "9100", "--redis-port", "6390", "--model", "m",
+        "--", "--host-write-policy", "write_back", "--dtype", "float32",
+    )  # fmt: skip
+    assert c.replica_command(0) == [sys.executable, "-m", "radixkv", "serve", "--model", "m"] + [
+        "--port", "9101", "--host", "127.0.0.1", "--remote-cache", "redis://127.0.0.1:6390/0",
+        "--host-write-policy", "write_back", "--dtype", "float32",
+    ]  # fmt: skip
+
+
+def test_no_remote_cache_starts_no_redis_and_gives_replicas_no_remote_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from radixkv.server import cluster as cluster_mod
+
+    c = _cluster("--replicas", "2", "--port", "9100", "--no-remote-cache", "--", "--seed", "1")
+    assert (c.remote_cache, c.redis_url, c.redis_port) == (False, None, 0)
+    for i in range(2):
+        port = str(9101 + i)
+        assert c.replica_command(i) == SERVE + [
+            "--port",
+            port,
+            "--host",
+            "127.0.0.1",
+            "--seed",
+            "1",
+        ]
+    # start() launches the replicas (stubbed here) and never redis-server
+    started: list[int] = []
+
+    def no_redis(self: object) -> None:
+        raise AssertionError("redis-server started with --no-remote-cache")
+
+    monkeypatch.setattr(cluster_mod.Cluster, "_start_redis", no_redis)
+    monkeypatch.setattr(cluster_mod.Cluster, "_start_replica", lambda self, i: started.append(i))
+    monkeypatch.setattr(cluster_mod, "wait_healthy", lambda url, proc, timeout: None)
+    c.start()
+    c.stop()
+    assert started == [0, 1] and c.redis is None

@@ -24,7 +24,29 @@ def _info(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def _runner(head_dim: int, dtype: torch.dtype) -> ModelRunner:
+    """A runner of ``dtype`` on a one-layer random Llama whose attention heads are ``head_dim``
+    wide: the backend an engine of that model would use."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=2 * head_dim,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    runner = ModelRunner(LlamaForCausalLM(cfg).eval(), num_pages=4, page_size=16, dtype=dtype)
+    assert runner.config.head_dim == head_dim and runner.dtype == dtype
+    return runner
+
+
 def test_info_json_reports_host_and_default_path(capsys: pytest.CaptureFixture[str]) -> None:
+    from radixkv.model import native
+
     info = _info(capsys)
     assert info["cpu"] == host_cpu.cpu_model_name()
     assert info["isa"] == host_cpu.best_isa()
@@ -38,21 +60,41 @@ def test_info_json_reports_host_and_default_path(capsys: pytest.CaptureFixture[s
     assert info["threads"] == torch.get_num_threads()
     assert info["default_dtype"] == str(default_dtype("cpu")).removeprefix("torch.")
     assert info["dtype"] == info["default_dtype"]
-    assert info["attention_backend"] == "torch" and info["attention_impl"].endswith("Backend")
-    assert info["native_kernels"] == "built" or info["native_kernels"].startswith("unavailable")
+    assert info["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert (info["device"], info["head_dim"]) == ("cpu", 64)  # the defaults: SmolLM2 on the CPU
+    # the backend an engine of SmolLM2's head dim builds on this host, by class
+    runner = _runner(64, default_dtype("cpu"))
+    assert info["attention_backend"] == runner.attention_backend == "torch"
+    assert info["attention_impl"] == type(runner.backend).__name__
+    # the native kernels' state as radixkv.model.native reports it
+    if native.load() is not None:
+        assert info["native_kernels"] == "built"
+    else:
+        first = (native.build_error() or "unknown").strip().splitlines()[0]
+        assert info["native_kernels"] == f"unavailable ({first[:160]})"
+    assert info["host_isa"] == native.host_isa()
+    assert info["kernel_isa"] == native.kernel_isa()
     assert "\n" not in format_platform_info(info)  # one log line, even for a compiler error
 
 
-def test_info_backend_follows_the_dtype(
-    capsys: pytest.CaptureFixture[str], tiny_llama: object
+@pytest.mark.parametrize("fp32_attention", ["native", "cascade", "plain"])
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_info_backend_follows_the_dtype_and_head_dim(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: str,
+    head_dim: int,
+    fp32_attention: str,
 ) -> None:
-    for dtype in ("float32", "bfloat16"):
-        info = _info(capsys, "--dtype", dtype)
-        assert info["dtype"] == dtype
-        # the same backend class a runner of that dtype builds (head dim 64 as the model's)
-        runner = ModelRunner(tiny_llama, num_pages=4, page_size=16, dtype=getattr(torch, dtype))
-        if runner.config.head_dim == info["head_dim"]:
-            assert info["attention_impl"] == type(runner.backend).__name__
+    # RADIXKV_FP32_ATTENTION=plain/cascade gives float32 a backend of its own on every host,
+    # so a report that ignored --dtype fails here whatever this CPU's kernels are
+    monkeypatch.setenv("RADIXKV_FP32_ATTENTION", fp32_attention)
+    info = _info(capsys, "--dtype", dtype, "--head-dim", str(head_dim))
+    assert (info["dtype"], info["head_dim"]) == (dtype, head_dim)
+    # the same backend class a runner of that dtype and head dim builds
+    runner = _runner(head_dim, getattr(torch, dtype))
+    assert info["attention_impl"] == type(runner.backend).__name__
 
 
 def test_info_text_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:

@@ -77,3 +77,56 @@ def test_weight_cache_round_trip_and_local_dir_load(tiny_llama, real_model, tmp_
         assert torch.equal(tensor, ref[name]), name
     bf16 = load_model(str(target), dtype="bf16")
     assert next(bf16.hf_model.parameters()).dtype == torch.bfloat16
+
+
+def _word_tokenizer():
+    """A small fast tokenizer that ``save_pretrained`` / ``AutoTokenizer`` round-trip."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, 256)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def test_prepare_model_dequantises_once_and_reports(tiny_llama, monkeypatch, tmp_path, capsys):
+    """``radixkv prepare-model`` on a .gguf: the first run dequantises (stubbed here by the tiny
+    model) and saves the weight cache, a second run reads that cache without dequantising and
+    reports the same; the kernel line says what ``native`` says. An unknown model exits 2."""
+    from radixkv.cli import main
+    from radixkv.model import native
+
+    # the kernels' state first: they are built (once per process) under the cache dir too
+    kernels = (
+        "native CPU kernels: built"
+        if native.load() is not None
+        else f"native CPU kernels: unavailable ({native.build_error()})"
+    )
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RADIXKV_CACHE_DIR", str(cache))
+    monkeypatch.delenv("RADIXKV_NO_WEIGHT_CACHE", raising=False)
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF stand-in: the dequantiser is stubbed")
+    tokenizer = _word_tokenizer()
+    dequantised = []
+
+    def dequantise(path, dtype):
+        dequantised.append(path)
+        return tiny_llama, tokenizer
+
+    monkeypatch.setattr(model_loader, "_load_gguf", dequantise)
+    for _ in range(2):
+        assert main(["prepare-model", "--model", str(gguf)]) == 0
+        out, err = capsys.readouterr()
+        assert out.splitlines()[0] == "tiny: ready"
+        assert kernels in (out + err).splitlines()
+        (entry,) = cache.iterdir()  # one cache entry, made by the first run
+        assert entry.name.startswith("tiny-") and (entry / "radixkv_source.json").is_file()
+        assert (entry / "model.safetensors").is_file()
+    assert dequantised == [gguf]  # the second run read the cache
+    assert main(["prepare-model", "--model", str(tmp_path / "missing")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "not found" in err and "radixkv prepare-model" in err

@@ -162,6 +162,7 @@ def test_stream_through_router_is_the_same_text_and_openai_client_works(replicas
             headers={"Authorization": f"Bearer {KEY}"},
             timeout=120,
         ) as s:
+            assert s.status_code == 200
             times = [
                 time.perf_counter() - t0 for line in s.iter_lines() if line.startswith("data:")
             ]
@@ -169,13 +170,23 @@ def test_stream_through_router_is_the_same_text_and_openai_client_works(replicas
         assert times[0] < 0.5 * times[-1], (times[0], times[-1])
         models = client.models.list()
         assert [m.id for m in models.data] == ["tiny-llama"]
+        messages = [{"role": "user", "content": "hello"}]
         chat = client.chat.completions.create(
-            model="tiny-llama",
-            messages=[{"role": "user", "content": "hello"}],
-            max_tokens=4,
-            temperature=0.0,
+            model="tiny-llama", messages=messages, max_tokens=4, temperature=0.0
         )
-        assert chat.choices[0].message.content is not None
+        direct_chat = httpx.post(
+            replicas[1].base_url + "/v1/chat/completions",
+            json={"model": "tiny-llama", "messages": messages, "max_tokens": 4, "temperature": 0},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
+        assert direct_chat.status_code == 200, direct_chat.text
+        assert chat.usage is not None and chat.usage.completion_tokens == 4
+        # the same greedy answer as a replica gives directly (both replicas hold one model)
+        assert (
+            chat.choices[0].message.content
+            == direct_chat.json()["choices"][0]["message"]["content"]
+        )
         # the key is passed through: the replicas refuse a wrong one
         bad = httpx.post(
             rt.base_url + "/v1/completions",
@@ -185,10 +196,11 @@ def test_stream_through_router_is_the_same_text_and_openai_client_works(replicas
         assert bad.status_code == 401
         native = httpx.post(
             rt.base_url + "/generate",
-            json={"text": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+            json={"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}},
             headers={"Authorization": f"Bearer {KEY}"},
         )
         assert native.status_code == 200, native.text
+        assert native.json()["text"] == direct["choices"][0]["text"]
     finally:
         rt.stop()
 

@@ -1,7 +1,7 @@
 """The HTTP server, run for real (uvicorn on a loopback port) and called with real clients.
 
-The server is built on the engine from ``server_engine`` below: the real :class:`radixkv.Engine`
-on a tiny random Llama when available, else the deterministic fake in ``fake_engine.py``.
+The server is built on each engine of ``server_engine`` below: the deterministic fake in
+``fake_engine.py``, then the real :class:`radixkv.Engine` on a tiny random Llama.
 Assertions about the exact text only hold for the fake (it echoes the prompt); everything else
 (shapes, usage, caching, aborts, page accounting) is checked on both.
 """
@@ -32,18 +32,14 @@ LONG_PROMPT = (
 
 
 def build_tiny_engine() -> Any:
-    """The real ``radixkv.Engine`` on a tiny random Llama with the fake's byte tokenizer.
+    """The real ``radixkv.Engine`` on a tiny random Llama with the fake's byte tokenizer (an
+    import or build error fails the tests that use it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    ``pytest.skip`` (naming what is missing) when the engine cannot be built yet.
-    """
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+    from radixkv.engine.engine import Engine
+    from radixkv.model.loader import LoadedModel
 
-        from radixkv.engine.engine import Engine
-        from radixkv.model.loader import LoadedModel
-    except Exception as exc:  # pragma: no cover - depends on the engine's progress
-        pytest.skip(f"radixkv.Engine is not importable: {exc!r}")
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=320,
@@ -233,21 +229,32 @@ def test_completion_n_and_seed(client: openai.OpenAI, server_engine: Any) -> Non
 
 
 def test_completion_stream_n(client: openai.OpenAI) -> None:
-    texts: dict[int, str] = {}
-    finished: set[int] = set()
-    for chunk in client.completions.create(
+    """Two seeded sampled streams: each choice streams the text the same request gets without
+    streaming (seeded rows are reproducible), and the usage counts both."""
+    kwargs: dict[str, Any] = dict(
         model=MODEL,
         prompt="two streams",
         max_tokens=3,
         n=2,
-        stream=True,
+        seed=11,
+        temperature=0.8,
         extra_body={"ignore_eos": True},
+    )
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
     ):
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
             if choice.finish_reason:
-                finished.add(choice.index)
-    assert finished == {0, 1}
+                finished[choice.index] = choice.finish_reason
+        usage = chunk.usage or usage
+    assert finished == {0: "length", 1: "length"}
+    assert usage is not None and usage.completion_tokens == 6
+    full = client.completions.create(**kwargs)
+    assert texts == {c.index: c.text for c in full.choices}
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
@@ -427,31 +434,52 @@ def test_generate_input_ids_stream(server: ServerThread, server_engine: Any) -> 
     assert last["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_generate_n(server: ServerThread) -> None:
+def test_generate_n(server: ServerThread, server_engine: Any) -> None:
+    sampling = {"max_new_tokens": 2, "n": 2, "ignore_eos": True, "seed": 3}
     r = httpx.post(
         f"{server.base_url}/generate",
-        json={"text": "xyz!", "sampling_params": {"max_new_tokens": 2, "n": 2, "ignore_eos": True}},
+        json={"text": "xyz!", "sampling_params": sampling},
         timeout=30,
     )
+    assert r.status_code == 200, r.text
     body = r.json()
     assert isinstance(body, list) and [b["index"] for b in body] == [0, 1]
+    for b in body:
+        assert len(b["output_ids"]) == 2, b
+        assert b["meta_info"]["completion_tokens"] == 2
+        assert b["meta_info"]["finish_reason"]["type"] == "length"
+        assert b["text"] == server_engine.tokenizer.decode(b["output_ids"])
 
 
 # ---------------------------------------------------------------------------------- admin
 
 
 def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
-    client.completions.create(
+    """One request moves every counter by exactly its own share (nothing else runs)."""
+    wait_idle(server)
+    before = httpx.get(f"{server.base_url}/metrics", timeout=10)
+    assert before.status_code == 200
+    out = client.completions.create(
         model=MODEL, prompt="metrics please", max_tokens=3, extra_body={"ignore_eos": True}
     )
+    wait_idle(server)
     r = httpx.get(f"{server.base_url}/metrics", timeout=10)
     assert r.status_code == 200
     text = r.text
-    assert metric_value(text, "radixkv_prompt_tokens_total") > 0
-    assert metric_value(text, "radixkv_generation_tokens_total") >= 3
-    assert metric_value(text, "radixkv_time_to_first_token_seconds_count") > 0
-    assert metric_value(text, "radixkv_inter_token_latency_seconds_count") > 0
-    assert metric_value(text, "radixkv_e2e_request_latency_seconds_count") > 0
+
+    def delta(name: str, labels: str = "") -> float:
+        return metric_value(text, name, labels) - metric_value(before.text, name, labels)
+
+    usage = out.usage
+    assert usage is not None and usage.prompt_tokens > 0 and usage.completion_tokens == 3
+    cached = usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert delta("radixkv_prompt_tokens_total") == usage.prompt_tokens
+    assert delta("radixkv_generation_tokens_total") == 3
+    assert delta("radixkv_cached_tokens_total") == cached
+    assert delta("radixkv_requests_total", 'finish_reason="length"') == 1
+    assert delta("radixkv_time_to_first_token_seconds_count") == 1
+    assert delta("radixkv_inter_token_latency_seconds_count") == 2  # one token per step
+    assert delta("radixkv_e2e_request_latency_seconds_count") == 1
     for name in (
         "radixkv_cached_tokens_total",
         "radixkv_cache_hit_rate",
@@ -467,10 +495,21 @@ def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
     assert metric_value(text, "radixkv_kv_pages_used") > 0
 
 
-def test_cache_stats(server: ServerThread) -> None:
-    stats = httpx.get(f"{server.base_url}/cache/stats", timeout=10).json()
-    for key in ("running", "waiting", "pages_total", "pages_used", "pages_cached", "hit_rate"):
-        assert key in stats
+def test_cache_stats(server: ServerThread, client: openai.OpenAI) -> None:
+    client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    wait_idle(server)
+    r = httpx.get(f"{server.base_url}/cache/stats", timeout=10)
+    assert r.status_code == 200, r.text
+    stats = r.json()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["pages_used"] + stats["pages_free"] == stats["pages_total"] > 0
+    assert stats["pages_cached"] == stats["pages_used"]  # idle: only the cache holds pages
+    assert stats["prompt_tokens_total"] > 0 and stats["pages_cached"] > 0
+    assert stats["hit_rate"] == pytest.approx(
+        stats["cached_tokens_total"] / stats["prompt_tokens_total"]
+    )
 
 
 def test_pin(server: ServerThread, client: openai.OpenAI) -> None:
@@ -694,6 +733,105 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         "disk_cache_dir": "/tmp/x",
         "disk_cache_bytes": 1000000,
     }
+    covered = set(engine_kwargs(args))
+    # the other knobs, and the flags that go to the app rather than the engine
+    args = parser.parse_args(
+        ["serve", "--kv-cache-memory-gb", "0.5", "--kv-layout", "virtual"]
+        + ["--disk-write-policy", "write_through", "--host-write-policy", "write_through"]
+        + ["--max-model-len", "256", "--device", "cpu", "--seed", "5"]
+        + ["--remote-cache", "redis://127.0.0.1:6399/0"]
+        + ["--served-model-name", "svc", "--api-key-file", "/tmp/keys.txt"]
+    )
+    assert engine_kwargs(args) == {
+        "kv_cache_memory_gb": 0.5,
+        "kv_layout": "virtual",
+        "disk_write_policy": "write_through",
+        "host_write_policy": "write_through",
+        "max_model_len": 256,
+        "device": "cpu",
+        "seed": 5,
+        "remote_cache_url": "redis://127.0.0.1:6399/0",
+    }
+    assert (args.served_model_name, args.api_key_file, args.api_key) == (
+        "svc",
+        "/tmp/keys.txt",
+        None,
+    )
+    covered |= set(engine_kwargs(args))
     from radixkv.config import EngineConfig
+    from radixkv.server.cli import ENGINE_FLAGS
 
-    assert set(engine_kwargs(args)) <= set(EngineConfig.knob_names())
+    # every engine flag is checked by one of the two parses, and each names a real knob
+    assert covered == {knob for _, knob, _, _ in ENGINE_FLAGS} | {"enable_prefix_cache"}
+    assert covered <= set(EngineConfig.knob_names())
+
+
+def test_run_serve_wires_its_flags_into_the_engine_and_the_app(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """``radixkv serve`` end to end on the tiny model (``Engine`` and ``uvicorn.run`` patched
+    to build it and to serve in a thread): the served name, keys from --api-key-file, a pool
+    sized by --kv-cache-memory-gb, the virtual layout and write-through to the disk tier."""
+    import uvicorn
+
+    import radixkv
+    from bench.tiny_model import tiny_loaded_model
+    from radixkv.cli import main
+    from radixkv.engine.engine import Engine
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# one tenant\nkey-from-file\n")
+    page, gb = 32, 0.001
+    built: dict[str, Any] = {}
+
+    def engine_from_name(model: str, **knobs: Any) -> Any:
+        built.update(model=model, knobs=knobs)
+        built["engine"] = Engine(tiny_loaded_model(), **knobs)
+        return built["engine"]
+
+    checked: list[str] = []
+
+    def serve(app: Any, host: str, port: int, log_level: str) -> None:
+        assert (host, port) == ("127.0.0.1", 9123)
+        auth = {"Authorization": "Bearer key-from-file"}
+        with ServerThread(app) as srv:
+            assert httpx.get(f"{srv.base_url}/v1/models", timeout=10).status_code == 401
+            r = httpx.get(f"{srv.base_url}/v1/models", headers=auth, timeout=10)
+            assert r.status_code == 200, r.text
+            assert [m["id"] for m in r.json()["data"]] == ["svc-name"]
+            body = {"model": "svc-name", "prompt": LONG_PROMPT, "max_tokens": 2}
+            r = httpx.post(
+                f"{srv.base_url}/v1/completions",
+                json={**body, "temperature": 0, "ignore_eos": True},
+                headers=auth,
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "svc-name"
+            prompt_pages = r.json()["usage"]["prompt_tokens"] // page
+            # write-through: the prompt's pages reach the disk at once (the pool holds 65
+            # pages, so nothing is evicted: write-back would leave the disk empty)
+            deadline = time.monotonic() + 20
+            while True:
+                stats = httpx.get(f"{srv.base_url}/cache/stats", headers=auth, timeout=10).json()
+                if stats["tiers"]["disk_files"] >= prompt_pages or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert stats["tiers"]["disk_files"] >= prompt_pages > 0, stats["tiers"]
+            # 2 layers x K,V x page x 2 kv heads x head dim 16 x 4 bytes per page
+            assert stats["pages_total"] == int(gb * (1 << 30)) // (2 * 2 * page * 2 * 16 * 4)
+        checked.append("served")
+
+    monkeypatch.setattr(radixkv, "Engine", engine_from_name)
+    monkeypatch.setattr(uvicorn, "run", serve)
+    argv = ["serve", "--model", "tiny", "--port", "9123", "--log-level", "warning"]
+    argv += ["--served-model-name", "svc-name", "--api-key-file", str(keys)]
+    argv += ["--page-size", str(page), "--dtype", "float32", "--kv-cache-memory-gb", str(gb)]
+    argv += ["--kv-layout", "virtual", "--disk-cache-dir", str(tmp_path / "disk")]
+    argv += ["--disk-write-policy", "write_through"]
+    assert main(argv) == 0
+    assert checked == ["served"]
+    assert built["model"] == "tiny"
+    engine = built["engine"]
+    assert engine.runner.virtual is not None  # --kv-layout virtual reached the runner
+    assert engine.tiers.disk is not None
