@@ -84,25 +84,53 @@ def test_greedy_agrees_with_transformers(real_model, knobs):
 @pytest.mark.real_model
 def test_cascade_attention_greedy_agrees_with_transformers(real_model):
     """The shared-prefix (cascade) CPU backend, forced in fp32 on a shared system prompt."""
-    from radixkv.model.attention.cascade_backend import CascadeTorchBackend, build_cascade_meta
+    from radixkv.model.attention.cascade_backend import CascadeTorchBackend
 
     engine = Engine(real_model, page_size=16, dtype="float32", max_running_requests=3)
     engine.runner.backend = backend = CascadeTorchBackend()
-    grouped = []
+    steps = []
     prepare = backend.prepare
 
     def spy(batch, dtype):
         meta = prepare(batch, dtype)
-        grouped.append(len(meta.groups))
+        steps.append((batch, meta))
         return meta
 
     backend.prepare = spy
     prompts = chat_prompts(engine, QUESTIONS, system=SYSTEM + " " + SYSTEM)  # > 64 tokens
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    assert max(grouped) > 0, "the shared system prompt should have formed a cascade group"
     for prompt, out in zip(prompts, outs):
         assert_matches_transformers(real_model.hf_model, prompt, out.token_ids)
-    assert build_cascade_meta  # the module's public builder stays importable
+    # the groups: each one's pages are the shared prompt's tree pages, the first pages of every
+    # member's page table, within every member's cached prefix; the whole shared prompt is
+    # grouped at some step
+    P = engine.page_size
+    shared = min(next(i for i, t in enumerate(p) if t != prompts[0][i]) for p in prompts[1:])
+    tree_pages = engine.tree.match_prefix(prompts[0][:shared]).pages
+    assert len(tree_pages) == shared // P
+    spans = []
+    for batch, meta in steps:
+        if not meta.groups:
+            continue
+        table, starts = batch.page_table.tolist(), batch.extend_starts
+        for group in meta.groups:
+            s = group.num_tokens // P
+            assert 0 < group.num_tokens <= shared // P * P
+            runs = group.pages.view(-1, s).tolist()
+            assert all(run == tree_pages[:s] for run in runs)
+            members = {
+                i
+                for row in group.real_rows.tolist()
+                for i, start in enumerate(starts)
+                if start <= row < start + batch.extend_lens[i]
+            }
+            assert len(members) >= 2 * len(runs)
+            for i in members:
+                assert table[i][:s] == tree_pages[:s]
+                assert batch.prefix_lens[i] >= group.num_tokens
+            spans.append(group.num_tokens)
+    assert spans, "the shared system prompt should have formed a cascade group"
+    assert max(spans) == shared // P * P
     assert_clean(engine)
 
 
@@ -177,19 +205,27 @@ def test_abort_mid_flight_leaks_nothing(tiny_model):
     prompts = rand_prompts(10, 40, seed=3, shared=16)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, temperature=0.0))
-    finished = set()
+    finished: dict[str, str | None] = {}  # request id -> finish reason
     for step in range(12):
         for out in engine.step():
             if out.finished:
-                finished.add(out.request_id)
+                assert out.request_id not in finished, "a request finished twice"
+                finished[out.request_id] = out.finish_reason
         engine.check_integrity()
         if step == 3:
+            assert not finished, "nothing finishes in 4 steps of 16-token chunks"
             assert engine.abort("r0") and engine.abort("r5") and engine.abort("r9")
             assert not engine.abort("nope")
+    # the three aborted mid-flight were reported once, as aborted, the step after
+    assert {r for r, why in finished.items() if why == "abort"} == {"r0", "r5", "r9"}
+    live = {f"r{i}" for i in range(10)} - set(finished)
+    assert len(live) >= 3, finished  # the rest are still mid-flight: aborting them is the test
     for i in range(10):
-        engine.abort(f"r{i}")
+        assert engine.abort(f"r{i}") is (f"r{i}" in live)  # finished ones are unknown now
     outs = engine.step()
-    assert all(o.finish_reason == "abort" for o in outs)
+    assert sorted(o.request_id for o in outs) == sorted(live)
+    assert all(o.finished and o.finish_reason == "abort" and not o.new_token_ids for o in outs)
+    assert not engine.has_unfinished()
     assert_clean(engine)
 
 
@@ -227,14 +263,30 @@ def test_stop_conditions(tiny_model):
     first = free.token_ids.index(stop_id)
     assert stopped.token_ids == free.token_ids[: first + 1]
     assert stopped.finish_reason == "stop"
-    text = free.text
-    if len(text) > 4:
-        stop = text[2:4]
+    # stop strings (byte tokens: one character per ASCII token): the very first character,
+    # one spanning the first two tokens, one spanning two tokens further on, two at once (the
+    # earliest wins), and one that never occurs
+    ids, text, tok = free.token_ids, free.text, engine.tokenizer
+    assert text == tok.decode(ids)
+    pair = next(i for i in range(1, len(ids) - 1) if ids[i] < 128 and ids[i + 1] < 128)
+    later = chr(ids[pair]) + chr(ids[pair + 1])
+    assert ids[0] < 128 and ids[1] < 128, "the cases below want ASCII first tokens"
+    cases = [[text[:1]], [text[:2]], [later], [later, text[:2]], ["\x00\x00"]]
+    for stop in cases:
         (s,) = engine.generate(
-            [prompt], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop], ignore_eos=True)
+            [prompt], SamplingParams(max_tokens=12, temperature=0.0, stop=stop, ignore_eos=True)
         )
-        assert s.finish_reason == "stop"
-        assert s.text == text[: text.find(stop)]
+        hits = [text.find(x) for x in stop if x in text]
+        if not hits:
+            assert s.finish_reason == "length" and s.text == text and s.token_ids == ids
+            continue
+        assert s.finish_reason == "stop", stop
+        assert s.text == text[: min(hits)], stop
+        # it stopped at the token that completed the stop string
+        done = next(
+            k for k in range(1, len(ids) + 1) if any(x in tok.decode(ids[:k]) for x in stop)
+        )
+        assert s.token_ids == ids[:done], stop
     assert_clean(engine)
 
 

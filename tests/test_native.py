@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_host import HOST_IDS, HOSTS, clear_caches, use_host
 
 from radixkv.model import native
 from radixkv.model.attention.cascade_backend import CascadeTorchBackend
@@ -123,9 +124,10 @@ def test_bad_inputs_raise_clear_errors(module):
 
 
 def test_backend_selection(module, monkeypatch):
-    """The factory picks by what this host can run: the bf16 kernel where its AVX512-BF16 fast
-    path exists; the float32-math kernel with in-kernel shared-prefix groups for float32, for
-    fp16, and for bf16 elsewhere; ``RADIXKV_FP32_ATTENTION`` can ask for the torch backends."""
+    """The factory picks by what this host can run (every other host: the fake hosts of
+    test_backend_selection_on_each_host): the bf16 kernel where its AVX512-BF16 fast path
+    exists; the float32-math kernel with in-kernel shared-prefix groups for float32, for fp16,
+    and for bf16 elsewhere; ``RADIXKV_FP32_ATTENTION`` can ask for the torch backends."""
     fast = not MISSING_FAST_PATH
     assert native_attention_supported(torch.bfloat16, 64) == fast
     assert not native_attention_supported(torch.float32, 64)
@@ -149,6 +151,64 @@ def test_backend_selection(module, monkeypatch):
     monkeypatch.setenv("RADIXKV_FP32_ATTENTION", "fast")
     with pytest.raises(ValueError, match="RADIXKV_FP32_ATTENTION"):
         make_attention_backend("torch", "cpu", torch.float32, 64)
+
+
+class BuildFor:
+    """What the native build for ``isa`` reports, over this host's real build: the bf16 fast
+    path (``vdpbf16ps``, head dims 64 and 128) exists only in the ``avx512_bf16`` build."""
+
+    def __init__(self, real, isa: str) -> None:
+        self._real, self._isa = real, isa
+
+    def has_fast_path(self, head_dim: int) -> bool:
+        return self._isa == "avx512_bf16" and head_dim in (64, 128)
+
+    def kernel_isa(self) -> str:
+        return self._isa
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def test_build_stand_in_agrees_with_this_hosts_build(module):
+    """The stand-in below is what this host's real build reports for its own level."""
+    isa = native.kernel_isa()
+    assert isa == native.host_isa()  # built for the host's level (RADIXKV_ISA unset here)
+    for d in (16, 64, 80, 128, 256):
+        assert module.has_fast_path(d) == BuildFor(module, isa).has_fast_path(d), d
+
+
+@pytest.mark.parametrize("host", HOSTS, ids=HOST_IDS)
+def test_backend_selection_on_each_host(module, monkeypatch, tmp_path, host):
+    """On each fake host (its cpuinfo and machine; the build for its level stood in): bf16
+    with a fast head dim takes the bf16 kernel only on an AVX512-BF16 host; every other dtype,
+    head dim and host takes the float32-math kernel; no build at all, the torch cascade."""
+    monkeypatch.delenv("RADIXKV_FP32_ATTENTION", raising=False)
+    try:
+        use_host(monkeypatch, tmp_path, host)
+        isa = native.host_isa()
+        assert isa == host.isa
+        monkeypatch.setattr(native, "load", lambda isa_=None: BuildFor(module, isa))
+        fast = host.isa == "avx512_bf16"
+        for d in (64, 128):
+            assert native_attention_supported(torch.bfloat16, d) is fast
+            made = make_attention_backend("torch", "cpu", torch.bfloat16, d)
+            assert type(made) is (NativeAttentionBackend if fast else NativeCascadeBackend)
+        assert not native_attention_supported(torch.bfloat16, 80)
+        assert type(make_attention_backend("torch", "cpu", torch.bfloat16, 80)) is (
+            NativeCascadeBackend
+        )
+        for dtype in (torch.float32, torch.float16):
+            assert not native_attention_supported(dtype, 64)
+            made = make_attention_backend("torch", "cpu", dtype, 64)
+            assert type(made) is NativeCascadeBackend
+        monkeypatch.setattr(native, "load", lambda isa_=None: None)  # the build failed
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            made = make_attention_backend("torch", "cpu", dtype, 64)
+            assert type(made) is CascadeTorchBackend
+    finally:
+        monkeypatch.undo()
+        clear_caches()
 
 
 def test_disabled_by_env_falls_back(monkeypatch):

@@ -108,14 +108,47 @@ def test_min_p_restricts_support():
     assert got == {3, 5, 8}
 
 
-def test_temperature_sharpens():
+TEMPERATURES = (0.5, 1.0, 2.0)
+
+
+def _temperature_case() -> tuple[torch.Tensor, list[int]]:
+    """Logits whose top token has a very different probability at each of TEMPERATURES (0.67,
+    0.25, 0.08), and the outcome classes counted: token 7, token 12, any other."""
     logits = torch.zeros(VOCAB)
     logits[[7, 12]] = torch.tensor([3.0, 2.5])
-    top = 7
-    cold = _draw(SamplingParams(temperature=0.05, seed=5), logits, 100)
-    hot = _draw(SamplingParams(temperature=2.0, seed=5), logits, 100)
-    assert cold.count(top) > 95
-    assert hot.count(top) < 60
+    return logits, [7, 12]
+
+
+def _class_probs(logits: torch.Tensor, tokens: list[int], temperature: float) -> list[float]:
+    p = torch.softmax(logits.double() / temperature, -1)
+    return [float(p[t]) for t in tokens] + [1.0 - float(p[tokens].sum())]
+
+
+def _within_binomial(counts: list[int], probs: list[float], n: int, z: float = 5.0) -> bool:
+    """Every class count within ``z`` binomial standard deviations of ``n * p``."""
+    return all(abs(c - n * p) <= z * (n * p * (1 - p)) ** 0.5 for c, p in zip(counts, probs))
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_temperature_samples_softmax_of_logits_over_t(temperature):
+    """The draws at temperature T follow softmax(logits / T) (every class count within 5 sigma
+    of it, 4000 seeded draws) and are rejected by the distribution of each other temperature,
+    so a sampler that ignored or misapplied T would fail."""
+    logits, tokens = _temperature_case()
+    n = 4000
+    draws = _draw(SamplingParams(temperature=temperature, seed=5), logits, n)
+    counts = [draws.count(t) for t in tokens]
+    counts.append(n - sum(counts))
+    assert _within_binomial(counts, _class_probs(logits, tokens, temperature), n), counts
+    for other in TEMPERATURES:
+        if other != temperature:
+            assert not _within_binomial(counts, _class_probs(logits, tokens, other), n), other
+
+
+def test_temperature_near_zero_is_nearly_greedy():
+    logits, tokens = _temperature_case()
+    cold = _draw(SamplingParams(temperature=0.05, seed=5), logits, 200)
+    assert cold.count(tokens[0]) >= 199  # p(7) = 1 - 5e-5
 
 
 def test_penalties_change_logits_as_defined():

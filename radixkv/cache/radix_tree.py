@@ -305,8 +305,10 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
 
     def peek_prefix(self, tokens: Sequence[int], salt: Hashable = None) -> tuple[int, TreeNode]:
         """Length of the longest device-resident cached prefix of ``tokens`` (page aligned) and
-        the deepest node wholly inside it. Changes nothing: no access refresh, no hit count, no
-        split. For scheduling decisions, which must not skew eviction order."""
+        the node it ends in: the deepest node wholly inside it, or, when it ends partway through
+        a node's edge (where ``match_prefix`` would split), that node. Changes nothing: no access
+        refresh, no hit count, no split. For scheduling decisions, which must not skew eviction
+        order."""
         if type(tokens) is not list:
             tokens = list(tokens)
         P = self.page_size
@@ -323,7 +325,7 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
             end = pos + len(key)
             if end > n or tokens[pos:end] != key:
                 m = self._common_len(key, tokens, pos, n - pos)
-                return pos + m - m % P, (self.root if node is start else node)
+                return pos + m - m % P, child  # m >= P: the child is keyed by its first page
             pos, node = end, child
         return pos, (self.root if node is start else node)
 

@@ -9,7 +9,8 @@ class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text deltas.
 
     Holds back a trailing partial UTF-8 character (decoded as U+FFFD) and, when stop strings are
-    set, the longest tail that could still become a stop string, so a delta is never retracted.
+    set, the longest tail before it that could still start a stop string, so a delta is never
+    retracted and never holds part of a stop string.
     """
 
     def __init__(self, tokenizer: Any, stop: list[str] | None) -> None:
@@ -33,12 +34,9 @@ class IncrementalDetokenizer:
             if cut >= 0:
                 text, stopped = text[:cut], True
         self.text = text
-        if stopped or final:
-            end = len(text)
-        else:
-            end = len(text) - self._hold
-            partial = len(text) - len(text.rstrip("\ufffd"))  # bytes of an unfinished character
-            end = min(end, len(text) - partial)
+        # unless done, hold back an unfinished character (U+FFFD) and, before it, the tail a
+        # stop string could start in (the unfinished character may complete one)
+        end = len(text) if stopped or final else len(text.rstrip("\ufffd")) - self._hold
         if end <= self.emitted:
             return "", stopped
         delta = text[self.emitted : end]

@@ -219,15 +219,20 @@ class Scheduler:
         rest = [s for s in waiting if not s.preemptions]
         if policy == "lpm":
             rest.sort(key=lambda s: -self.kv.peek(s)[0])  # stable: ties keep arrival order
-        else:  # dfs-weight: walk the tree, heaviest subtrees (most waiting requests) first
+        else:  # dfs-weight: heaviest subtrees (most waiting requests) first, deepest hits first
             rest = self._dfs_weight_order(rest)
         return preempted + rest
 
     def _dfs_weight_order(self, seqs: list[Sequence]) -> list[Sequence]:
+        """SGLang's dfs-weight order: each sequence sits at the deepest tree node wholly inside
+        its cached prefix (``peek``); a node's weight is the number of sequences in its subtree.
+        Depth first from the root, a node's subtrees heaviest first (ties: the subtree whose
+        earliest sequence arrived first), then the node's own sequences in arrival order; so
+        the longest hits of the heaviest subtree go first and nothing-cached sequences (at the
+        root) last, after every cache hit, which their pages could otherwise evict."""
         at_node: dict[int, list[Sequence]] = {}
-        nodes: dict[int, object] = {}
         weight: dict[int, int] = {}
-        children: dict[int, list[object]] = {}
+        children: dict[int, list[object]] = {}  # in the order they were first reached
         root = None
         for seq in seqs:
             node = self.kv.peek(seq)[1]
@@ -236,7 +241,6 @@ class Scheduler:
                 key = id(node)
                 first = key not in weight
                 weight[key] = weight.get(key, 0) + 1
-                nodes[key] = node
                 parent = getattr(node, "parent", None)
                 if parent is None:
                     root = node
@@ -246,12 +250,15 @@ class Scheduler:
         if root is None:
             return seqs
         order: list[Sequence] = []
-        stack = [root]
+        stack: list[tuple[object, bool]] = [(root, False)]
         while stack:
-            node = stack.pop()
-            order.extend(at_node.get(id(node), []))
-            kids = sorted(children.get(id(node), []), key=lambda n: weight[id(n)])
-            stack.extend(kids)  # heaviest popped first
+            node, expanded = stack.pop()
+            if expanded:  # its subtrees are done: now its own sequences
+                order.extend(at_node.get(id(node), []))
+                continue
+            stack.append((node, True))
+            kids = sorted(children.get(id(node), []), key=lambda n: -weight[id(n)])  # stable
+            stack.extend((kid, False) for kid in reversed(kids))  # heaviest popped first
         return order
 
     def _should_wait_for_sibling(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
