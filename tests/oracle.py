@@ -41,6 +41,7 @@ __all__ = [
     "RATIOS",
     "check_greedy_tokens",
     "check_rows",
+    "record",
 ]
 
 
@@ -49,6 +50,7 @@ class Contract:
     """``|got - oracle| <= factor * |transformers(dtype) - oracle| + floor``, row by row."""
 
     name: str
+    dtype: torch.dtype
     factor: float
     floor: float
 
@@ -58,10 +60,10 @@ class Contract:
 
 #: float32 paths. Measured ratios (see the README's precision section) stay below ~3 on the hosts
 #: seen; 8 leaves room for another ISA's summation order, and a broken kernel is off by >>100x.
-FP32 = Contract("fp32", factor=8.0, floor=2e-5)
+FP32 = Contract("fp32", torch.float32, factor=8.0, floor=2e-5)
 #: bf16 paths: bf16 activations round at 2^-9 relative, so transformers-bf16 itself is ~1e-1 off
 #: on SmolLM2's logits; radixkv's bf16 paths keep some intermediates in float32 and land nearer.
-BF16 = Contract("bf16", factor=3.0, floor=1e-3)
+BF16 = Contract("bf16", torch.bfloat16, factor=3.0, floor=1e-3)
 
 #: Worst observed ``radixkv error / reference error`` per (contract, path label): printed at the
 #: end of the session by ``conftest.py`` so CI's log states each path's figure.
@@ -141,6 +143,24 @@ class Oracle:
             refs.append(self.logits(ids, dtype, "sdpa", prefill))
         return refs
 
+    def judged(
+        self,
+        ids: Sequence[int],
+        at: slice | Sequence[int],
+        contract: Contract,
+        prefill: int | None = None,
+        logprobs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(truth, bound, ref_err)`` at positions ``at`` of ``ids``: the oracle's rows (logits,
+        or their log_softmax with ``logprobs``), the contract's bound per row, and the reference
+        error it scales. For checks that see only some values of a row (a chosen token's
+        logprob, a beam's score, a greedy token)."""
+        f = (lambda x: x.log_softmax(-1)) if logprobs else (lambda x: x)
+        truth = f(self.logits(ids)[at])
+        refs = self.references(ids, contract.dtype, prefill)
+        ref_err = torch.stack([(f(r[at]) - truth).abs().amax(-1) for r in refs]).amax(0)
+        return truth, contract.bound(ref_err), ref_err
+
     @torch.inference_mode()
     def greedy(self, ids: Sequence[int], n: int) -> list[int]:
         """The oracle's greedy continuation of ``ids`` (``n`` tokens, float64 argmax, EOS not
@@ -156,6 +176,13 @@ class Oracle:
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64).reshape(-1, x.shape[-1])
+
+
+def record(contract: Contract, path: str, err: torch.Tensor, ref_err: torch.Tensor) -> None:
+    """Note the worst ``err / ref_err`` of ``path`` for the session summary."""
+    ratio = (err.to(torch.float64) / ref_err.clamp_min(1e-30)).max().item()
+    key = f"{contract.name} {path}"
+    RATIOS[key] = max(RATIOS[key], ratio)
 
 
 def check_rows(
@@ -180,9 +207,7 @@ def check_rows(
     err = (got - oracle).abs().amax(-1)
     ref_err = torch.stack([(r - oracle).abs().amax(-1) for r in refs]).amax(0)
     bound = contract.bound(ref_err)
-    ratio = (err / ref_err.clamp_min(1e-30)).max().item()
-    key = f"{contract.name} {path}"
-    RATIOS[key] = max(RATIOS[key], ratio)
+    record(contract, path, err, ref_err)
     bad = (err > bound).nonzero().flatten().tolist()
     assert not bad, (
         f"{path}: {what} row {bad[0]} is {err[bad[0]].item():.3g} from the float64 oracle, over "

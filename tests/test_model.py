@@ -109,15 +109,11 @@ class MixedScenario:
             seq = self.seqs[name]
             truth = oracle.logits(seq)[at]
             prefill = self.prompt_lens[name]
-            refs = [r[at] for r in oracle.references(seq, contract_dtype(contract), prefill)]
+            refs = [r[at] for r in oracle.references(seq, contract.dtype, prefill)]
             bound = check_rows(got, truth, refs, contract, path, f"request {name} logits")
             argmax = got.argmax(-1).tolist()
             decisive += check_greedy_tokens(argmax, truth, bound, f"{path} request {name}")
         return decisive
-
-
-def contract_dtype(contract: Contract) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[contract.name]
 
 
 @pytest.fixture(scope="module")

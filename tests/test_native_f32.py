@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from oracle import FP32, check_rows
 
 from radixkv.model import native
 from radixkv.model.attention.base import ForwardBatch
@@ -264,9 +265,10 @@ def test_shared_prefix_groups():
 # -- the backend inside the model -----------------------------------------------------------------
 
 
-def test_backend_in_model_matches_plain_fp32(tiny_llama, monkeypatch):
+def test_backend_in_model_matches_plain_fp32(tiny_llama, tiny_oracle, monkeypatch):
     """Whole-model fp32 logits of steps with a shared prefix: the native backend (groups in use)
-    against the plain backend (transformers' arithmetic) and transformers itself."""
+    and the plain backend (transformers' arithmetic), each within the float32 contract of the
+    float64 oracle (tests/oracle.py)."""
     page = 16
     runner = ModelRunner(tiny_llama, num_pages=64, page_size=page, dtype=torch.float32)
     assert isinstance(runner.backend, NativeCascadeBackend)
@@ -282,14 +284,14 @@ def test_backend_in_model_matches_plain_fp32(tiny_llama, monkeypatch):
     batch = runner.build_batch(second)
     meta = runner.backend.prepare(batch, torch.float32)
     assert meta.groups == [PrefixGroup([0, 1, 2], 64)]
-    for step in (first, second):
-        ours = runner.forward(runner.build_batch(step))
-        theirs = plain.forward(plain.build_batch(step))
-        assert (ours - theirs).abs().max().item() < 1e-4
-    with torch.inference_mode():
-        for row, u in enumerate(users):
-            ref = tiny_llama(torch.tensor([system[:64] + u])).logits[0, -1]
-            assert (ours[row] - ref).abs().max().item() < 1e-4
+    seqs = [system] + [system[:64] + u for u in users]
+    at = [-1]
+    truth = torch.cat([tiny_oracle.logits(seq)[at] for seq in seqs])
+    forms = [tiny_oracle.references(seq, torch.float32) for seq in seqs]
+    refs = [torch.cat([f[k][at] for f in forms]) for k in range(len(forms[0]))]
+    for label, r in (("native-groups", runner), ("plain", plain)):
+        got = torch.cat([r.forward(r.build_batch(step)) for step in (first, second)])
+        check_rows(got, truth, refs, FP32, label, "last logits")
 
 
 def test_prepare_without_groups_on_fresh_prompts(module):

@@ -268,10 +268,19 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_completion_stop(client: openai.OpenAI, server_engine: Any) -> None:
-    if not is_fake(server_engine):
-        pytest.skip("exact stop behaviour is checked with the deterministic fake")
-    out = client.completions.create(model=MODEL, prompt="hello world", max_tokens=10, stop=[" "])
-    assert out.choices[0].text == "hello"
+    """The text ends before the stop string's first occurrence, finish_reason "stop". On the
+    real engine the stop string is taken from the same greedy completion run without one."""
+    kwargs: dict[str, Any] = dict(model=MODEL, prompt="hello world", max_tokens=10, temperature=0)
+    if is_fake(server_engine):
+        stop, want = " ", "hello"
+    else:
+        kwargs["extra_body"] = {"ignore_eos": True}
+        full = client.completions.create(**kwargs).choices[0].text
+        cut = next((i for i in range(1, len(full)) if full[i] not in full[:i]), None)
+        assert cut is not None, f"no character to stop at in {full!r}"
+        stop, want = full[cut], full[:cut]
+    out = client.completions.create(**kwargs, stop=[stop])
+    assert out.choices[0].text == want
     assert out.choices[0].finish_reason == "stop"
 
 

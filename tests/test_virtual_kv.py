@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from oracle import FP32, check_rows
 
 from radixkv import Engine, SamplingParams
 from radixkv.config import EngineConfig
@@ -208,7 +209,7 @@ def test_sync_remaps_only_what_changed_and_checks_the_kernel():
 
 @pytest.mark.real_model
 @pytest.mark.slow
-def test_smollm2_virtual_fp32_matches_transformers_and_paged(real_model):
+def test_smollm2_virtual_fp32_matches_transformers_and_paged(real_model, real_oracle):
     from radixkv.model.runner import ModelRunner, RequestSlice
 
     runner = ModelRunner(real_model, kv_cache_tokens=2048, dtype=torch.float32, kv_layout="virtual")
@@ -223,9 +224,9 @@ def test_smollm2_virtual_fp32_matches_transformers_and_paged(real_model):
     fb = runner.build_batch([RequestSlice(ids[-3:], len(ids) - 3, pages)])  # prefix + extend
     fb._cache["virtual_keys"] = [1]
     got = runner.forward(fb)[0]
-    with torch.inference_mode():
-        want = real_model.hf_model(torch.tensor([ids])).logits[0, -1].float()
-    assert (got - want).abs().max().item() < 1e-3
+    at = [len(ids) - 1]
+    refs = [r[at] for r in real_oracle.references(ids, torch.float32, prefill=len(ids) - 3)]
+    check_rows(got[None], real_oracle.logits(ids)[at], refs, FP32, "virtual", "last logits")
     runner.virtual.release_all()
 
     prompts = [
