@@ -1,7 +1,10 @@
 // Paged attention for the CPU over radixkv's KV pool (see cpu_attention.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <cstdint>
 #include <vector>
