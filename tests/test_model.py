@@ -108,7 +108,8 @@ class MixedScenario:
             at = self.positions(name)
             seq = self.seqs[name]
             truth = oracle.logits(seq)[at]
-            prefill = self.prompt_lens[name]
+            # bf16's own rounding (2^-9) dwarfs summation-order luck: two forms suffice there
+            prefill = self.prompt_lens[name] if contract.dtype == torch.float32 else None
             refs = [r[at] for r in oracle.references(seq, contract.dtype, prefill)]
             bound = check_rows(got, truth, refs, contract, path, f"request {name} logits")
             argmax = got.argmax(-1).tolist()

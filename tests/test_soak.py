@@ -1,4 +1,4 @@
-"""The short soak: ``bench.soak`` for ~40 s on the tiny model, server in a child process.
+"""The short soak: ``bench.soak`` for ~20 s on the tiny model, server in a child process.
 
 Mixed chat / completions / ``/generate`` traffic, streaming and not, ``n`` up to 3, shared and
 fresh prompts under several salts, a third of the streams dropped, client timeouts, flushes and
@@ -16,7 +16,7 @@ from bench.soak import run_soak
 
 @pytest.mark.slow
 def test_short_soak_tiny_model(tmp_path) -> None:
-    report = run_soak(0.6, tiny=True, concurrency=6, seed=1, log_path=str(tmp_path / "server.log"))
+    report = run_soak(0.3, tiny=True, concurrency=6, seed=1, log_path=str(tmp_path / "server.log"))
     log = (tmp_path / "server.log").read_text(errors="replace")[-3000:]
     assert not report["server_errors"], (report["server_error_examples"], log)
     assert report["leaked_pages"] == 0 and report["leaked_host_pages"] == 0, report
