@@ -8,7 +8,7 @@ All on the real engine over the tiny random Llama (``bench/tiny_model.py``). The
   an injected ``OSError(ENOSPC)`` from the store's ``open`` everywhere);
 * disk files truncated or bit-flipped between their write and their read;
 * the sampler raising inside a step for one request of a batch (an injected fault in
-  ``Sampler.filter_logits`` keyed on that request's parameters);
+  ``Sampler.candidates`` keyed on that request's parameters);
 * a prompt longer than ``max_model_len``, and a ``max_tokens`` that cannot fit, while another
   request streams.
 """
@@ -227,14 +227,14 @@ def test_disk_file_damaged_between_write_and_read(tmp_path: Path, damage: str) -
 
 def inject_sampling_fault(engine: Any, top_k: int = 7) -> None:
     """Requests with this ``top_k`` make the sampler raise (the fault is the point)."""
-    original = engine.sampler.filter_logits
+    original = engine.sampler.candidates
 
-    def faulty(logits: Any, params: SamplingParams) -> Any:
-        if params.top_k == top_k:
+    def faulty(rows: Any, top: Any, inv_t: Any, params: Any, width: int) -> Any:
+        if any(p.top_k == top_k for p in params):
             raise RuntimeError("injected sampling fault")
-        return original(logits, params)
+        return original(rows, top, inv_t, params, width)
 
-    engine.sampler.filter_logits = faulty
+    engine.sampler.candidates = faulty
 
 
 def test_sampling_fault_fails_only_its_request() -> None:

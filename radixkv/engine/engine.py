@@ -24,7 +24,8 @@ from radixkv.engine.lifetime import track, untrack
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
 from radixkv.engine.outputs import engine_stats, request_output, step_output, with_logprobs
 from radixkv.engine.request import RequestOutput, SeqStatus, Sequence, StepOutput, now
-from radixkv.engine.sampling import SamplingParams, SequenceState
+from radixkv.engine.sampler import SequenceState
+from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.tokenizer_lock import LockedTokenizer
 from radixkv.engine.virtual_layout import VirtualLayout
@@ -75,7 +76,7 @@ class Engine:
 
     # -- construction ------------------------------------------------------------------------
     def _build(self, model: Any) -> None:
-        from radixkv.engine.sampling import Sampler
+        from radixkv.engine.sampler import Sampler
         from radixkv.model.kv_pool import KVPool
         from radixkv.model.loader import load_model
         from radixkv.model.runner import ModelRunner, default_dtype

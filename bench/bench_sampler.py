@@ -1,0 +1,93 @@
+"""Cost of the batched sampler (radixkv.engine.sampler) per decode step, side by side.
+
+For batch sizes 1, 8 and 64 over SmolLM2's vocabulary (49,152), and several settings (the
+default temperature 1.0 that vLLM's client sends, temperature + top-p, top-k, min-p, penalties
+over a 800-token history, a mix of all with greedy rows), prints the median time of one
+``Sampler.sample`` call for the whole batch, the same rows sampled one at a time (the shape of
+round 2's per-row loop), the ratio, and the greedy argmax floor. The host's ISA is printed.
+
+Run from the repository root: ``python -m bench.bench_sampler`` (``--iters N``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from radixkv.engine.sampler import Sampler, SequenceState
+from radixkv.engine.sampling import SamplingParams
+from radixkv.model import native
+
+VOCAB = 49_152
+HISTORY = 800
+
+SETTINGS: dict[str, Callable[[int], SamplingParams]] = {
+    "default T=1": lambda i: SamplingParams(temperature=1.0, seed=i),
+    "T=0.7 top-p 0.9": lambda i: SamplingParams(temperature=0.7, top_p=0.9, seed=i),
+    "top-k 50": lambda i: SamplingParams(temperature=1.0, top_k=50, seed=i),
+    "min-p 0.05": lambda i: SamplingParams(temperature=1.0, min_p=0.05, seed=i),
+    "penalties": lambda i: SamplingParams(
+        temperature=1.0, repetition_penalty=1.1, frequency_penalty=0.2, seed=i
+    ),
+    "mixed": lambda i: [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, seed=i),
+        SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=i),
+        SamplingParams(temperature=1.0, presence_penalty=0.5, seed=i),
+    ][i % 4],
+}
+
+
+def median_ms(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def time_case(
+    sampler: Sampler, logits: torch.Tensor, states: list[SequenceState], iters: int
+) -> tuple[float, float]:
+    """(batched ms, one-row-at-a-time ms) for one step over ``logits``."""
+    rows = [logits[i : i + 1] for i in range(len(states))]
+    batched = median_ms(lambda: sampler.sample(logits, states), iters)
+    per_row = median_ms(
+        lambda: [sampler.sample(r, [s]) for r, s in zip(rows, states)], max(3, iters // 4)
+    )
+    return batched, per_row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    print(f"host ISA: {native.host_isa()}, torch threads: {torch.get_num_threads()}")
+    g = torch.Generator().manual_seed(0)
+    sampler = Sampler()
+    print(
+        f"{'setting':18} {'batch':>5} {'batched ms':>11} {'per-row ms':>11} {'ratio':>6} {'argmax':>7}"
+    )
+    for batch in (1, 8, 64):
+        logits = torch.randn(batch, VOCAB, generator=g) * 4
+        history = torch.randint(0, VOCAB, (batch, HISTORY), generator=g).tolist()
+        floor = median_ms(lambda x=logits: x.argmax(-1).tolist(), args.iters)
+        for name, make in SETTINGS.items():
+            states = [
+                SequenceState(make(i), history[i][:700], history[i][700:]) for i in range(batch)
+            ]
+            batched, per_row = time_case(sampler, logits, states, args.iters)
+            print(
+                f"{name:18} {batch:5d} {batched:11.2f} {per_row:11.2f} "
+                f"{per_row / batched:6.1f} {floor:7.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
