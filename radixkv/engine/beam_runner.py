@@ -20,14 +20,15 @@ from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.request import (
     CompletionOutput,
     RequestOutput,
-    SeqStatus,
     Sequence,
     StepOutput,
     now,
 )
 
 if TYPE_CHECKING:
-    from radixkv.engine.engine import Engine, Prompt
+    from radixkv.engine.lifecycle import SequenceLifecycle
+    from radixkv.engine.logprobs import TokenTexts
+    from radixkv.engine.request import Prompt
     from radixkv.engine.sampling import SamplingParams
 
 __all__ = ["BeamRunner", "beam_request_output"]
@@ -36,16 +37,28 @@ __all__ = ["BeamRunner", "beam_request_output"]
 class BeamRunner:
     """Beam searches in flight, by request id."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        lifecycle: SequenceLifecycle,
+        eos_token_ids: set[int],
+        token_texts: TokenTexts,
+        counters: dict[str, int],
+        page_size: int,
+        num_pages: int,
+        prefix_cache: bool,
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.eos_token_ids = eos_token_ids
+        self.token_texts = token_texts
+        self.counters = counters
+        self.page_size, self.num_pages, self.prefix_cache = page_size, num_pages, prefix_cache
         self.searches: dict[str, BeamSearch] = {}
 
     def check_capacity(self, prompt_len: int, params: SamplingParams) -> None:
         """Refuse a search that may need more pages at once than the pool has (worst case: each
         beam recomputed after preemption; with the prefix cache the prompt's pages are shared)."""
-        e = self.engine
-        P, k, pages = e.page_size, params.beam_width, e.runner.num_pages
-        if e.config.enable_prefix_cache:
+        P, k, pages = self.page_size, params.beam_width, self.num_pages
+        if self.prefix_cache:
             need = -(-prompt_len // P) + k * (-(-params.max_tokens // P) + 1)
         else:
             need = k * -(-(prompt_len + params.max_tokens) // P)
@@ -58,7 +71,7 @@ class BeamRunner:
 
     def start(self, head: Sequence) -> None:
         """``head`` (queued, not yet prefilled) becomes the first beam of its request."""
-        self.searches[head.request_id] = BeamSearch.start(head, self.engine.eos_token_ids)
+        self.searches[head.request_id] = BeamSearch.start(head, self.eos_token_ids)
 
     def offer(self, seq: Sequence, row: torch.Tensor) -> None:
         """The logits of beam ``seq``'s last token, computed this step."""
@@ -75,62 +88,29 @@ class BeamRunner:
 
     def abort(self, request_id: str) -> list[StepOutput]:
         """Stop a search: every beam's pages go back (computed full pages stay cached)."""
-        e = self.engine
         search = self.searches.pop(request_id)
-        head = e._requests.pop(request_id)[0]
-        for b in list(search.beams) + [head]:
-            if b.is_finished:
-                continue
-            running = b.status is SeqStatus.RUNNING
-            e.scheduler.remove(b)
-            if running:
-                e.kv.release(b, publish=True)
-            b.status = SeqStatus.FINISHED
-            b.finish_reason = "abort"
-            b.gang = None
+        head = self.lifecycle.pop(request_id)[0]
+        for b in [*search.beams, head]:
+            self.lifecycle.end(b, "abort")
         search.beams.clear()
         return [_output(head, i, [], "", "abort", None, None) for i in range(search.params.n)]
 
     # -- the search's callbacks ----------------------------------------------------------------
     def _fork(self, parent: Sequence) -> Sequence:
-        e = self.engine
-        child = Sequence(
-            request_id=parent.request_id,
-            index=parent.index,
-            prompt_ids=parent.prompt_ids,
-            params=parent.params,
-            salt=parent.salt,
-            arrival=parent.arrival,
-            detok=IncrementalDetokenizer(e.tokenizer, None),
-            output_ids=list(parent.output_ids),
-            output_logprobs=list(parent.output_logprobs),
-            output_top_logprobs=list(parent.output_top_logprobs),
-            cum_logprob=parent.cum_logprob,
-            gang=parent.gang,
-            cached_tokens=parent.cached_tokens,
-            cached_by_tier=dict(parent.cached_by_tier),
-            accounted=True,
-        )
-        e.scheduler.start_fork(parent, child)
-        return child
+        return self.lifecycle.fork(parent, parent.index, beam=True)
 
     def _drop(self, seq: Sequence) -> None:
-        e = self.engine
-        e.scheduler.remove(seq)
-        e.kv.release(seq, publish=False)
-        seq.status = SeqStatus.FINISHED
-        seq.gang = None
+        self.lifecycle.end(seq, "dropped", publish=False)
 
     def _finish(self, rid: str, search: BeamSearch) -> list[StepOutput]:
-        e = self.engine
         del self.searches[rid]
-        head = e._requests.pop(rid)[0]
+        head = self.lifecycle.pop(rid)[0]
         head.first_token_time = head.first_token_time or now()
         p = search.params
-        texts = e.token_texts
+        texts = self.token_texts
         outs = []
         for i, h in enumerate(search.results()):
-            detok = IncrementalDetokenizer(e.tokenizer, None)
+            detok = IncrementalDetokenizer(self.lifecycle.tokenizer, None)
             detok.update(h.token_ids, final=True)
             want = p.logprobs is not None
             out = _output(
@@ -145,7 +125,7 @@ class BeamRunner:
             out.cumulative_logprob = h.cum_logprob
             out.score = h.score
             outs.append(out)
-            e.counters["generated_tokens"] += len(h.token_ids)
+            self.counters["generated_tokens"] += len(h.token_ids)
         for i in range(len(outs), p.n):  # fewer finished beams than asked (a tiny vocabulary)
             outs.append(_output(head, i, [], "", "stop", None, None))
         if head.prompt_logprobs is not None and outs:

@@ -20,10 +20,11 @@ from radixkv.engine.beam_runner import BeamRunner, beam_request_output
 from radixkv.engine.beam_search import BeamSearchParams
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.lifecycle import SequenceLifecycle
 from radixkv.engine.lifetime import track, untrack
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
 from radixkv.engine.outputs import engine_stats, request_output, step_output, with_logprobs
-from radixkv.engine.request import RequestOutput, SeqStatus, Sequence, StepOutput, now
+from radixkv.engine.request import Prompt, RequestOutput, Sequence, StepOutput, now
 from radixkv.engine.sampler import SequenceState
 from radixkv.engine.sampling import SamplingParams
 from radixkv.engine.scheduler import Scheduler
@@ -31,7 +32,6 @@ from radixkv.engine.tokenizer_lock import LockedTokenizer
 from radixkv.engine.virtual_layout import VirtualLayout
 from radixkv.model.runner import RequestSlice
 
-Prompt = str | list[int]
 Params = SamplingParams | BeamSearchParams
 logger = logging.getLogger(__name__)
 
@@ -131,8 +131,7 @@ class Engine:
         self.kv_capacity_tokens = num_pages * cfg.page_size
         self.eos_token_ids = _eos_token_ids(loaded)
         self.vocab_size = self.runner.vocab_size
-        self._requests: dict[str, list[Sequence]] = {}
-        self.beams = BeamRunner(self)
+        self.lifecycle = SequenceLifecycle(self.scheduler, self.kv, self.tokenizer)
         self.token_texts = TokenTexts(self.tokenizer)
         self._pending: list[StepOutput] = []
         self._ids = itertools.count()
@@ -145,6 +144,15 @@ class Engine:
             "steps": 0,
             "forward_tokens": 0,
         }
+        self.beams = BeamRunner(
+            self.lifecycle,
+            self.eos_token_ids,
+            self.token_texts,
+            self.counters,
+            self.page_size,
+            num_pages,
+            cfg.enable_prefix_cache,
+        )
         self.cached_by_tier = {"device": 0, "host": 0, "disk": 0}
         if cfg.remote_cache_url:
             self.cached_by_tier["remote"] = 0
@@ -196,7 +204,7 @@ class Engine:
             params = params.to_sampling_params()
         params = params or SamplingParams()
         params.validate()
-        if request_id in self._requests:
+        if request_id in self.lifecycle:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         if not ids:
@@ -234,9 +242,8 @@ class Engine:
             seq.skip_cache_read = True
             seq.prompt_logprobs = [None] * len(ids)
             seq.prompt_top_logprobs = [None] * len(ids)
-        self._requests[request_id] = [seq]
         self.counters["requests"] += 1
-        self.scheduler.add(seq)
+        self.lifecycle.admit(seq)
         if params.use_beam_search:
             self.beams.start(seq)
 
@@ -250,28 +257,20 @@ class Engine:
         if request_id in self.beams.searches:
             self._pending.extend(self.beams.abort(request_id))
             return True
-        seqs = self._requests.pop(request_id, None)
-        if seqs is None:
+        if request_id not in self.lifecycle:
             return False
-        for seq in seqs:
-            if seq.is_finished:
-                continue
-            running = seq.status is SeqStatus.RUNNING
-            self.scheduler.remove(seq)
-            if running:
-                self.kv.release(seq, publish=True)
-            seq.status = SeqStatus.FINISHED
-            seq.finish_reason = "abort"
-            self._pending.append(step_output(seq, [], "", None))
+        live = [seq for seq in self.lifecycle.live(request_id) if not seq.is_finished]
+        self.lifecycle.end_request(request_id, "abort")
+        self._pending.extend(step_output(seq, [], "", None) for seq in live)
         return True
 
     def fail_request(self, request_id: str, message: str) -> bool:
         """Fail one request alone (an error inside a step that only it caused): like
         :meth:`abort`, but its sequences finish with reason ``"error"`` and an output carrying
         ``message``. Its pages go back; the other requests are untouched. False if unknown."""
-        seqs = self._requests.get(request_id)
-        if seqs is None:
+        if request_id not in self.lifecycle:
             return False
+        seqs = self.lifecycle.live(request_id)
         self.counters["failed_requests"] = self.counters.get("failed_requests", 0) + 1
         self.abort(request_id)
         for out in self._pending:
@@ -363,24 +362,10 @@ class Engine:
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Parallel sampling: n - 1 siblings share the parent's prompt pages (copy-on-write)."""
-        children = []
-        for index in range(1, parent.fork_children + 1):
-            child = Sequence(
-                request_id=parent.request_id,
-                index=index,
-                prompt_ids=parent.prompt_ids,
-                params=parent.params,
-                salt=parent.salt,
-                arrival=parent.arrival,
-                detok=IncrementalDetokenizer(self.tokenizer, parent.params.stop_list),
-                generator=self._generator(parent.params, index),
-                cached_tokens=parent.cached_tokens,
-                cached_by_tier=dict(parent.cached_by_tier),
-                accounted=True,
-            )
-            self.scheduler.start_fork(parent, child)
-            self._requests.setdefault(parent.request_id, []).append(child)
-            children.append(child)
+        children = [
+            self.lifecycle.fork(parent, index, self._generator(parent.params, index))
+            for index in range(1, parent.fork_children + 1)
+        ]
         parent.fork_children = 0
         return children
 
@@ -458,13 +443,7 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
-        self.scheduler.remove(seq)
-        self.kv.release(seq, publish=True)
-        seq.status = SeqStatus.FINISHED
-        seqs = self._requests.get(seq.request_id, [])
-        if all(s.is_finished for s in seqs) and not any(s.fork_children for s in seqs):
-            self._requests.pop(seq.request_id, None)
+        self.lifecycle.finish(seq, reason)
 
     # -- offline API -------------------------------------------------------------------------
     def generate(
@@ -491,14 +470,14 @@ class Engine:
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p, salt=salt)
-        seqs = {rid: self._requests[rid] for rid in ids}
+        seqs = {rid: self.lifecycle.live(rid) for rid in ids}
         beam_outs: dict[str, list[StepOutput]] = {r: [] for r in ids if r in self.beams.searches}
-        while any(rid in self._requests for rid in ids):
+        while any(rid in self.lifecycle for rid in ids):
             for out in self.step():
                 if out.request_id in beam_outs:
                     beam_outs[out.request_id].append(out)
             for rid in ids:  # forked siblings appear after the prompt's prefill
-                seqs[rid] = self._requests.get(rid, seqs[rid])
+                seqs[rid] = self.lifecycle.requests.get(rid, seqs[rid])
         return [
             beam_request_output(rid, prompt, seqs[rid][0], beam_outs[rid])
             if rid in beam_outs
@@ -558,7 +537,7 @@ class Engine:
                 rid, ids + [ids[-1]], SamplingParams(max_tokens=1, temperature=0.0), salt
             )
             idle = 0
-            while rid in self._requests:  # other requests' outputs stay queued for step()
+            while rid in self.lifecycle:  # other requests' outputs stay queued for step()
                 before = self.counters["steps"]
                 self._pending.extend(o for o in self.step() if o.request_id != rid)
                 idle = idle + 1 if self.counters["steps"] == before else 0
@@ -580,6 +559,8 @@ class Engine:
         for s in self.scheduler.waiting:
             assert not s.pages and s.lock_node is None, "a waiting sequence holds pages"
         self.kv.check_integrity(live)
+        queued = {id(s) for s in (*self.scheduler.running, *self.scheduler.waiting)}
+        self.lifecycle.check_integrity(lambda s: id(s) in queued, self.beams.searches)
         if self.virtual_layout is not None:
             self.virtual_layout.check_integrity(live)
         if self.tiers is not None:

@@ -5,13 +5,16 @@ nothing."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from radixkv.engine.request import CompletionOutput, RequestOutput, Sequence, StepOutput, now
 
 if TYPE_CHECKING:
-    from radixkv.engine.engine import Engine, Prompt
+    from radixkv.cache.allocator import BlockAllocator
+    from radixkv.cache.radix_tree import RadixTree
     from radixkv.engine.logprobs import TokenTexts
+    from radixkv.engine.request import Prompt
+    from radixkv.engine.scheduler import Scheduler
 
 __all__ = ["engine_stats", "request_output", "step_output", "with_logprobs"]
 
@@ -83,7 +86,20 @@ def request_output(
     )
 
 
-def engine_stats(engine: Engine) -> dict[str, Any]:
+class StatsSource(Protocol):
+    """What :func:`engine_stats` reads (the engine has these)."""
+
+    model_name: str
+    page_size: int
+    counters: dict[str, int]
+    cached_by_tier: dict[str, int]
+    allocator: BlockAllocator
+    tree: RadixTree
+    scheduler: Scheduler
+    tiers: Any
+
+
+def engine_stats(engine: StatsSource) -> dict[str, Any]:
     """Queue lengths, page occupancy, cache sizes and the running totals of ``engine``."""
     alloc, tree = engine.allocator, engine.tree
     cached_pages = tree.total_size // engine.page_size

@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     from radixkv.engine.logprobs import Logprob
     from radixkv.engine.sampling import SamplingParams
 
+#: A prompt as the offline API takes it: text, or token ids.
+Prompt = str | list[int]
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued; holds no pages and no locks
