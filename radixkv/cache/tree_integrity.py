@@ -1,19 +1,39 @@
-"""``RadixTree.check_integrity``: recompute every invariant of the tree from scratch."""
+"""``RadixTree.check_integrity``: recompute every invariant of the tree from scratch.
+
+The checker is the tree's own audit, so it reads the tree's private bookkeeping; :class:`TreeState`
+names exactly what it reads (and keeps this module free of an import of ``radix_tree``).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from radixkv.cache.allocator import IntegrityError
+from radixkv.cache.allocator import BlockAllocator, IntegrityError
 from radixkv.cache.tree_node import NamespaceKey, TreeNode
 
-if TYPE_CHECKING:
-    from radixkv.cache.radix_tree import RadixTree
 
-__all__ = ["check_tree_integrity", "recount_subtrees", "subtree_counts"]
+class TreeState(Protocol):
+    """The parts of a :class:`~radixkv.cache.radix_tree.RadixTree` the audit recomputes."""
+
+    root: TreeNode
+    page_size: int
+    allocator: BlockAllocator
+    host_allocator: BlockAllocator | None
+    _leaves: Any
+    _host_leaves: Any
+    _host_size: int
+    _evictable_size: int
+    _protected_size: int
+    _num_pins: int
+    _child_key: Callable[[list[int]], Any]
+    _sort_entry: Callable[..., Any]
+    _expire_pins: Callable[[], Any]
+
+__all__ = ["TreeState", "check_tree_integrity", "recount_subtrees", "subtree_counts"]
 
 
-def check_tree_integrity(tree: RadixTree) -> None:
+def check_tree_integrity(tree: TreeState) -> None:
     """The body of :meth:`RadixTree.check_integrity` (its docstring lists the checks); raises
     :class:`IntegrityError` on the first mismatch."""
     tree._expire_pins()
