@@ -35,8 +35,6 @@ sortedcontainers ``SortedList`` ordered by policy (``lru``: last access; ``lfu``
 last access; ``fifo``: creation order), updated incrementally as nodes change
 (:mod:`radixkv.cache.eviction`).
 
-Pins are locks with an expiry (:mod:`radixkv.cache.pins`).
-
 ``last_access`` is a logical timestamp (an operation counter), not wall time, so eviction order is
 deterministic; the ``clock`` is only used for pin expiry.
 
@@ -46,7 +44,7 @@ Where the pieces live
 idea each: :mod:`radixkv.cache.eviction` (the evictable-leaf index per policy and ``evict``),
 :mod:`radixkv.cache.residency` (host residency for the offload tiers: ``set_host_value``,
 ``host_protect``, ``evict_host``; its docstring states the residency invariants),
-:mod:`radixkv.cache.pins` (``pin`` / ``unpin`` / expiry). :class:`TreeNode` and
+:mod:`radixkv.cache.pins` (``pin`` / ``unpin``: locks with an expiry). :class:`TreeNode` and
 :class:`MatchResult` are in :mod:`radixkv.cache.tree_node`; ``check_integrity`` is in
 :mod:`radixkv.cache.tree_integrity`. Without a host tier every node is device resident.
 """
@@ -65,7 +63,14 @@ from radixkv.cache.eviction import EVICTION_POLICIES, EvictionIndex
 from radixkv.cache.pins import Pins
 from radixkv.cache.residency import HostResidency
 from radixkv.cache.tree_integrity import check_tree_integrity, recount_subtrees
-from radixkv.cache.tree_node import MatchResult, NamespaceKey, TreeNode, add_subtree_counts
+from radixkv.cache.tree_node import (
+    MatchResult,
+    NamespaceKey,
+    TreeNode,
+    add_subtree_counts,
+    collect_pages,
+    count_nodes,
+)
 
 __all__ = ["EVICTION_POLICIES", "MatchResult", "RadixTree", "TreeNode"]
 
@@ -461,32 +466,15 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
     # ------------------------------------------------------------------ inspection
     def all_pages(self) -> list[int]:
         """Every device page owned by the tree (each appears once)."""
-        return self._collect("value")
+        return collect_pages(self.root, "value")
 
     def all_host_pages(self) -> list[int]:
         """Every host page owned by the tree (each appears once)."""
-        return self._collect("host_value")
-
-    def _collect(self, attr: str) -> list[int]:
-        out: list[int] = []
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            pages = getattr(node, attr)
-            if pages is not None:
-                out += pages
-            stack.extend(node.children.values())
-        return out
+        return collect_pages(self.root, "host_value")
 
     def num_nodes(self) -> int:
         """Number of non-root nodes (namespace nodes included)."""
-        count = 0
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            count += 1
-            stack.extend(node.children.values())
-        return count
+        return count_nodes(self.root)
 
     def check_integrity(self) -> None:
         """Recompute everything and compare; raise :class:`IntegrityError` on a mismatch.

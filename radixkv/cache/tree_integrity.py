@@ -30,6 +30,7 @@ class TreeState(Protocol):
     _sort_entry: Callable[..., Any]
     _expire_pins: Callable[[], Any]
 
+
 __all__ = ["TreeState", "check_tree_integrity", "recount_subtrees", "subtree_counts"]
 
 

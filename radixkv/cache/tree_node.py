@@ -11,7 +11,14 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MatchResult", "NamespaceKey", "TreeNode", "add_subtree_counts"]
+__all__ = [
+    "MatchResult",
+    "NamespaceKey",
+    "TreeNode",
+    "add_subtree_counts",
+    "collect_pages",
+    "count_nodes",
+]
 
 
 @dataclass(frozen=True)
@@ -148,3 +155,27 @@ class MatchResult:
     node: TreeNode | None = None
     host_nodes: list[TreeNode] = field(default_factory=list)
     host_tokens: int = 0
+
+
+def collect_pages(root: TreeNode, attr: str) -> list[int]:
+    """The page ids in ``attr`` (``"value"`` or ``"host_value"``) of every node under ``root``."""
+    out: list[int] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        pages = getattr(node, attr)
+        if pages is not None:
+            out += pages
+        stack.extend(node.children.values())
+    return out
+
+
+def count_nodes(root: TreeNode) -> int:
+    """Number of nodes under ``root`` (not counting ``root``)."""
+    count = 0
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        count += 1
+        stack.extend(node.children.values())
+    return count
