@@ -30,7 +30,7 @@ continuation there.
 
 Disk keys are chained page hashes (:func:`~radixkv.cache.disk_store.chain_hashes`) rooted in a
 fingerprint of the model (name, config, a sample of the weights), the KV dtype, the page size and
-the KV layout, so a restarted engine on the same directory finds its own prefixes and never uses
+the KV layout (``radixkv.engine.assembly.engine_fingerprint``, which also builds the tiers), so a restarted engine on the same directory finds its own prefixes and never uses
 another model's.
 
 Without tensors (``kv_pool=None``) the same code does pure bookkeeping: the simulator uses it to
@@ -39,8 +39,6 @@ count hits per tier.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Hashable
@@ -54,10 +52,9 @@ from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeNode
 if TYPE_CHECKING:
     from radixkv.cache.host_pool import HostPool
     from radixkv.cache.remote_store import RemoteStore
-    from radixkv.config import EngineConfig
     from radixkv.model.kv_pool import KVPool
 
-__all__ = ["LoadResult", "TieredCache", "engine_fingerprint"]
+__all__ = ["LoadResult", "TieredCache"]
 
 TIERS = ("device", "host", "disk", "remote")
 
@@ -79,41 +76,6 @@ class LoadResult:
     by_tier: dict[str, int] = field(default_factory=dict)
     #: Pages of the cached continuation left on the host / disk for lack of device room.
     unloaded_pages: int = 0
-
-
-def engine_fingerprint(
-    model_name: str, kv_pool: KVPool, page_size: int, model: Any = None, config: Any = None
-) -> bytes:
-    """sha256 over the model name, its config, a sample of its weights, the KV dtype, the page
-    size and the KV layout: files written under one fingerprint are never read under another."""
-    h = hashlib.sha256()
-    parts = {
-        "model": model_name,
-        "dtype": str(kv_pool.dtype),
-        "page_size": page_size,
-        "layers": kv_pool.num_layers,
-        "kv_heads": kv_pool.num_kv_heads,
-        "head_dim": kv_pool.head_dim,
-    }
-    h.update(json.dumps(parts, sort_keys=True).encode())
-    if config is not None:
-        try:
-            text = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
-        except Exception:
-            text = repr(config)
-        h.update(text.encode())
-    if model is not None:
-        try:  # a sample of the weights: tells two random models with one config apart
-            import torch
-
-            for i, p in enumerate(model.parameters()):
-                if i >= 4:
-                    break
-                flat = p.detach().reshape(-1)[:4096].to("cpu", torch.float32)
-                h.update(flat.numpy().tobytes())
-        except Exception:
-            pass
-    return h.digest()
 
 
 class TieredCache:
@@ -187,53 +149,6 @@ class TieredCache:
             disk is not None and disk_write_policy == "write_through"
         )
         tree.on_insert = self._on_insert if through else None
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def attach(cls, engine: Any, config: EngineConfig) -> TieredCache:
-        """Build the tiers configured in ``config`` for ``engine`` (its tree, allocator and KV
-        pool), hook them in (``engine.kv.tiers``), and return them."""
-        from radixkv.cache.host_pool import HostPool
-
-        runner = engine.runner
-        kv_pool = getattr(runner, "kv_pool", None) or runner.pool
-        P = config.page_size
-        host = None
-        if config.host_cache_tokens:
-            num = max(1, config.host_cache_tokens // P)
-            host = HostPool.like(kv_pool, num)
-        disk = None
-        fp = engine_fingerprint(
-            str(getattr(engine, "model_name", config.model)),
-            kv_pool,
-            P,
-            getattr(runner, "model", None),
-            getattr(runner, "hf_config", None),
-        )
-        if config.disk_cache_dir:
-            page_bytes = kv_pool.bytes_per_page
-            max_pending = int(min(4096, max(16, (256 << 20) // max(1, page_bytes))))
-            disk = DiskStore(
-                config.disk_cache_dir, config.disk_cache_bytes, fp, max_pending=max_pending
-            )
-        remote = None
-        if getattr(config, "remote_cache_url", None):
-            from radixkv.cache.remote_store import RemoteStore
-
-            remote = RemoteStore(config.remote_cache_url, fp)
-        tiers = cls(
-            engine.tree,
-            engine.allocator,
-            kv_pool,
-            host,
-            disk,
-            config.host_write_policy,
-            fp,
-            remote=remote,
-            disk_write_policy=getattr(config, "disk_write_policy", "write_back"),
-        )
-        engine.kv.tiers = tiers
-        return tiers
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -13,13 +13,11 @@ from typing import Any
 
 import torch
 
-from radixkv.cache.allocator import BlockAllocator
-from radixkv.cache.radix_tree import RadixTree
 from radixkv.config import EngineConfig
+from radixkv.engine.assembly import assemble
 from radixkv.engine.beam_runner import BeamRunner, beam_request_output
 from radixkv.engine.beam_search import BeamSearchParams
 from radixkv.engine.detokenizer import IncrementalDetokenizer
-from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.lifecycle import SequenceLifecycle
 from radixkv.engine.lifetime import track, untrack
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
@@ -27,29 +25,10 @@ from radixkv.engine.outputs import engine_stats, request_output, step_output, wi
 from radixkv.engine.request import Prompt, RequestOutput, Sequence, StepOutput, now
 from radixkv.engine.sampler import SequenceState
 from radixkv.engine.sampling import SamplingParams
-from radixkv.engine.scheduler import Scheduler
-from radixkv.engine.tokenizer_lock import LockedTokenizer
-from radixkv.engine.virtual_layout import VirtualLayout
 from radixkv.model.runner import RequestSlice
 
 Params = SamplingParams | BeamSearchParams
 logger = logging.getLogger(__name__)
-
-
-def _eos_token_ids(loaded: Any) -> set[int]:
-    """End-of-sequence ids from the config, the generation config and the tokenizer."""
-    ids: set[int] = set()
-    sources = [
-        getattr(loaded.config, "eos_token_id", None),
-        getattr(getattr(loaded.hf_model, "generation_config", None), "eos_token_id", None),
-        getattr(loaded.tokenizer, "eos_token_id", None) if loaded.tokenizer is not None else None,
-    ]
-    for src in sources:
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(i) for i in src)
-    return ids
 
 
 class Engine:
@@ -72,65 +51,9 @@ class Engine:
             )
         self.config = EngineConfig(model=model if isinstance(model, str) else "custom", **knobs)
         self.config.validate()
-        self._build(model)
-
-    # -- construction ------------------------------------------------------------------------
-    def _build(self, model: Any) -> None:
-        from radixkv.engine.sampler import Sampler
-        from radixkv.model.kv_pool import KVPool
-        from radixkv.model.loader import load_model
-        from radixkv.model.runner import ModelRunner, default_dtype
-
+        parts = assemble(self.config, model)  # every collaborator, built and wired there
+        vars(self).update(vars(parts))
         cfg = self.config
-        loaded = load_model(model) if isinstance(model, str) else model
-        self.model_name = loaded.name
-        # the server encodes on its event loop while this engine's thread decodes
-        self.tokenizer = LockedTokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
-        device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
-        kv_tokens = cfg.kv_cache_tokens
-        if cfg.kv_cache_memory_gb is not None:
-            hf = loaded.config
-            per_page = KVPool.bytes_per_page_for(
-                hf.num_hidden_layers,
-                cfg.page_size,
-                getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-                getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-                dtype,
-            )
-            kv_tokens = int(cfg.kv_cache_memory_gb * (1 << 30)) // per_page * cfg.page_size
-            if kv_tokens < cfg.page_size:
-                raise ValueError(f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds no page")
-        self.runner = ModelRunner(
-            loaded,
-            num_pages=kv_tokens // cfg.page_size,
-            page_size=cfg.page_size,
-            dtype=dtype,
-            device=device,
-            attention_backend=cfg.attention_backend,
-            kv_layout=cfg.kv_layout,
-            max_model_len=cfg.max_model_len,
-        )
-        self.sampler = Sampler()
-        num_pages = self.runner.num_pages
-        self.page_size = cfg.page_size
-        self.allocator = BlockAllocator(num_pages, cfg.page_size)
-        self.tree = RadixTree(self.allocator, cfg.page_size, eviction_policy=cfg.eviction_policy)
-        self.kv = KVManager(
-            self.allocator, self.tree, cfg.enable_prefix_cache, self.runner.pool.copy_pages
-        )
-        self.virtual_layout = VirtualLayout.attach(self)  # None unless kv_layout="virtual"
-        self.tiers = None
-        if cfg.host_cache_tokens or cfg.disk_cache_dir or cfg.remote_cache_url:
-            from radixkv.cache.tiers import TieredCache
-
-            self.tiers = TieredCache.attach(self, cfg)
-        self.scheduler = Scheduler(cfg, self.kv)
-        context = getattr(loaded.config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(cfg.max_model_len or context, context)
-        self.kv_capacity_tokens = num_pages * cfg.page_size
-        self.eos_token_ids = _eos_token_ids(loaded)
-        self.vocab_size = self.runner.vocab_size
         self.lifecycle = SequenceLifecycle(self.scheduler, self.kv, self.tokenizer)
         self.token_texts = TokenTexts(self.tokenizer)
         self._pending: list[StepOutput] = []
@@ -150,7 +73,7 @@ class Engine:
             self.token_texts,
             self.counters,
             self.page_size,
-            num_pages,
+            self.runner.num_pages,
             cfg.enable_prefix_cache,
         )
         self.cached_by_tier = {"device": 0, "host": 0, "disk": 0}

@@ -26,18 +26,20 @@ class KVManager:
         tree: RadixTree,
         enable_prefix_cache: bool,
         copy_pages: Callable[[list[int], list[int]], None],
+        tiers: Any = None,
+        on_release: Callable[[Sequence], None] | None = None,
     ) -> None:
         self.allocator = allocator
         self.tree = tree
         self.page_size = allocator.page_size
         self.enable_prefix_cache = enable_prefix_cache
         self.copy_pages = copy_pages
-        #: Host/disk tiers (``radixkv.cache.tiers.TieredCache``), set by ``TieredCache.attach``.
-        self.tiers: Any = None
+        #: Host/disk tiers (``radixkv.cache.tiers.TieredCache``) or None.
+        self.tiers: Any = tiers
         #: Cached pages the last :meth:`admit` left on the host / disk for lack of device room.
         self.last_unloaded_pages = 0
         #: Called with each sequence :meth:`release` empties (the virtual KV layout unmaps it).
-        self.on_release: Callable[[Sequence], None] | None = None
+        self.on_release = on_release
 
     # -- admission ---------------------------------------------------------------------------
     def match(self, seq: Sequence) -> tuple[list[int], int, object]:

@@ -11,7 +11,7 @@ paged backend over the same memory (one warning) and every range is dropped unti
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from radixkv.model.virtual_kv import MapLimitError, VirtualKV
 
@@ -29,16 +29,6 @@ class VirtualLayout:
         self.virtual = virtual
         self.paged_steps = 0  # steps that ran paged because of the mapping limit
         self._warned = False
-
-    @classmethod
-    def attach(cls, engine: Any) -> VirtualLayout | None:
-        """Hook into ``engine`` when its runner has a virtual layout; else ``None``."""
-        virtual = getattr(engine.runner, "virtual", None)
-        if virtual is None:
-            return None
-        layout = cls(virtual)
-        engine.kv.on_release = layout.release
-        return layout
 
     def release(self, seq: Sequence) -> None:
         self.virtual.release(id(seq))

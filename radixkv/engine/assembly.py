@@ -1,0 +1,221 @@
+"""Explicit assembly: every collaborator of an :class:`~radixkv.engine.engine.Engine`, built and
+wired here, in one place, by constructor arguments.
+
+Order (each part receives what it needs, nothing reaches back): the model runner (weights, KV
+pool, attention backend) -> the block allocator and the radix tree over its pages -> the virtual
+KV layout (when the runner has one) -> the offload tiers (host, disk, remote: they hook the
+tree's eviction and insert events, keyed by :func:`engine_fingerprint`) -> the KV manager (page
+ownership between tree and sequences; given the tiers and the layout's release hook) -> the
+scheduler. The engine then adds what is its own (the lifecycle owner, beam search, counters).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixkv.cache.allocator import BlockAllocator
+from radixkv.cache.radix_tree import RadixTree
+from radixkv.config import EngineConfig
+from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.sampler import Sampler
+from radixkv.engine.scheduler import Scheduler
+from radixkv.engine.tokenizer_lock import LockedTokenizer
+from radixkv.engine.virtual_layout import VirtualLayout
+
+if TYPE_CHECKING:
+    from radixkv.cache.tiers import TieredCache
+    from radixkv.model.kv_pool import KVPool
+    from radixkv.model.runner import ModelRunner
+
+__all__ = ["EngineParts", "assemble", "build_tiers", "engine_fingerprint"]
+
+
+@dataclass
+class EngineParts:
+    """The engine's collaborators and the facts it reads from them."""
+
+    model_name: str
+    #: the server encodes on its event loop while the engine's thread decodes: one lock
+    tokenizer: LockedTokenizer | None
+    runner: ModelRunner
+    sampler: Sampler
+    page_size: int
+    allocator: BlockAllocator
+    tree: RadixTree
+    virtual_layout: VirtualLayout | None
+    tiers: TieredCache | None
+    kv: KVManager
+    scheduler: Scheduler
+    max_model_len: int
+    kv_capacity_tokens: int
+    eos_token_ids: set[int]
+    vocab_size: int
+
+
+def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
+    """Load ``model`` (a name, or a loaded model) and build every part ``cfg`` asks for."""
+    from radixkv.model.kv_pool import KVPool
+    from radixkv.model.loader import load_model
+    from radixkv.model.runner import ModelRunner, default_dtype
+
+    loaded = load_model(model) if isinstance(model, str) else model
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
+    kv_tokens = cfg.kv_cache_tokens
+    if cfg.kv_cache_memory_gb is not None:
+        hf = loaded.config
+        per_page = KVPool.bytes_per_page_for(
+            hf.num_hidden_layers,
+            cfg.page_size,
+            getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            dtype,
+        )
+        kv_tokens = int(cfg.kv_cache_memory_gb * (1 << 30)) // per_page * cfg.page_size
+        if kv_tokens < cfg.page_size:
+            raise ValueError(f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds no page")
+    runner = ModelRunner(
+        loaded,
+        num_pages=kv_tokens // cfg.page_size,
+        page_size=cfg.page_size,
+        dtype=dtype,
+        device=device,
+        attention_backend=cfg.attention_backend,
+        kv_layout=cfg.kv_layout,
+        max_model_len=cfg.max_model_len,
+    )
+    num_pages = runner.num_pages
+    allocator = BlockAllocator(num_pages, cfg.page_size)
+    tree = RadixTree(allocator, cfg.page_size, eviction_policy=cfg.eviction_policy)
+    virtual = getattr(runner, "virtual", None)
+    layout = VirtualLayout(virtual) if virtual is not None else None
+    tiers = build_tiers(cfg, loaded.name, runner, tree, allocator)
+    kv = KVManager(
+        allocator,
+        tree,
+        cfg.enable_prefix_cache,
+        runner.pool.copy_pages,
+        tiers=tiers,
+        on_release=layout.release if layout is not None else None,
+    )
+    context = getattr(loaded.config, "max_position_embeddings", None) or 2048
+    tokenizer = loaded.tokenizer
+    return EngineParts(
+        model_name=loaded.name,
+        tokenizer=LockedTokenizer(tokenizer) if tokenizer is not None else None,
+        runner=runner,
+        sampler=Sampler(),
+        page_size=cfg.page_size,
+        allocator=allocator,
+        tree=tree,
+        virtual_layout=layout,
+        tiers=tiers,
+        kv=kv,
+        scheduler=Scheduler(cfg, kv),
+        max_model_len=min(cfg.max_model_len or context, context),
+        kv_capacity_tokens=num_pages * cfg.page_size,
+        eos_token_ids=_eos_token_ids(loaded),
+        vocab_size=runner.vocab_size,
+    )
+
+
+def build_tiers(
+    cfg: EngineConfig,
+    model_name: str,
+    runner: ModelRunner,
+    tree: RadixTree,
+    allocator: BlockAllocator,
+) -> TieredCache | None:
+    """The host / disk / remote tiers ``cfg`` configures under ``tree`` (None without any):
+    they hook the tree's eviction and insert events and share the runner's KV pool layout."""
+    if not (cfg.host_cache_tokens or cfg.disk_cache_dir or cfg.remote_cache_url):
+        return None
+    from radixkv.cache.disk_store import DiskStore
+    from radixkv.cache.host_pool import HostPool
+    from radixkv.cache.tiers import TieredCache
+
+    kv_pool = getattr(runner, "kv_pool", None) or runner.pool
+    P = cfg.page_size
+    host = (
+        HostPool.like(kv_pool, max(1, cfg.host_cache_tokens // P))
+        if cfg.host_cache_tokens
+        else None
+    )
+    fp = engine_fingerprint(
+        model_name, kv_pool, P, getattr(runner, "model", None), getattr(runner, "hf_config", None)
+    )
+    disk = None
+    if cfg.disk_cache_dir:
+        page_bytes = kv_pool.bytes_per_page
+        max_pending = int(min(4096, max(16, (256 << 20) // max(1, page_bytes))))
+        disk = DiskStore(cfg.disk_cache_dir, cfg.disk_cache_bytes, fp, max_pending=max_pending)
+    remote = None
+    if cfg.remote_cache_url:
+        from radixkv.cache.remote_store import RemoteStore
+
+        remote = RemoteStore(cfg.remote_cache_url, fp)
+    return TieredCache(
+        tree,
+        allocator,
+        kv_pool,
+        host,
+        disk,
+        cfg.host_write_policy,
+        fp,
+        remote=remote,
+        disk_write_policy=cfg.disk_write_policy,
+    )
+
+
+def engine_fingerprint(
+    model_name: str, kv_pool: KVPool, page_size: int, model: Any = None, config: Any = None
+) -> bytes:
+    """sha256 over the model name, its config, a sample of its weights, the KV dtype, the page
+    size and the KV layout: files written under one fingerprint are never read under another."""
+    h = hashlib.sha256()
+    parts = {
+        "model": model_name,
+        "dtype": str(kv_pool.dtype),
+        "page_size": page_size,
+        "layers": kv_pool.num_layers,
+        "kv_heads": kv_pool.num_kv_heads,
+        "head_dim": kv_pool.head_dim,
+    }
+    h.update(json.dumps(parts, sort_keys=True).encode())
+    if config is not None:
+        try:
+            text = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
+        except Exception:
+            text = repr(config)
+        h.update(text.encode())
+    if model is not None:
+        try:  # a sample of the weights: tells two random models with one config apart
+            for i, p in enumerate(model.parameters()):
+                if i >= 4:
+                    break
+                flat = p.detach().reshape(-1)[:4096].to("cpu", torch.float32)
+                h.update(flat.numpy().tobytes())
+        except Exception:
+            pass
+    return h.digest()
+
+
+def _eos_token_ids(loaded: Any) -> set[int]:
+    """End-of-sequence ids from the config, the generation config and the tokenizer."""
+    ids: set[int] = set()
+    sources = [
+        getattr(loaded.config, "eos_token_id", None),
+        getattr(getattr(loaded.hf_model, "generation_config", None), "eos_token_id", None),
+        getattr(loaded.tokenizer, "eos_token_id", None) if loaded.tokenizer is not None else None,
+    ]
+    for src in sources:
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    return ids
