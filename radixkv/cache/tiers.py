@@ -40,7 +40,6 @@ count hits per tier.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,19 +47,17 @@ from typing import TYPE_CHECKING, Any
 from radixkv.cache.allocator import BlockAllocator, IntegrityError
 from radixkv.cache.disk_store import DiskStore, chain_hashes
 from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeNode
+from radixkv.cache.tier_durability import CLOSE_TIMEOUT_S, TierDurability
+from radixkv.cache.tier_writes import TierWrites
 
 if TYPE_CHECKING:
     from radixkv.cache.host_pool import HostPool
     from radixkv.cache.remote_store import RemoteStore
     from radixkv.model.kv_pool import KVPool
 
-__all__ = ["LoadResult", "TieredCache"]
+__all__ = ["CLOSE_TIMEOUT_S", "LoadResult", "TieredCache"]
 
 TIERS = ("device", "host", "disk", "remote")
-
-#: Default bound (seconds) of :meth:`TieredCache.shutdown`: writing the cached pages not yet on
-#: disk and draining the writer queue. What is not written by then is lost (and logged).
-CLOSE_TIMEOUT_S = 60.0
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +75,7 @@ class LoadResult:
     unloaded_pages: int = 0
 
 
-class TieredCache:
+class TieredCache(TierWrites, TierDurability):
     """Host and disk tiers under a :class:`RadixTree`; see the module docstring.
 
     Args:
@@ -149,160 +146,6 @@ class TieredCache:
             disk is not None and disk_write_policy == "write_through"
         )
         tree.on_insert = self._on_insert if through else None
-
-    # ------------------------------------------------------------------ helpers
-    @property
-    def has_data(self) -> bool:
-        return self.kv_pool is not None
-
-    def _prefix_tokens(self, node: TreeNode) -> list[int]:
-        """Tokens of the path from the namespace root down to (and including) ``node``."""
-        keys: list[list[int]] = []
-        x: TreeNode | None = node
-        while x is not None and x.parent is not None and not x.is_namespace:
-            keys.append(x.key)
-            x = x.parent
-        out: list[int] = []
-        for k in reversed(keys):
-            out += k
-        return out
-
-    def _node_hashes(self, node: TreeNode) -> list[bytes]:
-        """Disk keys of ``node``'s pages (the last ``len(node.key) // P`` chained hashes)."""
-        tokens = self._prefix_tokens(node)
-        hashes = chain_hashes(self.fingerprint, tokens, self.page_size, node.salt)
-        return hashes[len(hashes) - len(node.key) // self.page_size :]
-
-    def _host_alloc(self, n: int) -> list[int] | None:
-        """``n`` host pages, evicting host-only leaves when short; None when impossible."""
-        assert self.host is not None
-        halloc = self.host.allocator
-        if n > halloc.num_pages:
-            return None
-        short = n - halloc.num_free
-        if short > 0:
-            self.tree.evict_host(short * self.page_size)
-        if halloc.num_free < n:
-            return None
-        return halloc.allocate(n)
-
-    def _copy_to_host(self, node: TreeNode, pages: list[int]) -> bool:
-        """Give ``node`` host pages holding the KV of device ``pages``; False when no room."""
-        hp = self._host_alloc(len(pages))
-        if hp is None:
-            return False
-        if self.host is not None and self.kv_pool is not None:
-            self.host.save(self.kv_pool, pages, hp)
-        self.tree.set_host_value(node, hp)
-        self.counters["host_writes"] += len(pages)
-        return True
-
-    def _write_disk(
-        self,
-        node: TreeNode,
-        pages: list[int],
-        from_host: bool,
-        keys: list[bytes] | None = None,
-        wait: float | None = None,
-    ) -> None:
-        """Hand ``node``'s pages (device or host ids) to the disk writer; pages already on disk
-        are only refreshed. The KV is snapshotted now, serialized by the writer thread.
-        ``keys``: the node's disk keys when the caller has them; ``wait``: seconds to wait for
-        room in the writer queue (``None``: a full queue drops the write)."""
-        disk = self.disk
-        assert disk is not None
-        if keys is None:
-            keys = self._node_hashes(node)
-        todo: list[int] = []
-        for i, key in enumerate(keys):
-            if disk.contains(key):
-                disk.touch(key)
-            elif not disk.pending(key):
-                todo.append(i)
-        if not todo:
-            return
-        if not self.has_data:
-            for i in todo:
-                if disk.put(keys[i], self.page_size):
-                    self.counters["disk_write_pages"] += 1
-            return
-        from radixkv.cache.host_pool import pages_to_payloads
-
-        deadline = None if wait is None else time.monotonic() + wait
-        sel = [pages[i] for i in todo]
-        if from_host:
-            assert self.host is not None
-            k, v = self.host.read(sel)
-        else:
-            assert self.kv_pool is not None
-            k, v = self.kv_pool.read_pages(sel)
-            k, v = k.to("cpu"), v.to("cpu")
-        for j, i in enumerate(todo):
-            kj, vj = k[:, j : j + 1], v[:, j : j + 1]
-            left = None if deadline is None else deadline - time.monotonic()
-            if disk.put(keys[i], lambda kj=kj, vj=vj: pages_to_payloads(kj, vj)[0], wait=left):
-                self.counters["disk_write_pages"] += 1
-
-    def _write_remote(self, node: TreeNode, pages: list[int]) -> None:
-        """Hand ``node``'s device ``pages`` to the remote writer (pages sent recently or queued
-        are skipped). The KV is snapshotted now, serialized and sent by the writer thread."""
-        remote = self.remote
-        assert remote is not None
-        if not remote.available:
-            remote.counters["writes_skipped_down"] += len(pages)
-            return
-        keys = self._node_hashes(node)
-        todo = [i for i, key in enumerate(keys) if remote.wants(key)]
-        if not todo:
-            return
-        if not self.has_data:
-            for i in todo:
-                if remote.put(keys[i], b""):
-                    self.counters["remote_write_pages"] += 1
-            return
-        from radixkv.cache.host_pool import pages_to_payloads
-
-        assert self.kv_pool is not None
-        k, v = self.kv_pool.read_pages([pages[i] for i in todo])
-        k, v = k.to("cpu"), v.to("cpu")
-        for j, i in enumerate(todo):
-            kj, vj = k[:, j : j + 1], v[:, j : j + 1]
-            if remote.put(keys[i], lambda kj=kj, vj=vj: pages_to_payloads(kj, vj)[0]):
-                self.counters["remote_write_pages"] += 1
-
-    # ------------------------------------------------------------------ tree hooks
-    def _on_evict(self, node: TreeNode, pages: list[int]) -> None:
-        """Device eviction of ``node``: keep its KV on the host (or the disk), and share it."""
-        if self.remote is not None and self.write_policy == "write_back":
-            self._write_remote(node, pages)
-        if node.host_value is not None:
-            return  # already on the host (write-through or loaded back): nothing to copy
-        if self.host is not None and self._copy_to_host(node, pages):
-            return
-        if self.disk is not None:
-            self._write_disk(node, pages, from_host=False)
-        elif self.remote is None:
-            self.counters["dropped_pages"] += len(pages)
-
-    def _on_host_evict(self, node: TreeNode, host_pages: list[int]) -> None:
-        """``node`` leaves the host tier: its pages go to disk."""
-        if self.disk is not None and host_pages:
-            self._write_disk(node, host_pages, from_host=True)
-
-    def _on_insert(self, node: TreeNode) -> None:
-        """Write-through: copy a new node to the host (and disk) as soon as it is cached
-        (host write-through copies to the host, the disk and the remote tier; disk
-        write-through alone queues the disk write)."""
-        pages = node.value
-        if pages is None:
-            return
-        host_through = self.write_policy == "write_through"
-        if host_through and self.host is not None and node.host_value is None:
-            self._copy_to_host(node, pages)
-        if self.disk is not None:
-            self._write_disk(node, pages, from_host=False)
-        if host_through and self.remote is not None:
-            self._write_remote(node, pages)
 
     # ------------------------------------------------------------------ admission
     def _cut_host_path(self, host_nodes: list[TreeNode], num_pages: int) -> list[TreeNode]:
@@ -484,113 +327,6 @@ class TieredCache:
         if self.remote is not None:
             by_tier["remote"] = total - dev - nh * P - by_tier["disk"]
         return LoadResult(m.pages, total, m.node, by_tier, unloaded)
-
-    # ------------------------------------------------------------------ administration
-    def sync(self) -> None:
-        """Wait for queued disk (and remote) writes."""
-        if self.disk is not None:
-            self.disk.sync()
-        if self.remote is not None:
-            self.remote.sync()
-
-    def flush(self) -> None:
-        """Called after ``tree.reset()`` (which already freed the host pages of every dropped
-        node): finish queued disk writes. Disk files stay: they are the persistent tier
-        (:meth:`clear_disk` removes them). The remote tier forgets which pages it sent lately,
-        so pages computed again after a flush are sent again (Redis may have dropped them)."""
-        self.sync()
-        if self.remote is not None:
-            self.remote.forget_recent()
-
-    def clear_disk(self) -> None:
-        """Remove every file of the disk tier."""
-        if self.disk is not None:
-            self.disk.clear()
-
-    def close(self) -> None:
-        """Finish disk writes and stop the writer thread."""
-        if self.disk is not None:
-            self.disk.close()
-        if self.remote is not None:
-            self.remote.close()
-
-    def _nodes_by_depth(self) -> list[tuple[TreeNode, list[bytes]]]:
-        """Every cached node with its disk keys, parents before children (breadth first). The
-        chained hashes are carried down the walk, so the cost is one hash per page."""
-        P = self.page_size
-        out: list[tuple[TreeNode, list[bytes]]] = []
-        level: list[tuple[TreeNode, bytes | None]] = []
-        for child in self.tree.root.children.values():
-            if child.is_namespace:
-                level += [(c, None) for c in child.children.values()]
-            else:
-                level.append((child, None))
-        while level:
-            nxt: list[tuple[TreeNode, bytes | None]] = []
-            for node, prev in level:
-                keys = chain_hashes(self.fingerprint, node.key, P, node.salt, prev=prev)
-                if len(keys) * P != len(node.key):  # never: keys are page aligned
-                    continue
-                out.append((node, keys))
-                nxt += [(c, keys[-1]) for c in node.children.values()]
-            level = nxt
-        return out
-
-    def persist(self, deadline: float) -> dict[str, int]:
-        """Queue every cached page (device or host) that is not on disk yet, waiting for room
-        in the writer queue until ``deadline`` (``time.monotonic()``). Deepest nodes first, so
-        that when the disk bound forces LRU evictions the shared prefixes (written last) stay.
-        Returns ``{"pages": queued, "skipped": pages left out by the deadline}``."""
-        disk = self.disk
-        if disk is None:
-            return {"pages": 0, "skipped": 0}
-        before = self.counters["disk_write_pages"]
-        skipped = 0
-        for node, keys in reversed(self._nodes_by_depth()):
-            if time.monotonic() >= deadline:
-                skipped += sum(1 for k in keys if not disk.contains(k) and not disk.pending(k))
-                continue
-            if node.value is not None:
-                pages, from_host = node.value, False
-            elif node.host_value is not None:
-                pages, from_host = node.host_value, True
-            else:  # pragma: no cover - every node is resident somewhere
-                continue
-            self._write_disk(node, pages, from_host, keys, wait=deadline - time.monotonic())
-        return {"pages": self.counters["disk_write_pages"] - before, "skipped": skipped}
-
-    def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
-        """Make the disk tier durable and stop the writer threads: write every cached page not
-        yet on disk (:meth:`persist`), drain the queue, stop. Bounded by ``timeout`` seconds
-        (default :data:`CLOSE_TIMEOUT_S`); logs pages, bytes and seconds. Returns the same
-        figures (``pages``, ``bytes``, ``seconds``, ``skipped``, ``drained``)."""
-        t0 = time.monotonic()
-        limit = CLOSE_TIMEOUT_S if timeout is None else timeout
-        deadline = t0 + limit
-        out: dict[str, Any] = {"pages": 0, "bytes": 0, "skipped": 0, "drained": True}
-        disk = self.disk
-        if disk is not None:
-            bytes0 = disk.counters["write_bytes"]
-            out.update(self.persist(deadline))
-            out["drained"] = disk.close(max(0.0, deadline - time.monotonic()))
-            out["bytes"] = disk.counters["write_bytes"] - bytes0
-        if self.remote is not None:
-            self.remote.close()
-        out["seconds"] = time.monotonic() - t0
-        if disk is not None:
-            log = logger.info if out["drained"] and not out["skipped"] else logger.warning
-            log(
-                "disk tier flushed: %d pages queued, %d bytes written in %.2f s%s (%s)",
-                out["pages"],
-                out["bytes"],
-                out["seconds"],
-                ""
-                if out["drained"] and not out["skipped"]
-                else f"; the {limit:.0f} s bound cut it short: {out['skipped']} pages not "
-                "queued, queue drained: " + str(out["drained"]),
-                disk.path,
-            )
-        return out
 
     def stats(self) -> dict[str, Any]:
         """Host pages used/free, disk files/bytes, loads, writes, corrupt files, skips."""

@@ -1,0 +1,196 @@
+"""The tiers' write path: device pages copied to host pages, disk files and the remote store, from
+the radix tree's eviction and insert events (the policies are in :mod:`radixkv.cache.tiers`).
+
+:class:`TierWrites` is a mixin of :class:`~radixkv.cache.tiers.TieredCache`, which owns the state
+it reads (``tree``, ``allocator``, ``kv_pool``, ``host``, ``disk``, ``remote``, the policies and
+the counters).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from radixkv.cache.allocator import BlockAllocator
+from radixkv.cache.disk_store import DiskStore, chain_hashes
+from radixkv.cache.radix_tree import RadixTree, TreeNode
+
+if TYPE_CHECKING:
+    from radixkv.cache.host_pool import HostPool
+    from radixkv.cache.remote_store import RemoteStore
+    from radixkv.model.kv_pool import KVPool
+
+logger = logging.getLogger("radixkv.cache.tiers")
+
+__all__ = ["TierWrites"]
+
+
+class TierWrites:
+    """Copies out of the device tier, and the tree hooks that trigger them."""
+
+    tree: RadixTree
+    allocator: BlockAllocator
+    kv_pool: KVPool | None
+    host: HostPool | None
+    disk: DiskStore | None
+    remote: RemoteStore | None
+    page_size: int
+    write_policy: str
+    disk_write_policy: str
+    fingerprint: bytes
+    counters: dict[str, int]
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def has_data(self) -> bool:
+        return self.kv_pool is not None
+
+    def _prefix_tokens(self, node: TreeNode) -> list[int]:
+        """Tokens of the path from the namespace root down to (and including) ``node``."""
+        keys: list[list[int]] = []
+        x: TreeNode | None = node
+        while x is not None and x.parent is not None and not x.is_namespace:
+            keys.append(x.key)
+            x = x.parent
+        out: list[int] = []
+        for k in reversed(keys):
+            out += k
+        return out
+
+    def _node_hashes(self, node: TreeNode) -> list[bytes]:
+        """Disk keys of ``node``'s pages (the last ``len(node.key) // P`` chained hashes)."""
+        tokens = self._prefix_tokens(node)
+        hashes = chain_hashes(self.fingerprint, tokens, self.page_size, node.salt)
+        return hashes[len(hashes) - len(node.key) // self.page_size :]
+
+    def _host_alloc(self, n: int) -> list[int] | None:
+        """``n`` host pages, evicting host-only leaves when short; None when impossible."""
+        assert self.host is not None
+        halloc = self.host.allocator
+        if n > halloc.num_pages:
+            return None
+        short = n - halloc.num_free
+        if short > 0:
+            self.tree.evict_host(short * self.page_size)
+        if halloc.num_free < n:
+            return None
+        return halloc.allocate(n)
+
+    def _copy_to_host(self, node: TreeNode, pages: list[int]) -> bool:
+        """Give ``node`` host pages holding the KV of device ``pages``; False when no room."""
+        hp = self._host_alloc(len(pages))
+        if hp is None:
+            return False
+        if self.host is not None and self.kv_pool is not None:
+            self.host.save(self.kv_pool, pages, hp)
+        self.tree.set_host_value(node, hp)
+        self.counters["host_writes"] += len(pages)
+        return True
+
+    def _write_disk(
+        self,
+        node: TreeNode,
+        pages: list[int],
+        from_host: bool,
+        keys: list[bytes] | None = None,
+        wait: float | None = None,
+    ) -> None:
+        """Hand ``node``'s pages (device or host ids) to the disk writer; pages already on disk
+        are only refreshed. The KV is snapshotted now, serialized by the writer thread.
+        ``keys``: the node's disk keys when the caller has them; ``wait``: seconds to wait for
+        room in the writer queue (``None``: a full queue drops the write)."""
+        disk = self.disk
+        assert disk is not None
+        if keys is None:
+            keys = self._node_hashes(node)
+        todo: list[int] = []
+        for i, key in enumerate(keys):
+            if disk.contains(key):
+                disk.touch(key)
+            elif not disk.pending(key):
+                todo.append(i)
+        if not todo:
+            return
+        if not self.has_data:
+            for i in todo:
+                if disk.put(keys[i], self.page_size):
+                    self.counters["disk_write_pages"] += 1
+            return
+        from radixkv.cache.host_pool import pages_to_payloads
+
+        deadline = None if wait is None else time.monotonic() + wait
+        sel = [pages[i] for i in todo]
+        if from_host:
+            assert self.host is not None
+            k, v = self.host.read(sel)
+        else:
+            assert self.kv_pool is not None
+            k, v = self.kv_pool.read_pages(sel)
+            k, v = k.to("cpu"), v.to("cpu")
+        for j, i in enumerate(todo):
+            kj, vj = k[:, j : j + 1], v[:, j : j + 1]
+            left = None if deadline is None else deadline - time.monotonic()
+            if disk.put(keys[i], lambda kj=kj, vj=vj: pages_to_payloads(kj, vj)[0], wait=left):
+                self.counters["disk_write_pages"] += 1
+
+    def _write_remote(self, node: TreeNode, pages: list[int]) -> None:
+        """Hand ``node``'s device ``pages`` to the remote writer (pages sent recently or queued
+        are skipped). The KV is snapshotted now, serialized and sent by the writer thread."""
+        remote = self.remote
+        assert remote is not None
+        if not remote.available:
+            remote.counters["writes_skipped_down"] += len(pages)
+            return
+        keys = self._node_hashes(node)
+        todo = [i for i, key in enumerate(keys) if remote.wants(key)]
+        if not todo:
+            return
+        if not self.has_data:
+            for i in todo:
+                if remote.put(keys[i], b""):
+                    self.counters["remote_write_pages"] += 1
+            return
+        from radixkv.cache.host_pool import pages_to_payloads
+
+        assert self.kv_pool is not None
+        k, v = self.kv_pool.read_pages([pages[i] for i in todo])
+        k, v = k.to("cpu"), v.to("cpu")
+        for j, i in enumerate(todo):
+            kj, vj = k[:, j : j + 1], v[:, j : j + 1]
+            if remote.put(keys[i], lambda kj=kj, vj=vj: pages_to_payloads(kj, vj)[0]):
+                self.counters["remote_write_pages"] += 1
+
+    # ------------------------------------------------------------------ tree hooks
+    def _on_evict(self, node: TreeNode, pages: list[int]) -> None:
+        """Device eviction of ``node``: keep its KV on the host (or the disk), and share it."""
+        if self.remote is not None and self.write_policy == "write_back":
+            self._write_remote(node, pages)
+        if node.host_value is not None:
+            return  # already on the host (write-through or loaded back): nothing to copy
+        if self.host is not None and self._copy_to_host(node, pages):
+            return
+        if self.disk is not None:
+            self._write_disk(node, pages, from_host=False)
+        elif self.remote is None:
+            self.counters["dropped_pages"] += len(pages)
+
+    def _on_host_evict(self, node: TreeNode, host_pages: list[int]) -> None:
+        """``node`` leaves the host tier: its pages go to disk."""
+        if self.disk is not None and host_pages:
+            self._write_disk(node, host_pages, from_host=True)
+
+    def _on_insert(self, node: TreeNode) -> None:
+        """Write-through: copy a new node to the host (and disk) as soon as it is cached
+        (host write-through copies to the host, the disk and the remote tier; disk
+        write-through alone queues the disk write)."""
+        pages = node.value
+        if pages is None:
+            return
+        host_through = self.write_policy == "write_through"
+        if host_through and self.host is not None and node.host_value is None:
+            self._copy_to_host(node, pages)
+        if self.disk is not None:
+            self._write_disk(node, pages, from_host=False)
+        if host_through and self.remote is not None:
+            self._write_remote(node, pages)
