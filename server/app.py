@@ -31,8 +31,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .context import ServerContext
 from .engine_loop import EngineLoop
+from .intake import now
 from .metrics import ServerMetrics
-from .protocol import APIError, error_body, now
+from .protocol import APIError, error_body
 from .routes_admin import admin_routes
 from .routes_dashboard import DASHBOARD_TEXT, dashboard_routes
 from .routes_metrics import metrics_routes

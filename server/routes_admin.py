@@ -16,15 +16,8 @@ from fastapi.responses import JSONResponse, Response
 
 from .context import ServerContext
 from .engine_loop import EngineRequestError
-from .protocol import (
-    APIError,
-    PinRequest,
-    check_prompt_not_empty,
-    error_body,
-    make_sampling_params,
-    new_id,
-    tokenize_text,
-)
+from .intake import check_prompt_not_empty, make_sampling_params, new_id, tokenize_text
+from .protocol import APIError, PinRequest, error_body
 from .tenancy import effective_salt
 
 

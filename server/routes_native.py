@@ -10,16 +10,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .context import ServerContext
-from .logprob_format import sglang_token_logprobs, sglang_top_logprobs
-from .protocol import (
-    APIError,
-    GenerateRequest,
+from .intake import (
     check_prompt_not_empty,
     make_sampling_params,
     new_id,
     resolve_max_tokens,
     tokenize_text,
 )
+from .logprob_format import sglang_token_logprobs, sglang_top_logprobs
+from .protocol import APIError, GenerateRequest
 from .streaming import SSE_DONE, Collected, Seq, SSEResponse, sse
 
 

@@ -11,12 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .context import ServerContext
-from .logprob_format import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
-from .protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
+from .intake import (
     apply_chat_template,
     check_prompt_not_empty,
     make_sampling_params,
@@ -24,6 +19,13 @@ from .protocol import (
     now,
     resolve_max_tokens,
     tokenize_text,
+)
+from .logprob_format import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from .protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
 )
 from .streaming import SSE_DONE, Collected, Seq, SSEResponse, sse
 

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from .protocol import usage_dict
+from .intake import usage_dict
 
 T = TypeVar("T")
 

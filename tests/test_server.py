@@ -22,7 +22,7 @@ import pytest
 from fake_engine import FakeEngine, FakeTokenizer, ServerThread
 
 from radixkv.server.app import create_app
-from radixkv.server.protocol import apply_chat_template
+from radixkv.server.intake import apply_chat_template
 
 MODEL = "test-model"
 LONG_PROMPT = (

@@ -17,7 +17,7 @@ import pytest
 from fake_engine import ServerThread
 
 from radixkv.server.app import create_app
-from radixkv.server.protocol import apply_chat_template
+from radixkv.server.intake import apply_chat_template
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

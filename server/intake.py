@@ -1,0 +1,138 @@
+"""From a validated request to engine calls: prompt and context checks, tokenization and the
+chat template, sampling parameters, and the small pieces of OpenAI's response shapes (ids,
+timestamps, usage). Errors are :class:`~radixkv.server.protocol.APIError` (HTTP 400 naming the
+field)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from .protocol import APIError
+
+__all__ = [
+    "FinishReason",
+    "apply_chat_template",
+    "check_prompt_not_empty",
+    "make_sampling_params",
+    "new_id",
+    "now",
+    "resolve_max_tokens",
+    "tokenize_text",
+    "usage_dict",
+]
+
+
+def check_prompt_not_empty(prompt: str | Sequence[int], param: str = "prompt") -> None:
+    """Refuse an empty prompt with a 400."""
+    if len(prompt) == 0:
+        raise APIError(400, f"{param} must not be empty", param=param)
+
+
+def resolve_max_tokens(
+    prompt_tokens: int, requested: int | None, max_model_len: int, *, default: int | None
+) -> int:
+    """Return the token budget or raise a 400 that names the numbers.
+
+    ``requested`` None takes ``default``; a ``default`` of None means "the rest of the context"
+    (OpenAI chat semantics).
+    """
+    if prompt_tokens >= max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_tokens} tokens, which leaves no room for a completion. "
+            "Please shorten the prompt.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        if default is None:
+            return max_model_len - prompt_tokens
+        return min(default, max_model_len - prompt_tokens)
+    if prompt_tokens + requested > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, "
+            f"{requested} for the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def tokenize_text(engine: Any, text: str) -> list[int]:
+    """Token ids of ``text`` as the engine would tokenize it."""
+    tokenize = getattr(engine, "tokenize", None)
+    if callable(tokenize):
+        return [int(t) for t in tokenize(text)]
+    return [int(t) for t in engine.tokenizer.encode(text)]
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of the rendered conversation, ending in the assistant generation prompt.
+
+    transformers may return a plain list, a nested list (batch of one), a tensor, or (since
+    v5) a ``BatchEncoding``/dict holding ``input_ids``; all are flattened to ``list[int]``.
+    """
+    try:
+        out: Any = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+    except Exception as exc:  # a template error is the client's messages' fault
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+    if isinstance(out, Mapping) or (hasattr(out, "keys") and hasattr(out, "__getitem__")):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list | tuple):
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def make_sampling_params(kwargs: dict[str, Any]) -> Any:
+    """Build the engine's ``SamplingParams``; a bad value becomes a 400 naming the field."""
+    from radixkv.engine.sampling import SamplingParams
+
+    try:
+        params = SamplingParams(**kwargs)
+        validate = getattr(params, "validate", None)
+        if callable(validate):
+            validate()
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc)) from exc
+    return params
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id (``cmpl-…``, ``chatcmpl-…``)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """OpenAI's ``created`` timestamp."""
+    return int(time.time())
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def usage_dict(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    cached_by_tier: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """OpenAI ``usage`` with ``prompt_tokens_details.cached_tokens`` (plus per-tier detail)."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    if cached_by_tier:
+        details["cached_tokens_by_tier"] = dict(cached_by_tier)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": details,
+    }
