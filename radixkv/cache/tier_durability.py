@@ -1,23 +1,18 @@
 """The tiers' durability: flushing, persisting every cached page to disk, closing the writers.
 
-:class:`TierDurability` is a mixin of :class:`~radixkv.cache.tiers.TieredCache`, which owns the
-state it reads.
+:class:`TierDurability` extends the write path (:class:`~radixkv.cache.tier_writes.TierWrites`) and
+is a base of :class:`~radixkv.cache.tiers.TieredCache`, which owns the state both read.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from radixkv.cache.allocator import BlockAllocator
-from radixkv.cache.disk_store import DiskStore, chain_hashes
-from radixkv.cache.radix_tree import RadixTree, TreeNode
-
-if TYPE_CHECKING:
-    from radixkv.cache.host_pool import HostPool
-    from radixkv.cache.remote_store import RemoteStore
-    from radixkv.model.kv_pool import KVPool
+from radixkv.cache.disk_store import chain_hashes
+from radixkv.cache.radix_tree import TreeNode
+from radixkv.cache.tier_writes import TierWrites
 
 logger = logging.getLogger("radixkv.cache.tiers")
 
@@ -28,17 +23,8 @@ __all__ = ["CLOSE_TIMEOUT_S", "TierDurability"]
 CLOSE_TIMEOUT_S = 60.0
 
 
-class TierDurability:
-    """Sync, flush, persist and shut down the disk and remote tiers."""
-
-    tree: RadixTree
-    allocator: BlockAllocator
-    kv_pool: KVPool | None
-    host: HostPool | None
-    disk: DiskStore | None
-    remote: RemoteStore | None
-    page_size: int
-    counters: dict[str, int]
+class TierDurability(TierWrites):
+    """Sync, flush, persist and shut down the disk and remote tiers (over the write path)."""
 
     # ------------------------------------------------------------------ administration
     def sync(self) -> None:

@@ -48,7 +48,6 @@ from radixkv.cache.allocator import BlockAllocator, IntegrityError
 from radixkv.cache.disk_store import DiskStore, chain_hashes
 from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeNode
 from radixkv.cache.tier_durability import CLOSE_TIMEOUT_S, TierDurability
-from radixkv.cache.tier_writes import TierWrites
 
 if TYPE_CHECKING:
     from radixkv.cache.host_pool import HostPool
@@ -75,7 +74,7 @@ class LoadResult:
     unloaded_pages: int = 0
 
 
-class TieredCache(TierWrites, TierDurability):
+class TieredCache(TierDurability):
     """Host and disk tiers under a :class:`RadixTree`; see the module docstring.
 
     Args:
