@@ -51,15 +51,22 @@ class ByteTokenizer:
         return self.encode(text) if tokenize else text
 
 
-def tiny_loaded_model(seed: int = 0, max_position_embeddings: int = 512) -> Any:
-    """The tiny random Llama as a ``LoadedModel`` named ``tiny-llama`` (float32, ``seed``)."""
+def tiny_loaded_model(
+    seed: int = 0,
+    max_position_embeddings: int = 512,
+    tokenizer: Any = None,
+    vocab_size: int = TINY_VOCAB,
+    name: str = "tiny-llama",
+) -> Any:
+    """The tiny random Llama as a ``LoadedModel`` (float32, ``seed``), with ``tokenizer``
+    (default :class:`ByteTokenizer`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from radixkv.model.loader import LoadedModel
 
     cfg = LlamaConfig(
-        vocab_size=TINY_VOCAB,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -69,4 +76,5 @@ def tiny_loaded_model(seed: int = 0, max_position_embeddings: int = 512) -> Any:
     )
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(cfg).eval()
-    return LoadedModel(hf_model=hf, tokenizer=ByteTokenizer(), config=cfg, name="tiny-llama")
+    tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    return LoadedModel(hf_model=hf, tokenizer=tok, config=cfg, name=name)

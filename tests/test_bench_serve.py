@@ -370,26 +370,14 @@ class _ByteishTokenizer:
 def _real_app(kv_cache_tokens: int, page_size: int) -> tuple[Any, Any]:
     """``create_app(Engine(tiny random Llama))`` after one warm-up request. Any error building
     the engine or generating is raised: an engine regression fails this test, never skips it."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from bench.tiny_model import tiny_loaded_model
     from radixkv.engine.engine import Engine
     from radixkv.engine.sampling import SamplingParams
-    from radixkv.model.loader import LoadedModel
     from radixkv.server.app import create_app
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
+    model = tiny_loaded_model(
+        max_position_embeddings=1024, tokenizer=_ByteishTokenizer(), vocab_size=512, name="tiny"
     )
-    hf = LlamaForCausalLM(cfg).eval()
-    model = LoadedModel(hf_model=hf, tokenizer=_ByteishTokenizer(), config=cfg, name="tiny")
     engine = Engine(
         model,
         page_size=page_size,

@@ -34,24 +34,10 @@ LONG_PROMPT = (
 def build_tiny_engine() -> Any:
     """The real ``radixkv.Engine`` on a tiny random Llama with the fake's byte tokenizer (an
     import or build error fails the tests that use it)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from bench.tiny_model import tiny_loaded_model
     from radixkv.engine.engine import Engine
-    from radixkv.model.loader import LoadedModel
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    hf = LlamaForCausalLM(cfg).eval()
-    loaded = LoadedModel(hf_model=hf, tokenizer=FakeTokenizer(), config=cfg, name="tiny-llama")
+    loaded = tiny_loaded_model(tokenizer=FakeTokenizer())
     return Engine(
         loaded,
         page_size=4,
