@@ -5,10 +5,13 @@ field)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
+
+from radixkv.engine.chat_template import render_chat
 
 from .protocol import APIError
 
@@ -18,6 +21,7 @@ __all__ = [
     "check_prompt_not_empty",
     "make_sampling_params",
     "new_id",
+    "prompt_token_ids",
     "now",
     "resolve_max_tokens",
     "tokenize_text",
@@ -73,24 +77,20 @@ def tokenize_text(engine: Any, text: str) -> list[int]:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of the rendered conversation, ending in the assistant generation prompt.
-
-    transformers may return a plain list, a nested list (batch of one), a tensor, or (since
-    v5) a ``BatchEncoding``/dict holding ``input_ids``; all are flattened to ``list[int]``.
-    """
+    """Token ids of the rendered conversation (:func:`radixkv.engine.chat_template.render_chat`,
+    the engine's own path); a model without a template or a template error is a 400."""
     try:
-        out: Any = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-    except Exception as exc:  # a template error is the client's messages' fault
-        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-    if isinstance(out, Mapping) or (hasattr(out, "keys") and hasattr(out, "__getitem__")):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], list | tuple):
-        out = out[0]
-    return [int(t) for t in out]
+        return render_chat(tokenizer, messages)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+
+
+async def prompt_token_ids(engine: Any, prompt: str | list[int]) -> list[int]:
+    """The prompt as token ids, tokenized once per request and off the event loop (a thread of
+    its own; the engine's tokenizer is locked for this), so the engine never tokenizes it again."""
+    if isinstance(prompt, list):
+        return prompt
+    return await asyncio.to_thread(tokenize_text, engine, prompt)
 
 
 def make_sampling_params(kwargs: dict[str, Any]) -> Any:

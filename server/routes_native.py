@@ -14,8 +14,8 @@ from .intake import (
     check_prompt_not_empty,
     make_sampling_params,
     new_id,
+    prompt_token_ids,
     resolve_max_tokens,
-    tokenize_text,
 )
 from .logprob_format import sglang_token_logprobs, sglang_top_logprobs
 from .protocol import APIError, GenerateRequest
@@ -35,8 +35,9 @@ def native_routes(ctx: ServerContext) -> APIRouter:
         prompt = body.prompt()
         param = "text" if body.text is not None else "input_ids"
         check_prompt_not_empty(prompt, param)
-        prompt_len = len(prompt) if isinstance(prompt, list) else len(tokenize_text(engine, prompt))
-        check_prompt_not_empty([0] * prompt_len, param)
+        ids = await prompt_token_ids(engine, prompt)  # the request's one tokenization
+        check_prompt_not_empty(ids, param)
+        prompt_len = len(ids)
         sp = body.sampling_params
         max_tokens = resolve_max_tokens(
             prompt_len, sp.requested_max_tokens(), engine.max_model_len, default=None
@@ -57,13 +58,9 @@ def native_routes(ctx: ServerContext) -> APIRouter:
             kwargs["prompt_logprobs"] = body.top_logprobs_num
         params = make_sampling_params(kwargs)
         token_str, with_text = ctx.token_str, body.return_text_in_logprobs
-        prompt_ids = (
-            (prompt if isinstance(prompt, list) else tokenize_text(engine, prompt))
-            if body.return_logprob and start >= 0
-            else None
-        )
+        prompt_ids = ids if body.return_logprob and start >= 0 else None
         rid = new_id("gen")
-        stream = await submit(rid, prompt, params, body.salt, arrival)
+        stream = await submit(rid, ids, params, body.salt, arrival)
         n = sp.n
 
         def item(result: Collected, index: int) -> dict[str, Any]:

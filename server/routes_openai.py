@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,13 +18,12 @@ from .intake import (
     make_sampling_params,
     new_id,
     now,
+    prompt_token_ids,
     resolve_max_tokens,
-    tokenize_text,
 )
 from .logprob_format import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from .protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
 )
@@ -52,8 +52,9 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         check_model(body.model)
         prompt = body.single_prompt()
         check_prompt_not_empty(prompt)
-        prompt_len = len(prompt) if isinstance(prompt, list) else len(tokenize_text(engine, prompt))
-        check_prompt_not_empty(prompt if isinstance(prompt, list) else [0] * prompt_len)
+        ids = await prompt_token_ids(engine, prompt)  # the request's one tokenization
+        check_prompt_not_empty(ids)
+        prompt_len = len(ids)
         max_tokens = resolve_max_tokens(
             prompt_len,
             body.max_tokens,
@@ -66,13 +67,9 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             )
         )
         rid = new_id("cmpl")
-        stream = await submit(rid, prompt, params, body.cache_salt, arrival)
+        stream = await submit(rid, ids, params, body.cache_salt, arrival)
         want_logprobs = body.logprobs is not None
-        prompt_ids = (
-            (prompt if isinstance(prompt, list) else tokenize_text(engine, prompt))
-            if body.prompt_logprobs is not None
-            else None
-        )
+        prompt_ids = ids if body.prompt_logprobs is not None else None
 
         if not body.stream:
             result = await collect(request, stream, body.n)
@@ -159,10 +156,9 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         check_model(body.model)
+        messages = [m.template_dict() for m in body.messages]
         tokenizer = getattr(engine, "tokenizer", None)
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
-        prompt_ids = apply_chat_template(tokenizer, [m.template_dict() for m in body.messages])
+        prompt_ids = await asyncio.to_thread(apply_chat_template, tokenizer, messages)
         check_prompt_not_empty(prompt_ids, "messages")
         max_tokens = resolve_max_tokens(
             len(prompt_ids), body.requested_max_tokens(), engine.max_model_len, default=None

@@ -830,3 +830,27 @@ def test_run_serve_wires_its_flags_into_the_engine_and_the_app(
     engine = built["engine"]
     assert engine.runner.virtual is not None  # --kv-layout virtual reached the runner
     assert engine.tiers.disk is not None
+
+
+def test_a_text_prompt_is_tokenized_once(
+    client: openai.OpenAI, server_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The route tokenizes a text prompt once (off the event loop) and hands the engine token
+    ids, with prompt logprobs asked too (they used to tokenize it a second time)."""
+    calls: list[str] = []
+    encode = FakeTokenizer.encode
+
+    def counting(self: Any, text: str, *args: Any, **kwargs: Any) -> list[int]:
+        calls.append(text)
+        return encode(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(FakeTokenizer, "encode", counting)
+    text = "count the tokenizations"
+    out = client.completions.create(
+        model=MODEL,
+        prompt=text,
+        max_tokens=2,
+        extra_body={"ignore_eos": True, "prompt_logprobs": 1},
+    )
+    assert out.usage is not None and out.usage.prompt_tokens == len(encode(FakeTokenizer(), text))
+    assert calls == [text]

@@ -40,7 +40,7 @@ class EngineParts:
     """The engine's collaborators and the facts it reads from them."""
 
     model_name: str
-    #: the server encodes on its event loop while the engine's thread decodes: one lock
+    #: the server encodes in worker threads while the engine's thread decodes: one lock
     tokenizer: LockedTokenizer | None
     runner: ModelRunner
     sampler: Sampler

@@ -17,6 +17,7 @@ from radixkv.config import EngineConfig
 from radixkv.engine.assembly import assemble
 from radixkv.engine.beam_runner import BeamRunner, beam_request_output
 from radixkv.engine.beam_search import BeamSearchParams
+from radixkv.engine.chat_template import render_chat
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.lifecycle import SequenceLifecycle
 from radixkv.engine.lifetime import track, untrack
@@ -409,15 +410,9 @@ class Engine:
         ]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template, ready to answer."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+        """Token ids of a conversation rendered by the model's chat template, ready to answer
+        (:func:`radixkv.engine.chat_template.render_chat`)."""
+        return render_chat(self.tokenizer, messages)
 
     def chat(
         self,

@@ -1,4 +1,4 @@
-"""A tokenizer shared by threads: the server's event loop encodes while the engine thread decodes.
+"""A tokenizer shared by threads: the server's worker threads encode while the engine thread decodes.
 
 Hugging Face fast tokenizers are Rust objects that raise "Already borrowed" when two threads use
 one at the same moment (e.g. an encode that sets truncation while a decode runs). Every method
