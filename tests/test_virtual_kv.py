@@ -219,10 +219,10 @@ def test_smollm2_virtual_fp32_matches_transformers_and_paged(real_model, real_or
     pages = list(range(-(-(len(ids) + 1) // 16)))
     runner.virtual.sync(1, pages)
     fb = runner.build_batch([RequestSlice(ids[:-3], 0, pages)])
-    fb._cache["virtual_keys"] = [1]
+    fb.virtual_keys = [1]
     runner.forward(fb)
     fb = runner.build_batch([RequestSlice(ids[-3:], len(ids) - 3, pages)])  # prefix + extend
-    fb._cache["virtual_keys"] = [1]
+    fb.virtual_keys = [1]
     got = runner.forward(fb)[0]
     at = [len(ids) - 1]
     refs = [r[at] for r in real_oracle.references(ids, torch.float32, prefill=len(ids) - 3)]

@@ -8,13 +8,20 @@ between those owners; the scheduler decides *when*.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixkv.cache.allocator import BlockAllocator, OutOfPagesError
 from radixkv.cache.radix_tree import RadixTree
 
 if TYPE_CHECKING:
     from radixkv.engine.request import Sequence
+
+
+class Admission(NamedTuple):
+    """What :meth:`KVManager.admit` did: cached tokens attached, cached pages left unloaded."""
+
+    cached_tokens: int
+    unloaded_pages: int
 
 
 class KVManager:
@@ -36,8 +43,6 @@ class KVManager:
         self.copy_pages = copy_pages
         #: Host/disk tiers (``radixkv.cache.tiers.TieredCache``) or None.
         self.tiers: Any = tiers
-        #: Cached pages the last :meth:`admit` left on the host / disk for lack of device room.
-        self.last_unloaded_pages = 0
         #: Called with each sequence :meth:`release` empties (the virtual KV layout unmaps it).
         self.on_release = on_release
 
@@ -59,16 +64,17 @@ class KVManager:
         tokens = seq.tokens
         return self.tree.peek_prefix(tokens[: len(tokens) - 1], salt=seq.salt)
 
-    def admit(self, seq: Sequence, partial: bool = True) -> int:
-        """Attach the cached prefix to ``seq`` and lock it; returns the cached token count.
+    def admit(self, seq: Sequence, partial: bool = True) -> Admission:
+        """Attach the cached prefix to ``seq`` and lock it; returns the cached token count and
+        the cached pages left on the host / disk for lack of device room.
 
         With offload tiers, a match that continues on the host or disk is loaded back into
         device pages first; on first admission ``seq.cached_by_tier`` gets the tokens per tier.
         When the continuation does not fit in the free or evictable device pages, its longest
         prefix that fits is loaded (``partial=True``) or nothing is (``partial=False``); either
-        way :attr:`last_unloaded_pages` says how many cached pages were left behind.
+        way :attr:`Admission.unloaded_pages` says how many cached pages were left behind.
         """
-        self.last_unloaded_pages = 0
+        unloaded = 0
         if self.tiers is not None and self.enable_prefix_cache and not seq.skip_cache_read:
             tokens = seq.tokens[: seq.num_tokens - 1]
             res = self.tree.match_prefix(tokens, salt=seq.salt)
@@ -82,7 +88,7 @@ class KVManager:
                 self.tree.unlock(res.node)
                 raise
             pages, num, node = loaded.pages, loaded.num_tokens, loaded.node
-            self.last_unloaded_pages = loaded.unloaded_pages
+            unloaded = loaded.unloaded_pages
             if seq.cached_tokens is None:
                 seq.cached_by_tier = loaded.by_tier
         else:
@@ -93,7 +99,7 @@ class KVManager:
         seq.pages = list(pages)
         seq.num_computed = num
         seq.num_tree_tokens = num
-        return num
+        return Admission(num, unloaded)
 
     # -- growth ------------------------------------------------------------------------------
     def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -221,4 +227,4 @@ class KVManager:
             assert self.tree.protected_size == 0, "locks remain with no live sequence"
 
 
-__all__ = ["KVManager", "OutOfPagesError"]
+__all__ = ["Admission", "KVManager", "OutOfPagesError"]

@@ -148,8 +148,8 @@ class Scheduler:
                 continue
             key = (seq.request_id, seq.index)
             may_wait = bool(self.running) and self._load_waits.get(key, 0) < LOAD_WAIT_STEPS
-            cached = self.kv.admit(seq, partial=not may_wait)
-            if may_wait and self.kv.last_unloaded_pages:
+            cached, unloaded = self.kv.admit(seq, partial=not may_wait)
+            if may_wait and unloaded:
                 # its cached KV does not fit beside the running requests: loading it once they
                 # free pages beats recomputing it now
                 self.kv.release(seq, publish=False)
@@ -188,7 +188,7 @@ class Scheduler:
         granted: list[tuple[Sequence, int, int]] = []
         left = budget
         for m in waiting:
-            cached = self.kv.admit(m)
+            cached = self.kv.admit(m).cached_tokens
             chunk = self._fit_chunk(m, min(max(left, 1), m.num_tokens - m.num_computed))
             if chunk == 0:
                 for g, _, _ in granted:

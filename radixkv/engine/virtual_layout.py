@@ -48,7 +48,7 @@ class VirtualLayout:
         except MapLimitError as exc:
             self._limit(exc)
             return
-        fb._cache["virtual_keys"] = [id(seq) for seq in seqs]
+        fb.virtual_keys = [id(seq) for seq in seqs]
 
     def after_step(self, running: list[Sequence]) -> None:
         """Sync every running sequence to its page table; drop ranges of any other."""

@@ -27,6 +27,8 @@ class ForwardBatch:
         prefix_lens: tokens already in the KV pool before this step, per request.
         page_table: ``[B, max_pages]`` int32 page ids (padded with 0).
         out_slots: ``[T]`` int64, the slot each new token's K/V goes to.
+        virtual_keys: with the virtual KV layout, the key of each request's mapped range (set by
+            the engine's ``VirtualLayout.before_forward``); None runs the paged layout.
     """
 
     input_ids: torch.Tensor
@@ -36,6 +38,7 @@ class ForwardBatch:
     page_table: torch.Tensor
     out_slots: torch.Tensor
     page_size: int = 0
+    virtual_keys: list[int] | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property

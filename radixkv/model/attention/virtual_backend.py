@@ -6,7 +6,7 @@ virtual ranges (:class:`~radixkv.model.virtual_kv.VirtualKV`): causal over its n
 over its cached prefix. A request with no cached prefix attends to its fresh K/V directly, as the
 paged torch backend does, so float32 outputs match it.
 
-The engine names each request's range in ``batch._cache["virtual_keys"]``; a batch without it
+The engine names each request's range in ``batch.virtual_keys``; a batch without it
 (the mapping budget ran out, see :class:`~radixkv.model.virtual_kv.MapLimitError`) runs on the
 paged torch backend over the same memory.
 """
@@ -53,7 +53,7 @@ class VirtualAttentionBackend(AttentionBackend):
         self._layer_of = {pool.k[i].data_ptr(): i for i in range(pool.num_layers)}
 
     def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> Any:
-        keys = batch._cache.get("virtual_keys")
+        keys = batch.virtual_keys
         if keys is None:
             return ("paged", self.paged.prepare(batch, dtype))
         reqs = []
