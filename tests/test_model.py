@@ -305,3 +305,25 @@ def test_triton_backend_same_greedy_tokens_as_torch(tiny_llama):
                 reqs.append(RequestSlice([t], len(seqs[i]) - 1, pages))
         tokens[name] = seqs
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_huge_zeros_are_zeros_writable_and_outlive_their_names(dtype):
+    """The KV pool's lazily committed buffers read as zeros, take writes, are independent of
+    each other, and stay valid through views after the pool's own references are gone."""
+    import gc
+
+    from radixkv.model.hugepages import huge_zeros
+
+    shape = (64, 16, 3, 64)  # 12 MiB in float32, 6 MiB in bf16: the mapped path
+    a, b = huge_zeros(shape, dtype), huge_zeros(shape, dtype)
+    assert a.shape == shape and a.dtype == dtype and a.is_contiguous()
+    assert not a.any() and not b.any()
+    a[3, 5] = 1.5
+    assert a[3, 5].eq(1.5).all() and not b.any()
+    view = a[3]
+    del a
+    gc.collect()
+    assert view[5].eq(1.5).all() and view[4].eq(0).all()
+    small = huge_zeros((2, 3), dtype)
+    assert small.shape == (2, 3) and not small.any()

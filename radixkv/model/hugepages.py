@@ -5,6 +5,11 @@ and streams all the weights: with 4 KiB pages nearly every KV page read misses t
 with THP in ``madvise`` mode (the common default) a region only gets 2 MiB pages if it is
 advised *before* it is first touched, so these helpers allocate, advise, then fill.
 
+:func:`huge_zeros` does not fill: large CPU tensors live in an anonymous ``mmap``, which the OS
+guarantees reads as zeros and backs with memory only where it is first written, so a KV pool of
+several GB costs nothing at start-up (``torch.zeros`` wrote all of it: ~1 s per 3 GB here) and
+still never holds garbage that a masked read could turn into NaN.
+
 Elsewhere (other OSes, THP ``never``, CUDA tensors) they just allocate normally.
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import sys
 
 import torch
@@ -56,10 +62,21 @@ def advise_huge(t: torch.Tensor) -> bool:
 def huge_zeros(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """``torch.zeros`` whose CPU memory is advised for huge pages before it is first touched."""
-    t = torch.empty(shape, dtype=dtype, device=device)
+    """``torch.zeros`` whose CPU memory is advised for huge pages before it is first touched.
+
+    A large CPU tensor is a view of an anonymous ``mmap`` (zero by the OS's guarantee, memory
+    committed page by page on first write; the tensor keeps the mapping alive); anything else
+    is ``torch.zeros``."""
+    device = torch.device(device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < _MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    t = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel).view(shape)
     advise_huge(t)
-    return t.zero_()
+    return t
 
 
 def huge_copy(src: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,8 @@ class KVPool:
         self.device = torch.device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         # zeros (not empty) so that padding pages never hold NaNs that a masked read could leak;
-        # on the CPU in huge pages, since a decode step reads pages scattered over the pool.
+        # on the CPU lazily (an anonymous mapping: no start-up fill) and in huge pages, since a
+        # decode step reads pages scattered over the pool.
         self.k: list[torch.Tensor] = [
             huge_zeros(shape, dtype, self.device) for _ in range(num_layers)
         ]
