@@ -183,9 +183,8 @@ class Engine:
             return True
         if request_id not in self.lifecycle:
             return False
-        live = [seq for seq in self.lifecycle.live(request_id) if not seq.is_finished]
-        self.lifecycle.end_request(request_id, "abort")
-        self._pending.extend(step_output(seq, [], "", None) for seq in live)
+        ended = self.lifecycle.end_request(request_id, "abort")
+        self._pending.extend(step_output(seq, [], "", None) for seq in ended)
         return True
 
     def fail_request(self, request_id: str, message: str) -> bool:

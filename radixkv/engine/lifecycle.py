@@ -100,15 +100,10 @@ class SequenceLifecycle:
         if all(s.is_finished for s in seqs) and not any(s.fork_children for s in seqs):
             self.requests.pop(seq.request_id, None)
 
-    def end_request(
-        self, request_id: str, reason: str, extra: list[Sequence] | None = None
-    ) -> list[Sequence]:
-        """End every live sequence of ``request_id`` (and ``extra`` ones, e.g. a search's
-        beams) with ``reason``; returns the request's listed sequences (empty if unknown)."""
-        seqs = self.requests.pop(request_id, [])
-        for seq in [*(extra or []), *seqs]:
-            self.end(seq, reason)
-        return seqs
+    def end_request(self, request_id: str, reason: str) -> list[Sequence]:
+        """End every live sequence of ``request_id`` with ``reason`` and forget the request;
+        returns the sequences this ended (empty if the request is unknown)."""
+        return [seq for seq in self.requests.pop(request_id, []) if self.end(seq, reason)]
 
     def pop(self, request_id: str) -> list[Sequence]:
         """Forget a request whose sequences have all ended (a finished beam search)."""
