@@ -177,7 +177,7 @@ class Sampler:
         vocab = rows.shape[-1]
         vals, ids = rows.topk(width, dim=-1)
         weights = ((vals - top) * inv_t).exp_()
-        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])[:, None]
+        k = torch.tensor([_top_k(p, vocab) for p in params])[:, None]
         pos = torch.arange(width)[None]
         weights.masked_fill_(pos >= k, 0.0)
         truncated = (k[:, 0] > width).tolist()
@@ -275,7 +275,7 @@ class Sampler:
                 tokens[sampled[j]] = tok
         if filtered:
             sub_params = [params[j] for j in filtered]
-            ks = [p.top_k for p in sub_params if 0 < p.top_k < vocab]
+            ks = [k for k in (_top_k(p, vocab) for p in sub_params) if k < vocab]
             width = min(vocab, max([CANDIDATES, *ks]))
             sub, sub_top, sub_t = rows[filtered], top[filtered], inv_t[filtered]
             weights, ids, complete = self.candidates(sub, sub_top, sub_t, sub_params, width)
@@ -295,6 +295,11 @@ class Sampler:
         return tokens
 
 
+def _top_k(params: SamplingParams, vocab: int) -> int:
+    """The tokens top-k keeps: ``top_k`` where it removes any, else the whole ``vocab``."""
+    return params.top_k if 0 < params.top_k < vocab else vocab
+
+
 def _filters(params: SamplingParams, vocab: int) -> bool:
     """Whether top-k, top-p or min-p removes anything for ``params``."""
-    return 0 < params.top_k < vocab or params.top_p < 1.0 or params.min_p > 0.0
+    return _top_k(params, vocab) < vocab or params.top_p < 1.0 or params.min_p > 0.0
