@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import sys
 
@@ -68,10 +69,8 @@ def huge_zeros(
     committed page by page on first write; the tensor keeps the mapping alive); anything else
     is ``torch.zeros``."""
     device = torch.device(device)
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < _MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel).view(shape)
