@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .context import ServerContext
 from .engine_loop import EngineRequestError
-from .intake import check_prompt_not_empty, make_sampling_params, new_id, tokenize_text
+from .intake import check_prompt_not_empty, make_sampling_params, new_id, prompt_token_ids
 from .protocol import APIError, PinRequest, error_body
 from .tenancy import effective_salt
 
@@ -76,11 +76,8 @@ def admin_routes(ctx: ServerContext) -> APIRouter:
     @router.post("/cache/pin", dependencies=auth)
     async def pin(body: PinRequest) -> dict[str, Any]:
         arrival = time.monotonic()
-        if body.text is not None:
-            check_prompt_not_empty(body.text, "text")
-            ids = tokenize_text(engine, body.text)
-        else:
-            ids = list(body.input_ids or [])
+        prompt = body.text if body.text is not None else list(body.input_ids or [])
+        ids = await prompt_token_ids(engine, prompt)
         check_prompt_not_empty(ids, "text" if body.text is not None else "input_ids")
         busy = await engine_loop.call(lambda e: bool(e.has_unfinished()))
         if busy:

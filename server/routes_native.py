@@ -34,7 +34,6 @@ def native_routes(ctx: ServerContext) -> APIRouter:
         arrival = time.monotonic()
         prompt = body.prompt()
         param = "text" if body.text is not None else "input_ids"
-        check_prompt_not_empty(prompt, param)
         ids = await prompt_token_ids(engine, prompt)  # the request's one tokenization
         check_prompt_not_empty(ids, param)
         prompt_len = len(ids)

@@ -51,7 +51,6 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         arrival = time.monotonic()
         check_model(body.model)
         prompt = body.single_prompt()
-        check_prompt_not_empty(prompt)
         ids = await prompt_token_ids(engine, prompt)  # the request's one tokenization
         check_prompt_not_empty(ids)
         prompt_len = len(ids)
