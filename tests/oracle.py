@@ -143,6 +143,17 @@ class Oracle:
             refs.append(self.logits(ids, dtype, "sdpa", prefill))
         return refs
 
+    def last_rows(
+        self, seqs: Sequence[Sequence[int]], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The oracle's logits at the last position of each of ``seqs`` (``[len(seqs), vocab]``)
+        and, form by form, the references' (the whole-sequence forms of :meth:`references`):
+        what an engine step returns for a batch of requests, one row each."""
+        truth = torch.stack([self.logits(seq)[-1] for seq in seqs])
+        forms = [self.references(seq, dtype) for seq in seqs]  # [seq][form] rows
+        refs = [torch.stack([f[k][-1] for f in forms]) for k in range(len(forms[0]))]
+        return truth, refs
+
     def judged(
         self,
         ids: Sequence[int],
@@ -158,7 +169,7 @@ class Oracle:
         f = (lambda x: x.log_softmax(-1)) if logprobs else (lambda x: x)
         truth = f(self.logits(ids)[at])
         refs = self.references(ids, contract.dtype, prefill)
-        ref_err = torch.stack([(f(r[at]) - truth).abs().amax(-1) for r in refs]).amax(0)
+        ref_err = reference_error(truth, [f(r[at]) for r in refs])
         return truth, contract.bound(ref_err), ref_err
 
     @torch.inference_mode()
@@ -178,6 +189,11 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64).reshape(-1, x.shape[-1])
 
 
+def reference_error(oracle: torch.Tensor, references: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per row, the largest ``max |reference - oracle|`` over the reference forms."""
+    return torch.stack([(r - oracle).abs().amax(-1) for r in references]).amax(0)
+
+
 def record(contract: Contract, path: str, err: torch.Tensor, ref_err: torch.Tensor) -> None:
     """Note the worst ``err / ref_err`` of ``path`` for the session summary."""
     ratio = (err.to(torch.float64) / ref_err.clamp_min(1e-30)).max().item()
@@ -188,24 +204,24 @@ def record(contract: Contract, path: str, err: torch.Tensor, ref_err: torch.Tens
 def check_rows(
     got: torch.Tensor,
     oracle: torch.Tensor,
-    reference: torch.Tensor | Sequence[torch.Tensor],
+    references: Sequence[torch.Tensor],
     contract: Contract,
     path: str,
     what: str = "logits",
 ) -> torch.Tensor:
     """Assert each row of ``got`` is within ``contract`` of ``oracle`` (float64 values), the
-    reference being transformers' rows in the dtype under test; returns the per-row bounds.
+    references being transformers' rows in the dtype under test, one tensor per form;
+    returns the per-row bounds.
 
     The message names the path, the row, both errors and the ratio, so a failure says whether
     the kernel is slightly outside the contract or plainly wrong.
     """
     got, oracle = _as_rows(got), _as_rows(oracle)
-    refs = [reference] if isinstance(reference, torch.Tensor) else list(reference)
-    refs = [_as_rows(r) for r in refs]
+    refs = [_as_rows(r) for r in references]
     assert all(got.shape == oracle.shape == r.shape for r in refs), (got.shape, oracle.shape)
     assert torch.isfinite(got).all(), f"{path}: non-finite {what}"
     err = (got - oracle).abs().amax(-1)
-    ref_err = torch.stack([(r - oracle).abs().amax(-1) for r in refs]).amax(0)
+    ref_err = reference_error(oracle, refs)
     bound = contract.bound(ref_err)
     record(contract, path, err, ref_err)
     bad = (err > bound).nonzero().flatten().tolist()

@@ -266,9 +266,7 @@ def test_model_bf16_backends_within_contract(module, llama_d64, backend):
         ],
     ]
     got = torch.cat([runner.forward(runner.build_batch(reqs)) for reqs in steps])
-    truth = torch.stack([oracle.logits(seq)[-1] for seq in seqs])
-    per_seq = [oracle.references(seq, BF16.dtype) for seq in seqs]  # [seq][form] rows
-    refs = [torch.stack([forms[k][-1] for forms in per_seq]) for k in range(len(per_seq[0]))]
+    truth, refs = oracle.last_rows(seqs, BF16.dtype)
     bound = check_rows(got, truth, refs, BF16, f"{backend}-d64", "logits")
     check_greedy_tokens(got.argmax(-1).tolist(), truth, bound, f"{backend}-d64")
 

@@ -285,10 +285,7 @@ def test_backend_in_model_matches_plain_fp32(tiny_llama, tiny_oracle, monkeypatc
     meta = runner.backend.prepare(batch, torch.float32)
     assert meta.groups == [PrefixGroup([0, 1, 2], 64)]
     seqs = [system] + [system[:64] + u for u in users]
-    at = [-1]
-    truth = torch.cat([tiny_oracle.logits(seq)[at] for seq in seqs])
-    forms = [tiny_oracle.references(seq, torch.float32) for seq in seqs]
-    refs = [torch.cat([f[k][at] for f in forms]) for k in range(len(forms[0]))]
+    truth, refs = tiny_oracle.last_rows(seqs, torch.float32)
     for label, r in (("native-groups", runner), ("plain", plain)):
         got = torch.cat([r.forward(r.build_batch(step)) for step in (first, second)])
         check_rows(got, truth, refs, FP32, label, "last logits")
