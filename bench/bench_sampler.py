@@ -4,16 +4,24 @@ For batch sizes 1, 8 and 64 over SmolLM2's vocabulary (49,152), and several sett
 default temperature 1.0 that vLLM's client sends, temperature + top-p, top-k, min-p, penalties
 over a 800-token history, a mix of all with greedy rows), prints the median time of one
 ``Sampler.sample`` call for the whole batch, the same rows sampled one at a time (the shape of
-round 2's per-row loop), the ratio, and the greedy argmax floor. The host's ISA is printed.
+round 2's per-row loop), the ratio, and the greedy argmax floor. ``--baseline-rev REV`` also
+times the sampler of an earlier commit (its ``radixkv/engine/sampling.py``, read with ``git
+show``; round 2's is ``d3fe5cf``) on the same logits, and prints its time and the ratio. The
+host's ISA is printed.
 
-Run from the repository root: ``python -m bench.bench_sampler`` (``--iters N``).
+Run from the repository root: ``python -m bench.bench_sampler`` (``--iters N``,
+``--baseline-rev d3fe5cf``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
+import subprocess
+import sys
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -64,16 +72,46 @@ def time_case(
     return batched, per_row
 
 
+def baseline_module(rev: str) -> types.ModuleType:
+    """``radixkv/engine/sampling.py`` as it was at ``rev`` (its Sampler, SequenceState and
+    SamplingParams), loaded beside the current one."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:radixkv/engine/sampling.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    module = types.ModuleType(f"sampling_at_{rev}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up there
+    exec(compile(source, f"{rev}:radixkv/engine/sampling.py", "exec"), module.__dict__)
+    return module
+
+
+def baseline_states(old: types.ModuleType, states: list[SequenceState]) -> list:
+    """The same sequences as the baseline sampler's ``SequenceState``s."""
+    fields = [f.name for f in dataclasses.fields(old.SamplingParams)]
+    return [
+        old.SequenceState(
+            old.SamplingParams(**{f: getattr(s.params, f) for f in fields}),
+            s.prompt_ids,
+            s.output_ids,
+        )
+        for s in states
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--baseline-rev", help="also time the sampler of this commit")
     args = parser.parse_args()
+    old = baseline_module(args.baseline_rev) if args.baseline_rev else None
     print(f"host ISA: {native.host_isa()}, torch threads: {torch.get_num_threads()}")
     g = torch.Generator().manual_seed(0)
     sampler = Sampler()
-    print(
-        f"{'setting':18} {'batch':>5} {'batched ms':>11} {'per-row ms':>11} {'ratio':>6} {'argmax':>7}"
-    )
+    header = f"{'setting':18} {'batch':>5} {'batched ms':>11} {'per-row ms':>11} {'ratio':>6}"
+    header += f" {'argmax':>7}" + (f" {args.baseline_rev + ' ms':>12} {'ratio':>6}" if old else "")
+    print(header)
     for batch in (1, 8, 64):
         logits = torch.randn(batch, VOCAB, generator=g) * 4
         history = torch.randint(0, VOCAB, (batch, HISTORY), generator=g).tolist()
@@ -83,10 +121,17 @@ def main() -> None:
                 SequenceState(make(i), history[i][:700], history[i][700:]) for i in range(batch)
             ]
             batched, per_row = time_case(sampler, logits, states, args.iters)
-            print(
+            line = (
                 f"{name:18} {batch:5d} {batched:11.2f} {per_row:11.2f} "
                 f"{per_row / batched:6.1f} {floor:7.2f}"
             )
+            if old is not None:
+                then = median_ms(
+                    lambda x=logits, st=baseline_states(old, states): old.Sampler().sample(x, st),
+                    max(3, args.iters // 4),
+                )
+                line += f" {then:12.2f} {then / batched:6.1f}"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,108 @@
+"""The batch-64 decode step with greedy vs default sampling, and engine start-up, side by side.
+
+Step: SmolLM2 in float32, 64 requests of 4 shared 768-token prefixes + 64 own tokens, 32 output
+tokens, EOS ignored (issue 31's shape); the median decode step (all 64 running) with greedy
+requests and with the default temperature 1.0, run one after the other, and their ratio.
+
+Start-up (``--startup``): ``Engine(smollm2, dtype="float32", kv_cache_tokens=65536)`` (a 3 GB KV
+pool) timed in a fresh process each, after a small warm-up engine, with the pool in lazily zeroed
+anonymous memory (radixkv's) and with it zero-filled up front (round 2's), and their ratio.
+
+Run from the repository root: ``python -m bench.bench_step`` (``--startup`` for start-up only,
+``--runs N`` to repeat). The host's ISA is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+STARTUP = """
+import sys, time, torch
+from radixkv import Engine
+from radixkv.model import hugepages, kv_pool
+from radixkv.model.loader import load_model
+model = load_model("smollm2", dtype=torch.float32)
+Engine(model, dtype="float32", kv_cache_tokens=1024)  # one-time costs out of the timing
+if sys.argv[1] == "zero-filled":
+    def eager(shape, dtype, device="cpu"):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        hugepages.advise_huge(t)
+        return t.zero_()
+    kv_pool.huge_zeros = eager
+start = time.perf_counter()
+Engine(model, dtype="float32", kv_cache_tokens=65536)
+print(time.perf_counter() - start)
+"""
+
+
+def startup(runs: int) -> None:
+    times: dict[str, list[float]] = {"lazy": [], "zero-filled": []}
+    for _ in range(runs):
+        for variant in times:
+            out = subprocess.run(
+                [sys.executable, "-c", STARTUP, variant], capture_output=True, text=True, check=True
+            )
+            times[variant].append(float(out.stdout.strip().splitlines()[-1]))
+    lazy, eager = (statistics.median(times[v]) for v in ("lazy", "zero-filled"))
+    print(
+        f"start-up, 3 GB fp32 pool: zero-filled {eager:.2f} s, lazy {lazy:.2f} s, "
+        f"{eager / lazy:.1f}x (runs: {times})"
+    )
+
+
+def decode_step(runs: int) -> None:
+    import torch
+
+    from radixkv import Engine, SamplingParams
+    from radixkv.model.loader import load_model
+
+    model = load_model("smollm2", dtype=torch.float32)
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(768)] for _ in range(4)]
+    prompts = [prefixes[i % 4] + [rng.randrange(100, 40000) for _ in range(64)] for i in range(64)]
+    cases = {
+        "greedy": SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+        "temperature 1.0": SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True),
+    }
+    medians: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(runs):
+        for name, params in cases.items():
+            engine = Engine(model, dtype="float32", max_running_requests=64)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{i}", prompt, params)
+            steps = []
+            while engine.has_unfinished():
+                start = time.perf_counter()
+                engine.step()
+                took = time.perf_counter() - start
+                stats = engine.stats()
+                if stats["running"] == 64 and stats["waiting"] == 0:
+                    steps.append(took)
+            medians[name].append(statistics.median(steps[3:-2]) * 1e3)
+    greedy, sampled = (statistics.median(medians[n]) for n in cases)
+    print(
+        f"batch-64 decode step: greedy {greedy:.1f} ms, temperature 1.0 {sampled:.1f} ms, "
+        f"sampling adds {sampled - greedy:.1f} ms ({sampled / greedy:.2f}x) (runs: {medians})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--startup", action="store_true", help="start-up only")
+    parser.add_argument("--runs", type=int, default=2)
+    args = parser.parse_args()
+    from radixkv.model import native
+
+    print(f"host ISA: {native.host_isa()}")
+    startup(args.runs)
+    if not args.startup:
+        decode_step(args.runs)
+
+
+if __name__ == "__main__":
+    main()
