@@ -170,6 +170,21 @@ def make_engine(tiny_model, **knobs) -> Engine:
     return Engine(tiny_model, **knobs)
 
 
+def test_engine_holds_every_assembled_part(tiny_model):
+    """The engine takes each part ``assemble`` built by name: a part added to EngineParts and not
+    to Engine.__init__ fails here; the tiers observe the same tree the KV manager uses."""
+    from dataclasses import fields
+
+    from radixkv.engine.assembly import EngineParts
+
+    e = make_engine(tiny_model, host_cache_tokens=64)
+    missing = [f.name for f in fields(EngineParts) if not hasattr(e, f.name)]
+    assert not missing, f"Engine.__init__ drops assembled parts {missing}"
+    assert e.tiers is not None and e.tiers.tree is e.tree is e.kv.tree
+    assert e.tree.on_evict is not None and e.tree.host_allocator is e.tiers.host.allocator
+    e.check_integrity()
+
+
 def rand_prompts(n: int, length: int, seed: int, shared: int = 0, vocab: int = 200):
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(3, vocab, (shared,), generator=g).tolist()

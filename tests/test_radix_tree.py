@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixkv.cache.allocator import BlockAllocator, IntegrityError
-from radixkv.cache.radix_tree import RadixTree, TreeNode
+from radixkv.cache.radix_tree import RadixTree, TreeEvents, TreeNode
 
 
 class FakeClock:
@@ -186,7 +186,9 @@ def test_evict_frees_pages_and_calls_hook() -> None:
         # called before the pages are freed: the tree still holds them
         seen.append((len(node.key), list(pages), [alloc.refcount(p) for p in pages]))
 
-    tree.on_evict = hook
+    tree.observe(TreeEvents(on_evict=hook))
+    with pytest.raises(RuntimeError, match="already has an observer"):
+        tree.observe(TreeEvents())
     put(tree, alloc, [1, 2, 3, 4, 5])
     assert tree.evict(100) == 4
     assert seen == [(4, [0, 1], [1, 1])]

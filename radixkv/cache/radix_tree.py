@@ -35,8 +35,9 @@ sortedcontainers ``SortedList`` ordered by policy (``lru``: last access; ``lfu``
 last access; ``fifo``: creation order), updated incrementally as nodes change
 (:mod:`radixkv.cache.eviction`).
 
-``last_access`` is a logical timestamp (an operation counter), not wall time, so eviction order is
-deterministic; the ``clock`` is only used for pin expiry.
+``last_access`` is a logical timestamp (an operation counter), not wall time: eviction order is
+deterministic; the ``clock`` is only for pin expiry. The offload tiers hook evictions and inserts
+through :meth:`RadixTree.observe` (:class:`TreeEvents`), once, at assembly.
 
 Where the pieces live
 ---------------------
@@ -44,9 +45,8 @@ Where the pieces live
 idea each: :mod:`radixkv.cache.eviction` (the evictable-leaf index per policy and ``evict``),
 :mod:`radixkv.cache.residency` (host residency for the offload tiers: ``set_host_value``,
 ``host_protect``, ``evict_host``; its docstring states the residency invariants),
-:mod:`radixkv.cache.pins` (``pin`` / ``unpin``: locks with an expiry). :class:`TreeNode` and
-:class:`MatchResult` are in :mod:`radixkv.cache.tree_node`; ``check_integrity`` is in
-:mod:`radixkv.cache.tree_integrity`. Without a host tier every node is device resident.
+:mod:`radixkv.cache.pins` (``pin`` / ``unpin``: locks with an expiry). The plain data types are in
+:mod:`radixkv.cache.tree_node`, ``check_integrity`` in :mod:`radixkv.cache.tree_integrity`.
 """
 
 from __future__ import annotations
@@ -66,13 +66,15 @@ from radixkv.cache.tree_integrity import check_tree_integrity, recount_subtrees
 from radixkv.cache.tree_node import (
     MatchResult,
     NamespaceKey,
+    TreeEvents,
     TreeNode,
     add_subtree_counts,
     collect_pages,
+    common_prefix_len,
     count_nodes,
 )
 
-__all__ = ["EVICTION_POLICIES", "MatchResult", "RadixTree", "TreeNode"]
+__all__ = ["EVICTION_POLICIES", "MatchResult", "RadixTree", "TreeEvents", "TreeNode"]
 
 
 class RadixTree(EvictionIndex, HostResidency, Pins):
@@ -105,14 +107,9 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self.clock = clock
-        #: Hook called as ``on_evict(node, pages)`` before an evicted node's pages are freed.
-        self.on_evict: Callable[[TreeNode, list[int]], None] | None = None
-        #: Host page pool (set by the host tier); ``None`` = host pages are just dropped.
+        self.on_evict = self.on_host_evict = self.on_insert = None  # set once, by observe()
         self.host_allocator: BlockAllocator | None = None
-        #: Hook ``on_host_evict(node, host_pages)`` before a node's host pages are freed.
-        self.on_host_evict: Callable[[TreeNode, list[int]], None] | None = None
-        #: Hook ``on_insert(node)`` after ``insert`` created a new device node (write-through).
-        self.on_insert: Callable[[TreeNode], None] | None = None
+        self._observed = False
         #: Device tokens evicted so far; host tokens evicted so far.
         self.num_evicted_tokens = 0
         self.num_host_evicted_tokens = 0
@@ -126,6 +123,14 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
         self._protected_size = 0
         self._pin_heap: list[tuple[float, int, TreeNode]] = []
         self._num_pins = 0
+
+    def observe(self, events: TreeEvents) -> None:
+        """Hook the tree's one observer (the offload tiers); a second raises ``RuntimeError``."""
+        if self._observed:
+            raise RuntimeError("this tree already has an observer (one tier stack per tree)")
+        self._observed, self.host_allocator = True, events.host_allocator
+        self.on_evict, self.on_host_evict = events.on_evict, events.on_host_evict
+        self.on_insert = events.on_insert
 
     # ================================================================== sizes
     @property
@@ -161,29 +166,6 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
             self.root.dev_children += 1
             self.root.sub_nodes += 1
         return ns
-
-    @staticmethod
-    def _common_len(key: list[int], tokens: list[int], start: int, limit: int) -> int:
-        """Length of the common prefix of ``key`` and ``tokens[start:]``, at most ``limit``.
-
-        Compares 64-token chunks with C-level list equality, then finishes token by token in
-        the first differing chunk.
-        """
-        n = min(len(key), limit)
-        i = 0
-        step = 64
-        while i < n:
-            j = i + step
-            if j > n:
-                j = n
-            if key[i:j] != tokens[start + i : start + j]:
-                break
-            i = j
-        else:
-            return n
-        while i < n and key[i] == tokens[start + i]:
-            i += 1
-        return i
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after ``m`` tokens (0 < m < len(key), page aligned); return the new
@@ -249,7 +231,7 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
             end = pos + len(key)
             partial = end > n or tokens[pos:end] != key
             if partial:
-                m = self._common_len(key, tokens, pos, n - pos)
+                m = common_prefix_len(key, tokens, pos, n - pos)
                 m -= m % P  # >= P: the first page matched
                 child = self._split(child, m)
                 end = pos + m
@@ -329,7 +311,7 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
             key = child.key
             end = pos + len(key)
             if end > n or tokens[pos:end] != key:
-                m = self._common_len(key, tokens, pos, n - pos)
+                m = common_prefix_len(key, tokens, pos, n - pos)
                 return pos + m - m % P, child  # m >= P: the child is keyed by its first page
             pos, node = end, child
         return pos, (self.root if node is start else node)

@@ -1,7 +1,8 @@
 """Offload tiers under the device prefix cache: host RAM pages, then files on disk.
 
 :class:`TieredCache` wires a :class:`~radixkv.cache.host_pool.HostPool` and a
-:class:`~radixkv.cache.disk_store.DiskStore` to the engine's radix tree through the tree's hooks:
+:class:`~radixkv.cache.disk_store.DiskStore` to the engine's radix tree as its one observer
+(``tree.observe(TreeEvents(...))``, in the constructor):
 
 * device eviction (``tree.on_evict``): the node's KV is copied into host pages (the node stays in
   the tree, host-only) instead of being dropped (``write_back``); with no host tier, or no room
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.allocator import BlockAllocator, IntegrityError
 from radixkv.cache.disk_store import DiskStore, chain_hashes
-from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeNode
+from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeEvents, TreeNode
 from radixkv.cache.tier_durability import CLOSE_TIMEOUT_S, TierDurability
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class TieredCache(TierDurability):
     """Host and disk tiers under a :class:`RadixTree`; see the module docstring.
 
     Args:
-        tree: the device prefix cache (its hooks and ``host_allocator`` are set here).
+        tree: the device prefix cache; the tiers become its observer (``tree.observe``).
         allocator: the device page allocator.
         kv_pool: the device KV tensors, or ``None`` for bookkeeping only (simulation).
         host: the host page pool, or ``None`` (no host tier).
@@ -137,14 +138,17 @@ class TieredCache(TierDurability):
             "loads_waiting": 0,  # loads put off until running requests free device pages
             "partial_pages_recomputed": 0,  # cached pages those loads left to recompute
         }
-        if host is not None:
-            tree.host_allocator = host.allocator
-        tree.on_evict = self._on_evict
-        tree.on_host_evict = self._on_host_evict if disk is not None else None
         through = write_policy == "write_through" or (
             disk is not None and disk_write_policy == "write_through"
         )
-        tree.on_insert = self._on_insert if through else None
+        tree.observe(
+            TreeEvents(
+                on_evict=self._on_evict,
+                host_allocator=host.allocator if host is not None else None,
+                on_host_evict=self._on_host_evict if disk is not None else None,
+                on_insert=self._on_insert if through else None,
+            )
+        )
 
     # ------------------------------------------------------------------ admission
     def _cut_host_path(self, host_nodes: list[TreeNode], num_pages: int) -> list[TreeNode]:

@@ -1,22 +1,28 @@
-"""The radix tree's node and match result (plain data; mutate only through ``RadixTree``).
+"""The radix tree's node, match result and observer hooks (plain data; mutate only through
+``RadixTree``).
 
 A :class:`TreeNode` is one edge: ``key`` token ids, ``value`` device pages, ``host_value`` host
 pages, lock and eviction bookkeeping. :class:`NamespaceKey` is the child key under ``root`` of a
-salted namespace. See :mod:`radixkv.cache.radix_tree` for the invariants the tree keeps over them.
+salted namespace. :class:`TreeEvents` is what the offload tiers hook. See :mod:`radixkv.cache.radix_tree` for the invariants the tree keeps over them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixkv.cache.allocator import BlockAllocator
 
 __all__ = [
     "MatchResult",
     "NamespaceKey",
+    "TreeEvents",
     "TreeNode",
     "add_subtree_counts",
     "collect_pages",
+    "common_prefix_len",
     "count_nodes",
 ]
 
@@ -179,3 +185,41 @@ def count_nodes(root: TreeNode) -> int:
         count += 1
         stack.extend(node.children.values())
     return count
+
+
+@dataclass(frozen=True)
+class TreeEvents:
+    """What a tree's observer (the offload tiers) hooks, handed over by ``RadixTree.observe``.
+
+    ``on_evict(node, pages)``: before an evicted device node's pages are freed (node attached).
+    ``host_allocator``: the host page pool host copies live in (``None``: no host copies).
+    ``on_host_evict(node, host_pages)``: before a node's host pages are freed.
+    ``on_insert(node)``: after ``insert`` created a device node (write-through)."""
+
+    on_evict: Callable[[TreeNode, list[int]], None] | None = None
+    host_allocator: BlockAllocator | None = None
+    on_host_evict: Callable[[TreeNode, list[int]], None] | None = None
+    on_insert: Callable[[TreeNode], None] | None = None
+
+
+def common_prefix_len(key: list[int], tokens: list[int], start: int, limit: int) -> int:
+    """Length of the common prefix of ``key`` and ``tokens[start:]``, at most ``limit``.
+
+    Compares 64-token chunks with C-level list equality, then finishes token by token in
+    the first differing chunk.
+    """
+    n = min(len(key), limit)
+    i = 0
+    step = 64
+    while i < n:
+        j = i + step
+        if j > n:
+            j = n
+        if key[i:j] != tokens[start + i : start + j]:
+            break
+        i = j
+    else:
+        return n
+    while i < n and key[i] == tokens[start + i]:
+        i += 1
+    return i

@@ -52,8 +52,13 @@ class Engine:
             )
         self.config = EngineConfig(model=model if isinstance(model, str) else "custom", **knobs)
         self.config.validate()
-        parts = assemble(self.config, model)  # every collaborator, built and wired there
-        vars(self).update(vars(parts))
+        p = assemble(self.config, model)  # every collaborator, built and wired there
+        self.model_name, self.tokenizer, self.runner = p.model_name, p.tokenizer, p.runner
+        self.sampler, self.page_size = p.sampler, p.page_size
+        self.allocator, self.tree, self.kv = p.allocator, p.tree, p.kv
+        self.virtual_layout, self.tiers, self.scheduler = p.virtual_layout, p.tiers, p.scheduler
+        self.max_model_len, self.kv_capacity_tokens = p.max_model_len, p.kv_capacity_tokens
+        self.eos_token_ids, self.vocab_size = p.eos_token_ids, p.vocab_size
         cfg = self.config
         self.lifecycle = SequenceLifecycle(self.scheduler, self.kv, self.tokenizer)
         self.token_texts = TokenTexts(self.tokenizer)
@@ -342,7 +347,7 @@ class Engine:
                 if stopped:
                     reason = "stop"
                 if reason is not None:
-                    self._finish(seq, reason)
+                    self.lifecycle.finish(seq, reason)
             except Exception as exc:
                 logger.exception("output processing failed for request %s", seq.request_id)
                 failed.setdefault(seq.request_id, f"{type(exc).__name__}: {exc}")
@@ -364,9 +369,6 @@ class Engine:
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.lifecycle.finish(seq, reason)
 
     # -- offline API -------------------------------------------------------------------------
     def generate(
