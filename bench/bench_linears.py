@@ -12,7 +12,10 @@ which only runs on the last rows, so at M <= 64) and each row count M (1 = batch
   (whatever path :mod:`radixkv.model.linear` picked for this host and dtype);
 * ``matmul``: ``torch.matmul(x, w_t)`` with ``w_t = W.T`` contiguous, the plain reference;
 
-and prints GFLOP/s and the fraction radixkv/matmul, plus the FLOP-weighted total per M. With
+and prints GFLOP/s and the fraction radixkv/matmul, plus the FLOP-weighted total per M. Then,
+per M, one pass over every linear of the model with each layer's own weights (streamed from
+memory, as in a forward; the per-shape rows reuse one cache-resident matrix): radixkv's modules
+vs ``F.linear`` (MKL) on the plain weights. With
 ``--all`` it also times the candidates radixkv chooses from (``F.linear``, oneDNN with the
 weight prepacked by ``torch.ops.mkldnn._reorder_linear_weight``, MKL packed sgemm via
 ``torch.ops.mkl._mkl_linear``). Timings interleave the paths and keep each one's best of
@@ -69,6 +72,35 @@ def candidates(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor], to
         except (RuntimeError, AttributeError):
             pass
     return out
+
+
+def streamed(model: torch.nn.Module, m: int, dtype: torch.dtype, rounds: int) -> None:
+    """One pass over every linear of the model, each layer's own weights in order, as a forward
+    streams them from memory (a single cache-resident matrix flatters small-M GEMMs): radixkv's
+    modules vs ``F.linear`` on the plain weights (MKL), best of ``rounds`` passes."""
+    mods = [
+        mod for mod in model.modules() if hasattr(mod, "weight") and hasattr(mod, "out_features")
+    ]
+    g = torch.Generator().manual_seed(1)
+    xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {mod.in_features for mod in mods}}
+    flop = sum(2.0 * m * mod.in_features * mod.out_features for mod in mods)
+    byts = sum(mod.weight.numel() * mod.weight.element_size() for mod in mods)
+    passes = {
+        "radixkv": lambda: [mod(xs[mod.in_features]) for mod in mods],
+        "F.linear": lambda: [F.linear(xs[mod.in_features], mod.weight) for mod in mods],
+    }
+    best = {k: float("inf") for k in passes}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, fn in passes.items():
+                t = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t)
+    cells = "  ".join(
+        f"{k} {v * 1e3:7.1f} ms {flop / v / 1e9:6.1f} GFLOP/s {byts / v / 1e9:5.1f} GB/s"
+        for k, v in best.items()
+    )
+    print(f"streamed M={m:<5d} {cells}  F.linear/radixkv {best['F.linear'] / best['radixkv']:.2f}x")
 
 
 def main() -> None:
@@ -143,6 +175,11 @@ def main() -> None:
             f"{tot_flop / tot_ref / 1e9:8.1f} {tot_ref / tot_ours:5.2f}  (all {n_layers} layers "
             f"+ lm_head, FLOP-weighted)"
         )
+    print(
+        f"\nevery linear of the model once, weights streamed from memory ({len(model.layers)} layers)"
+    )
+    for m in rows:
+        streamed(model, m, dtype, max(3, args.rounds // 2))
 
 
 if __name__ == "__main__":

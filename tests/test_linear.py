@@ -71,11 +71,11 @@ def _state_dict(config: ModelConfig, tie: bool) -> dict[str, torch.Tensor]:
 
 @needs_onednn
 @pytest.mark.parametrize("tie", [False, True])
-def test_llama_packs_only_the_lm_head_and_keeps_ties(tie: bool) -> None:
+def test_llama_packs_every_linear_and_keeps_ties(tie: bool) -> None:
     config = _tiny_config(tie)
     model = LlamaModel.from_hf_state_dict(config, _state_dict(config, tie))
     assert isinstance(model.lm_head, PackedLinear)
-    assert not any(isinstance(m, PackedLinear) for m in model.layers.modules())
+    assert not any(type(m) is nn.Linear for m in model.modules()), "a linear left unpacked"
     assert (model.lm_head.weight is model.embed_tokens.weight) is tie
     keys = set(model.state_dict())
     assert "lm_head.weight" in keys and not any("packed" in k for k in keys)
