@@ -11,7 +11,10 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
+import io
 import json
 import re
 import socket
@@ -26,6 +29,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from bench.bench_vllm_serve import multi_turn_dataset, print_table
 from bench.serve import ARRAY_KEYS, METRIC_KEYS, BenchConfig, main, run_benchmark
 from radixkv.sim.simulator import hash_tokenize
 
@@ -436,3 +440,38 @@ def test_real_server_hit_rate_matches_metrics_and_simulator(kv_cache_tokens: int
     assert report["cache_hit_rate"] == pytest.approx(http_cached / http_prompt)
     if kv_cache_tokens >= 4096:
         assert report["cache_hit_rate"] > 0.4
+
+
+def test_vllm_serve_multi_turn_dataset_extends_turn_one(real_model, tmp_path: Path) -> None:
+    """bench/bench_vllm_serve.py's multi-turn JSONL: every second turn starts with its
+    conversation's first turn (so a server that cached turn 1 can reuse it), conversations share
+    one of ``num_prefixes`` system prompts of about ``prefix_len`` tokens, and the table divides
+    radixkv's figure by vLLM's."""
+
+    tok = real_model.tokenizer
+    args = argparse.Namespace(num_prefixes=2, prefix_len=100, suffix_len=20, output_len=8)
+    one = multi_turn_dataset(tok, tmp_path / "t1.jsonl", 1, 6, args, seed=3)
+    two = multi_turn_dataset(tok, tmp_path / "t2.jsonl", 2, 6, args, seed=3)
+    t1 = [json.loads(line) for line in one.read_text().splitlines()]
+    t2 = [json.loads(line) for line in two.read_text().splitlines()]
+    assert len(t1) == len(t2) == 6
+    for a, b in zip(t1, t2):
+        assert b["prompt"].startswith(a["prompt"]) and len(b["prompt"]) > len(a["prompt"])
+        assert a["output_tokens"] == 8
+    systems = {r["prompt"].split("\nUser:")[0] for r in t1}
+    assert len(systems) == 2
+    n = len(tok.encode(next(iter(systems)), add_special_tokens=False))
+    assert 80 <= n <= 160, n
+    other = multi_turn_dataset(tok, tmp_path / "o.jsonl", 1, 2, args, seed=4).read_text()
+    assert not any(s in other for s in systems), "another seed must not share system prompts"
+
+    row = {"request_throughput": 3.0, "median_ttft_ms": 100.0, "p99_ttft_ms": 1.0}
+    row |= {"median_tpot_ms": 10.0, "p99_tpot_ms": 1.0}
+    vrow = dict(row, request_throughput=2.0, median_ttft_ms=200.0)
+    runs = {"radixkv": {"w/cold": row}, "vllm": {"w/cold": vrow}}
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_table({"host": "isa=test", "runs": runs})
+    text = buf.getvalue()
+    assert "| w/cold | req/s | 3.00 | 2.00 | 1.50x |" in text
+    assert "| w/cold | TTFT p50 ms | 100.00 | 200.00 | 0.50x |" in text
