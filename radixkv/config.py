@@ -35,6 +35,7 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     eviction_policy: str = "lru"
     chunked_prefill_tokens: int = 2048
+    mixed_prefill_tokens: int = 512
     max_running_requests: int = 128
     max_model_len: int | None = None
     attention_backend: str | None = None
@@ -68,6 +69,8 @@ class EngineConfig:
             raise bad("eviction_policy", f"choose one of {', '.join(EVICTION_POLICIES)}")
         if not isinstance(self.chunked_prefill_tokens, int) or self.chunked_prefill_tokens < 1:
             raise bad("chunked_prefill_tokens", "must be an integer >= 1")
+        if not isinstance(self.mixed_prefill_tokens, int) or self.mixed_prefill_tokens < 1:
+            raise bad("mixed_prefill_tokens", "must be an integer >= 1")
         if not isinstance(self.max_running_requests, int) or self.max_running_requests < 1:
             raise bad("max_running_requests", "must be an integer >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

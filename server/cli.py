@@ -22,6 +22,12 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--schedule-policy", "schedule_policy", str, "fcfs | lpm | dfs-weight"),
     ("--eviction-policy", "eviction_policy", str, "lru | lfu | fifo"),
     ("--chunked-prefill-tokens", "chunked_prefill_tokens", int, "prefill chunk size"),
+    (
+        "--mixed-prefill-tokens",
+        "mixed_prefill_tokens",
+        int,
+        "prefill tokens a step may carry beside decodes (default 512; raise it on a GPU)",
+    ),
     ("--max-running-requests", "max_running_requests", int, "batch size cap"),
     ("--max-model-len", "max_model_len", int, "context length cap (default: the model's)"),
     ("--attention-backend", "attention_backend", str, "torch | triton (default: by device)"),

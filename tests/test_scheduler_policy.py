@@ -249,3 +249,45 @@ def test_shared_prefix_workload_caches_more_than_fcfs(tiny_model) -> None:
         engine.check_integrity()
     assert cached["lpm"] > cached["fcfs"] and cached["dfs-weight"] > cached["fcfs"], cached
     assert outputs["lpm"] == outputs["dfs-weight"] == outputs["fcfs"]
+
+
+def test_a_step_that_decodes_carries_at_most_mixed_prefill_tokens(tiny_model) -> None:
+    """Decodes wait for their step: beside them a prefill gets ``mixed_prefill_tokens`` at most,
+    while a step with no decode uses the whole ``chunked_prefill_tokens``; outputs are the same
+    as with one budget for both (greedy)."""
+    prompts = [toks(1, 6), toks(2, 150), toks(3, 90)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(mixed: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        engine = engine_for(
+            tiny_model, "fcfs", chunked_prefill_tokens=64, mixed_prefill_tokens=mixed
+        )
+        steps: list[tuple[int, int]] = []  # (decodes, prefill tokens) per step
+        schedule = engine.scheduler.schedule
+
+        def recording():
+            batch = schedule()
+            decodes = sum(1 for s, n in batch.entries if n == 1 and not s.in_prefill)
+            steps.append((decodes, batch.num_tokens - decodes))
+            return batch
+
+        engine.scheduler.schedule = recording  # type: ignore[method-assign]
+        out: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+        engine.add_request("a", prompts[0], params)
+        first = engine.step()  # "a" is prefilled and decodes from here on
+        engine.add_request("b", prompts[1], params)
+        engine.add_request("c", prompts[2], params)
+        while engine.has_unfinished():
+            for o in first + engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+            first = []
+        engine.check_integrity()
+        return [out[k] for k in "abc"], steps
+
+    tokens, steps = run(8)
+    mixed = [p for d, p in steps if d and p]
+    assert mixed and max(mixed) <= 8, steps
+    assert any(p > 8 for d, p in steps if not d), "a step without decodes keeps the whole budget"
+    same, wide = run(64)
+    assert max(p for d, p in wide if d) > 8  # the knob is what made the difference
+    assert tokens == same
