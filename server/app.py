@@ -34,6 +34,7 @@ from .engine_loop import EngineLoop
 from .intake import now
 from .metrics import ServerMetrics
 from .protocol import APIError, error_body
+from .redaction import internal_error
 from .routes_admin import admin_routes
 from .routes_dashboard import DASHBOARD_TEXT, dashboard_routes
 from .routes_metrics import metrics_routes
@@ -131,11 +132,9 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return JSONResponse(
-            error_body(f"internal server error: {type(exc).__name__}: {exc}", type="server_error"),
-            status_code=500,
-        )
+        logger.exception("unhandled error")  # the traceback; the client sees an id only
+        message = internal_error(f"{type(exc).__name__}: {exc}")
+        return JSONResponse(error_body(message, type="server_error"), status_code=500)
 
     # ---------------------------------------------------------------- auth
 

@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .redaction import redact_argv, redact_url
+
 __all__ = [
     "Cluster",
     "add_cluster_parser",
@@ -211,7 +213,9 @@ class Cluster:
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = str(len(cores))
         out = self._out(f"replica{i}")
-        logger.info("replica %d on %s, cores %s: %s", i, self.urls[i], cores, " ".join(cmd))
+        logger.info(
+            "replica %d on %s, cores %s: %s", i, self.urls[i], cores, " ".join(redact_argv(cmd))
+        )
         self.procs.append(
             subprocess.Popen(
                 cmd,
@@ -322,7 +326,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             args.port,
             args.policy,
             ", ".join(cluster.urls),
-            cluster.redis_url or "off",
+            redact_url(cluster.redis_url) if cluster.redis_url else "off",
         )
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level=args.log_level.lower())
     except KeyboardInterrupt:

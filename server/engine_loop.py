@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .metrics import ServerMetrics
+from .redaction import internal_error
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +360,9 @@ class EngineLoop:
             return
         except Exception as exc:
             logger.exception("engine.add_request(%s) failed", rid)
-            self._resolve(accepted, exc=EngineRequestError(500, f"engine error: {exc}"))
+            self._resolve(
+                accepted, exc=EngineRequestError(500, internal_error(f"engine error: {exc!r}"))
+            )
             return
         self._tracked[rid] = _Tracked(stream=stream, n=stream.n, arrival=stream.arrival)
         self._resolve(accepted)
@@ -382,7 +385,7 @@ class EngineLoop:
                 "engine.step() raised; failing %d in-flight requests", len(self._tracked)
             )
             self.metrics.engine_errors.inc()
-            self._fail_all(500, f"internal engine error: {type(exc).__name__}: {exc}")
+            self._fail_all(500, internal_error(f"engine.step: {type(exc).__name__}: {exc}"))
             time.sleep(_STEP_ERROR_BACKOFF_S)  # no hot loop if the engine keeps failing
             return
         if outputs:
@@ -400,7 +403,12 @@ class EngineLoop:
             if error:  # the engine failed this request alone; the others go on
                 del self._tracked[out.request_id]
                 m.requests.labels(finish_reason="error").inc()
-                batch.append((tracked.stream, _Failure(500, f"request failed: {error}")))
+                batch.append(
+                    (
+                        tracked.stream,
+                        _Failure(500, internal_error(f"request {out.request_id}: {error}")),
+                    )
+                )
                 continue
             index = int(getattr(out, "index", 0) or 0)
             new_tokens = len(out.new_token_ids or ())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -219,11 +220,16 @@ def test_still_serving_after_bad_requests(server: ServerThread) -> None:
 
 
 def test_step_exception_fails_request_and_loop_survives(
-    server: ServerThread, engine: FakeEngine
+    server: ServerThread, engine: FakeEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The client gets a fixed text with an id; the exception's text goes to the log only."""
     engine.fail_steps = 1
-    r = post(server, "/v1/completions", completion())
-    assert_error(r, 500, "internal engine error", "injected step failure")
+    with caplog.at_level(logging.ERROR, logger="radixkv.server"):
+        r = post(server, "/v1/completions", completion())
+    assert_error(r, 500, "internal error (id ")
+    assert "injected" not in r.text
+    error_id = r.json()["error"]["message"].split("id ")[1].split(";")[0]
+    assert any(error_id in m and "injected step failure" in m for m in caplog.messages)
     assert server.app.state.engine_loop.alive
     assert_still_serving(server)
 
@@ -249,7 +255,7 @@ def test_step_exception_mid_stream(server: ServerThread, engine: FakeEngine) -> 
         engine.step_delay = 0.0
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert "internal engine error" in error["message"]
+    assert "internal error (id " in error["message"] and "injected" not in error["message"]
     assert_still_serving(server)
     server.app.state.engine_loop.call_sync(lambda e: e.check_integrity())
 

@@ -42,7 +42,7 @@ from typing import Any
 from radixkv.cache.allocator import IntegrityError
 from radixkv.cache.disk_store import HEADER
 
-__all__ = ["REMOTE_MAGIC", "RemoteStore", "parse_remote_url"]
+__all__ = ["REMOTE_MAGIC", "RemoteStore", "parse_remote_url", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,32 @@ _SCHEMES = ("redis://", "rediss://", "unix://")
 _REASONS = ("truncated", "checksum", "fingerprint", "key")
 
 
+def redact_url(url: object) -> str:
+    """``url`` with its credentials replaced by ``***`` (``redis://***@host:6379/0``): what
+    stats, logs and error messages show, so a Redis password never leaves the process."""
+    text = str(url)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return text
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    query = ""
+    if "?" in path:  # unix:///sock?password=... and redis://h/0?password=...
+        path, _, params = path.partition("?")
+        query = "?" + "&".join(
+            f"{k}=***" if k.lower() in ("password", "username", "user") else f"{k}={v}"
+            for k, _, v in (part.partition("=") for part in params.split("&"))
+        )
+    return f"{scheme}://{netloc}{slash}{path}{query}"
+
+
 def parse_remote_url(url: str) -> str:
     """Check a remote cache URL (``redis://HOST:PORT[/DB]``, ``rediss://`` or ``unix://``) and
     return it; raises ``ValueError`` saying what a valid one looks like."""
     if not isinstance(url, str) or not url.startswith(_SCHEMES):
         raise ValueError(
-            f"remote_cache_url={url!r} is invalid: expected redis://HOST:PORT[/DB] "
+            f"remote_cache_url={redact_url(url)!r} is invalid: expected redis://HOST:PORT[/DB] "
             "(or rediss://..., unix:///path.sock)"
         )
     return url
@@ -178,7 +198,7 @@ class RemoteStore:
         logger.warning(
             "remote KV cache %s is unreachable (%s: %s); the remote tier is off until it "
             "answers again",
-            self.url,
+            redact_url(self.url),
             type(exc).__name__,
             exc,
         )
@@ -202,7 +222,9 @@ class RemoteStore:
             self._backoff = self.retry_min
             self.counters["came_back"] += 1
             self._recent.clear()  # a restarted server is empty: send pages again
-        logger.warning("remote KV cache %s answers again; the remote tier is back on", self.url)
+        logger.warning(
+            "remote KV cache %s answers again; the remote tier is back on", redact_url(self.url)
+        )
         return True
 
     # ------------------------------------------------------------------ values
@@ -430,7 +452,7 @@ class RemoteStore:
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "url": self.url,
+            "url": redact_url(self.url) if self.url is not None else None,
             "available": self._up,
             "pending_writes": len(self._pending),
             "recent_keys": len(self._recent),
@@ -467,4 +489,4 @@ class RemoteStore:
 
     def __repr__(self) -> str:
         state = "up" if self._up else "down"
-        return f"RemoteStore(url={self.url!r}, {state}, pending={len(self._pending)})"
+        return f"RemoteStore(url={redact_url(self.url)!r}, {state}, pending={len(self._pending)})"

@@ -1,0 +1,51 @@
+"""What logs and answers may show of secrets: API keys on command lines and credentials in URLs.
+
+:func:`redact_argv` replaces the value of every secret-bearing flag (``--api-key``, ``--admin-key``,
+``--redis-password`` in both ``--flag VALUE`` and ``--flag=VALUE`` forms) by ``***`` and strips
+credentials from URLs (:func:`radixkv.cache.remote_store.redact_url`), so a command line can be
+logged whole. :func:`internal_error` is what a client sees of a server-side failure: a fixed
+text and an id, the detail logged under that id.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+
+from radixkv.cache.remote_store import redact_url
+
+__all__ = ["SECRET_FLAGS", "internal_error", "redact_argv", "redact_url"]
+
+logger = logging.getLogger("radixkv.server")
+
+SECRET_FLAGS = ("--api-key", "--admin-key", "--redis-password", "--requirepass")
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` with secret flag values as ``***`` and URL credentials removed."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append("***")
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in SECRET_FLAGS:
+            if eq:
+                out.append(f"{flag}=***")
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        out.append(redact_url(arg) if "://" in arg else arg)
+    return out
+
+
+def internal_error(detail: str) -> str:
+    """Log ``detail`` under a fresh id and return the client's message, which names only the id
+    (exception texts can carry prompt text, paths or configuration)."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s: %s", error_id, detail)
+    return f"internal error (id {error_id}; the server log has the detail)"
