@@ -35,7 +35,7 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     eviction_policy: str = "lru"
     chunked_prefill_tokens: int = 2048
-    mixed_prefill_tokens: int = 512
+    mixed_prefill_tokens: int = 2048
     max_running_requests: int = 128
     max_model_len: int | None = None
     attention_backend: str | None = None

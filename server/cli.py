@@ -26,7 +26,7 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "--mixed-prefill-tokens",
         "mixed_prefill_tokens",
         int,
-        "prefill tokens a step may carry beside decodes (default 512; raise it on a GPU)",
+        "prefill tokens a step may carry beside decodes (default 2048: the whole budget)",
     ),
     ("--max-running-requests", "max_running_requests", int, "batch size cap"),
     ("--max-model-len", "max_model_len", int, "context length cap (default: the model's)"),

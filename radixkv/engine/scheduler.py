@@ -3,9 +3,11 @@
 Each step shares one token budget (``chunked_prefill_tokens``) between decodes (one token each,
 served first so they are never starved) and prefills (the uncached suffix of a prompt, in chunks
 that fit the rest of the budget). A step that decodes carries at most ``mixed_prefill_tokens`` of
-prefill: on a CPU a 2,048-token chunk costs seconds, and every decode in its step waits for it
-(vLLM's client measured cold TPOT p50 658 ms with 2,048 beside decodes, 581 ms with 512, same
-throughput, ``bench/bench_vllm_serve.py``); a step with no decode keeps the whole budget. Pages come from the free pool, then from evicting unlocked
+prefill (default 2,048, the whole budget); a step with no decode keeps the whole budget. Lower
+values shorten the steps decodes wait in while new prompts arrive (on a CPU a 2,048-token fp32
+chunk costs seconds) at the cost of more steps: under vLLM's client (``bench/bench_vllm_serve.py``,
+AVX2 host) 512 gave cold TPOT p50 581 and 813 ms in two runs against 658 ms for 2,048, within this
+host's run-to-run noise, so the default stays. Pages come from the free pool, then from evicting unlocked
 cache, then from preempting running sequences, newest first, by recompute.
 
 A waiting sequence whose host/disk hit does not fit in the device pages the running sequences
