@@ -285,3 +285,20 @@ def test_overflowing_rows_fall_back_to_the_best_raw_logit():
     assert tokens[0] == int(logits[0].argmax())
     assert tokens[1] == int(torch.nan_to_num(logits[1], nan=float("-inf")).argmax())
     assert tokens[2] == 11
+
+
+def test_stop_conditions_are_bounded_with_a_message_that_says_the_limit() -> None:
+    """Every output token is checked against each stop string and id: a request cannot make that
+    check unbounded (many, or very long, stop strings; a huge id list)."""
+    from radixkv.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    SamplingParams(
+        stop=["x"] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS
+    ).validate()
+    SamplingParams(stop="y" * MAX_STOP_CHARS).validate()
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRINGS} strings"):
+        SamplingParams(stop=["x"] * (MAX_STOP_STRINGS + 1)).validate()
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_CHARS} characters"):
+        SamplingParams(stop="y" * (MAX_STOP_CHARS + 1)).validate()
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_TOKEN_IDS} ids"):
+        SamplingParams(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)).validate()

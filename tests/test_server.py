@@ -734,7 +734,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         ["serve", "--kv-cache-memory-gb", "0.5", "--kv-layout", "virtual"]
         + ["--disk-write-policy", "write_through", "--host-write-policy", "write_through"]
         + ["--max-model-len", "256", "--device", "cpu", "--seed", "5"]
-        + ["--remote-cache", "redis://127.0.0.1:6399/0"]
+        + ["--remote-cache", "redis://127.0.0.1:6399/0", "--mixed-prefill-tokens", "128"]
         + ["--served-model-name", "svc", "--api-key-file", "/tmp/keys.txt"]
     )
     assert engine_kwargs(args) == {
@@ -746,6 +746,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         "device": "cpu",
         "seed": 5,
         "remote_cache_url": "redis://127.0.0.1:6399/0",
+        "mixed_prefill_tokens": 128,
     }
     assert (args.served_model_name, args.api_key_file, args.api_key) == (
         "svc",

@@ -8,6 +8,11 @@ from typing import Any
 __all__ = ["SamplingParams"]
 
 MAX_LOGPROBS = 20
+#: Bounds on stop conditions (each output token is checked against every one of them); OpenAI's
+#: API takes at most 4 stop strings.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
 _GREEDY_EPS = 1e-5
 
 
@@ -92,11 +97,19 @@ class SamplingParams:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
                 raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+            if len(stops) > MAX_STOP_STRINGS or max(map(len, stops)) > MAX_STOP_CHARS:
+                raise bad(
+                    "stop",
+                    f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters"
+                    " (every output token is checked against each)",
+                )
         if self.stop_token_ids is not None and not (
             isinstance(self.stop_token_ids, list)
             and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
         ):
             raise bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         self._validate_beam_search(bad)
         return self
 
