@@ -18,7 +18,6 @@ factory, the error handlers (one error shape for all) and API-key auth.
 from __future__ import annotations
 
 import asyncio
-import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -43,8 +42,6 @@ from .routes_openai import openai_routes
 from .stats_history import StatsHistory, collect_sample
 from .streaming import ClientDisconnected
 from .tenancy import REQUEST_TENANT_SALT, tenant_salt
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING = 1024
 
@@ -132,8 +129,7 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")  # the traceback; the client sees an id only
-        message = internal_error(f"{type(exc).__name__}: {exc}")
+        message = internal_error(f"unhandled {type(exc).__name__}: {exc}")  # logs the traceback
         return JSONResponse(error_body(message, type="server_error"), status_code=500)
 
     # ---------------------------------------------------------------- auth

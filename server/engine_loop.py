@@ -359,10 +359,8 @@ class EngineLoop:
             self._resolve(accepted, exc=exc)
             return
         except Exception as exc:
-            logger.exception("engine.add_request(%s) failed", rid)
-            self._resolve(
-                accepted, exc=EngineRequestError(500, internal_error(f"engine error: {exc!r}"))
-            )
+            why = internal_error(f"engine.add_request({rid}) failed: {exc!r}")  # + traceback
+            self._resolve(accepted, exc=EngineRequestError(500, why))
             return
         self._tracked[rid] = _Tracked(stream=stream, n=stream.n, arrival=stream.arrival)
         self._resolve(accepted)
@@ -381,11 +379,12 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            logger.exception(
-                "engine.step() raised; failing %d in-flight requests", len(self._tracked)
-            )
             self.metrics.engine_errors.inc()
-            self._fail_all(500, internal_error(f"engine.step: {type(exc).__name__}: {exc}"))
+            why = internal_error(  # logs the traceback under the id the clients get
+                f"engine.step() raised {type(exc).__name__}: {exc}; failing "
+                f"{len(self._tracked)} in-flight requests"
+            )
+            self._fail_all(500, why)
             time.sleep(_STEP_ERROR_BACKOFF_S)  # no hot loop if the engine keeps failing
             return
         if outputs:

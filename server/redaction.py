@@ -10,6 +10,7 @@ text and an id, the detail logged under that id.
 from __future__ import annotations
 
 import logging
+import sys
 import uuid
 from collections.abc import Sequence
 
@@ -44,8 +45,9 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
 
 
 def internal_error(detail: str) -> str:
-    """Log ``detail`` under a fresh id and return the client's message, which names only the id
-    (exception texts can carry prompt text, paths or configuration)."""
+    """Log ``detail`` under a fresh id (with the traceback when called while an exception is
+    being handled) and return the client's message, which names only the id (exception texts
+    can carry prompt text, paths or configuration)."""
     error_id = uuid.uuid4().hex[:12]
-    logger.error("internal error %s: %s", error_id, detail)
+    logger.error("internal error %s: %s", error_id, detail, exc_info=sys.exc_info()[0] is not None)
     return f"internal error (id {error_id}; the server log has the detail)"
