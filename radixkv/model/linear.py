@@ -14,11 +14,11 @@ than MKL's sgemv, so :class:`PackedLinear` keeps the plain weight too and picks 
 The Llama model packs every linear in float32 on the CPU. On the AVX2 host, with the weights
 streamed from memory as in a real forward (``bench/bench_linears.py``'s "streamed" lines: every
 layer's own weights, not one cache-resident matrix), oneDNN's packed GEMM ran the model's linears
-1.75x faster than MKL's ``F.linear`` at 8 rows, 1.48x at 64 and 1.24x at 1024 (0.98x at one
-row, which keeps ``F.linear``); its different summation order keeps the logits within the float64 precision contract
-(``tests/oracle.py``: the fp32 ratios went from 1.6-2.2 to 2.0-2.5, the bound being 8). The
-packed copy costs a second copy of the weights' memory (the plain ``weight`` stays, for
-state dicts, ties and one-row calls).
+1.75x faster than MKL's ``F.linear`` at 8 rows, 1.48x at 64 and 1.24x at 1024 (0.98x at one row,
+which keeps ``F.linear``); its different summation order keeps the logits within the float64
+precision contract (``tests/oracle.py``: the fp32 ratios went from 1.6-2.2 to 2.0-2.5, the bound
+being 8). The packed copy costs a second copy of the weights' memory (the plain ``weight`` stays,
+for state dicts, ties and one-row calls).
 """
 
 from __future__ import annotations
