@@ -307,10 +307,13 @@ class FakeEngine:
 
     # ------------------------------------------------------------------ administration
 
-    def flush_cache(self) -> bool:
-        """Drop the cache; False (nothing done) while requests are in flight."""
+    def flush_cache(self, drop_pins: bool = False) -> bool:
+        """Drop the cache (pins too with ``drop_pins``); False (nothing done) while requests are
+        in flight."""
         if self.has_unfinished():
             return False
+        if drop_pins:
+            self._pinned.clear()
         for key, page in list(self._cache.items()):
             if page not in self._pinned:
                 del self._cache[key]
@@ -318,9 +321,16 @@ class FakeEngine:
         return True
 
     def pin_prefix(
-        self, prompt: str | list[int], salt: str | None = None, ttl: float | None = None
+        self,
+        prompt: str | list[int],
+        salt: str | None = None,
+        ttl: float | None = None,
+        *,
+        budget: int | None = None,
+        namespace_budget: int | None = None,
     ) -> int:
-        """Pin the cached full pages of ``prompt``; returns the tokens pinned."""
+        """Pin the cached full pages of ``prompt``; returns the tokens pinned (no ttl, no
+        budgets: the real engine's pins are tested on the real tree)."""
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt to pin is empty")

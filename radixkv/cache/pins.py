@@ -5,6 +5,11 @@ no ttl); expired pins are unlocked lazily (on ``evict``, ``pin``, ``unpin``, ``r
 ``check_integrity`` and the size properties) using the tree's injectable ``clock``. Finite
 expiries sit in a heap; an entry whose node's expiry changed since it was pushed is stale and
 skipped. :class:`Pins` is a mixin of :class:`radixkv.cache.radix_tree.RadixTree`.
+
+Budgets: a pin holds its node's whole path (the lock reaches every ancestor), so the tokens pins
+hold are the union of those paths (:meth:`Pins.pinned_tokens`). ``pin(..., budget=B,
+namespace_budget=N)`` refuses (:class:`PinBudgetError`, nothing changed) a new pin that would
+take the pinned tokens of the whole tree past ``B`` or of its namespace (salt) past ``N``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,11 @@ from collections.abc import Callable, Hashable, Sequence
 
 from radixkv.cache.tree_node import TreeNode
 
-__all__ = ["Pins"]
+__all__ = ["PinBudgetError", "Pins"]
+
+
+class PinBudgetError(ValueError):
+    """A pin would exceed the pinned-token budget (of the tree or of its namespace)."""
 
 
 class Pins:
@@ -37,15 +46,27 @@ class Pins:
         self._expire_pins()
         return self._num_pins
 
-    def pin(self, tokens: Sequence[int], salt: Hashable = None, ttl: float | None = None) -> int:
+    def pin(
+        self,
+        tokens: Sequence[int],
+        salt: Hashable = None,
+        ttl: float | None = None,
+        *,
+        budget: int | None = None,
+        namespace_budget: int | None = None,
+    ) -> int:
         """Pin the cached prefix of ``tokens``: never evicted until ``ttl`` seconds pass (``None``
         = until :meth:`unpin`). Pinning an already pinned node extends its expiry. Returns the
-        number of tokens pinned (0 when nothing is cached)."""
+        number of tokens pinned (0 when nothing is cached). A new pin that would take the
+        tokens held by pins past ``budget`` (whole tree) or ``namespace_budget`` (the salt's
+        namespace) raises :class:`PinBudgetError` and changes nothing."""
         self._expire_pins()
         res = self.match_prefix(tokens, salt)
         node = res.node
         if node is None or node is self.root:
             return 0
+        if node.pin_expiry is None:
+            self._check_budget(node, salt, budget, namespace_budget)
         expiry = math.inf if ttl is None else self.clock() + ttl
         if node.pin_expiry is None:
             self.lock(node)
@@ -78,6 +99,51 @@ class Pins:
             node = parent
         return removed
 
+    def unpin_all(self) -> int:
+        """Remove every pin (a flush that drops pins); returns the number removed."""
+        self._expire_pins()
+        pinned = self._pinned_nodes(self.root)
+        for node in pinned:
+            self._unpin_node(node)
+        self._pin_heap.clear()
+        return len(pinned)
+
+    def pinned_tokens(self, salt: Hashable = None, *, whole_tree: bool = False) -> int:
+        """Tokens held by pins: the union of the pinned nodes' paths, in the namespace of
+        ``salt`` (``whole_tree``: over every namespace)."""
+        self._expire_pins()
+        start = self.root if whole_tree else self._namespace(salt, create=False)
+        if start is None:
+            return 0
+        return _path_union_tokens(self._pinned_nodes(start), start)
+
+    def _check_budget(
+        self, node: TreeNode, salt: Hashable, budget: int | None, namespace_budget: int | None
+    ) -> None:
+        for limit, start, where in (
+            (budget, self.root, "the server"),
+            (namespace_budget, self._namespace(salt, create=False), "this namespace"),
+        ):
+            if limit is None or start is None:
+                continue
+            held = _path_union_tokens(self._pinned_nodes(start), start)
+            after = _path_union_tokens([*self._pinned_nodes(start), node], start)
+            if after > limit:
+                raise PinBudgetError(
+                    f"pinning this prefix would hold {after} tokens in pins for {where} (now "
+                    f"{held}), over its budget of {limit} tokens; unpin something first"
+                )
+
+    def _pinned_nodes(self, start: TreeNode) -> list[TreeNode]:
+        out: list[TreeNode] = []
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            if node.pin_expiry is not None:
+                out.append(node)
+            stack.extend(node.children.values())
+        return out
+
     def _unpin_node(self, node: TreeNode) -> None:
         node.pin_expiry = None
         self._num_pins -= 1
@@ -97,3 +163,16 @@ class Pins:
     def expire_pins(self) -> None:
         """Drop pins whose ttl has passed (otherwise done lazily)."""
         self._expire_pins()
+
+
+def _path_union_tokens(nodes: Sequence[TreeNode], start: TreeNode) -> int:
+    """Tokens on the union of the paths from ``start`` down to each of ``nodes``."""
+    seen: set[int] = set()
+    total = 0
+    for node in nodes:
+        x: TreeNode | None = node
+        while x is not None and x is not start and x.uid not in seen:
+            seen.add(x.uid)
+            total += len(x.key)
+            x = x.parent
+    return total

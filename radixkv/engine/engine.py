@@ -428,19 +428,32 @@ class Engine:
         return self.generate(prompts, params, salt=salt)
 
     # -- cache administration ----------------------------------------------------------------
-    def flush_cache(self) -> bool:
-        """Drop every cached prefix. Refused (False, nothing done) while requests are in flight."""
+    def flush_cache(self, drop_pins: bool = False) -> bool:
+        """Drop every cached prefix but the pinned ones (``drop_pins``: those too). Refused
+        (False, nothing done) while requests are in flight."""
         if self.scheduler.has_work():
             return False
+        if drop_pins:
+            self.tree.unpin_all()
         self.tree.reset()
         if self.tiers is not None:
             self.tiers.flush()
         return True
 
-    def pin_prefix(self, prompt: Prompt, salt: str | None = None, ttl: float | None = None) -> int:
+    def pin_prefix(
+        self,
+        prompt: Prompt,
+        salt: str | None = None,
+        ttl: float | None = None,
+        *,
+        budget: int | None = None,
+        namespace_budget: int | None = None,
+    ) -> int:
         """Pin the cached part of ``prompt`` so it is never evicted (until ``ttl`` seconds pass).
 
-        The prompt is computed first when it is not cached yet. Returns the tokens pinned.
+        The prompt is computed first when it is not cached yet. Returns the tokens pinned. A
+        pin past ``budget`` / ``namespace_budget`` tokens raises
+        :class:`~radixkv.cache.pins.PinBudgetError` (see :meth:`RadixTree.pin`).
         """
         ids = self.tokenize(prompt)
         if not ids:
@@ -464,7 +477,13 @@ class Engine:
                     self.abort(rid)
                     self._pending = [o for o in self._pending if o.request_id != rid]
                     break
-        return self.tree.pin(ids, salt=salt, ttl=ttl)
+        return self.tree.pin(
+            ids, salt=salt, ttl=ttl, budget=budget, namespace_budget=namespace_budget
+        )
+
+    def unpin_prefix(self, prompt: Prompt, salt: str | None = None) -> int:
+        """Remove every pin on the cached path of ``prompt``; returns the pins removed."""
+        return self.tree.unpin(self.tokenize(prompt), salt=salt)
 
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
