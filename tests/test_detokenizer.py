@@ -169,3 +169,24 @@ def test_engine_detokenizes_split_characters_like_a_full_decode(engine: Engine) 
     multi = next(c for c in free.text if len(c.encode()) > 1)
     (out,) = engine.chat(conv, SamplingParams(**params, stop=[multi]))
     assert out.finish_reason == "stop" and out.text == free.text[: free.text.find(multi)]
+
+
+def test_work_per_token_does_not_grow_with_the_output(tok) -> None:
+    """Each update decodes a window of a few tokens, not the whole output: decoding 3,000 tokens
+    one at a time touches O(n) token ids (it was O(n^2): 4.5 million here), and the deltas still
+    add up to the full decode, stop strings included."""
+    ids = tok.encode(" ".join(TEXTS) * 40, add_special_tokens=False)[:3000]
+    decoded = 0
+
+    class Counting:
+        def decode(self, xs, **kw):
+            nonlocal decoded
+            decoded += len(xs)
+            return tok.decode(xs, **kw)
+
+    for stop in (None, ["never-in-these-texts", "x"]):
+        decoded = 0
+        detok = IncrementalDetokenizer(Counting(), stop)
+        out = "".join(detok.update(ids[:k], final=k == len(ids))[0] for k in range(1, len(ids) + 1))
+        assert out == full_decode(tok, ids)
+        assert decoded <= 12 * len(ids), decoded
