@@ -7,7 +7,12 @@ it on one background thread that
 * calls ``engine.step()`` in a loop while work exists, and sleeps on a condition otherwise,
 * routes each ``StepOutput`` to the asyncio queue of its request with
   ``loop.call_soon_threadsafe`` (one call per step, not per output),
-* updates the per-request metrics (TTFT, inter-token latency, end-to-end latency, token counts).
+* updates the per-request metrics (TTFT, inter-token latency, end-to-end latency, token counts)
+  and the usage of each request's ``owner`` (an API key's id: :meth:`EngineLoop.usage`).
+
+Admission bounds: ``max_waiting`` requests accepted but not yet producing output in all
+(:class:`QueueFullError`, 503), and ``max_waiting_per_owner`` of them per owner
+(:class:`OwnerLimitError`, 429), so one key cannot fill the queue for every other.
 
 An exception inside ``engine.step()`` never kills the thread: it is logged, every in-flight
 request fails with a 500 (its engine request is aborted so its pages are released), and the
@@ -22,7 +27,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -39,6 +44,10 @@ _STEP_ERROR_BACKOFF_S = 0.05
 
 class QueueFullError(Exception):
     """The bounded waiting queue is full (answered 503)."""
+
+
+class OwnerLimitError(QueueFullError):
+    """One owner (API key) has its limit of waiting requests (answered 429)."""
 
 
 class EngineRequestError(Exception):
@@ -97,6 +106,7 @@ class _Tracked:
     stream: RequestStream
     n: int
     arrival: float
+    owner: str | None = None
     first_token_at: float | None = None
     last_token_at: dict[int, float] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
@@ -117,10 +127,12 @@ class EngineLoop:
         *,
         metrics: ServerMetrics | None = None,
         max_waiting: int | None = None,
+        max_waiting_per_owner: int | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
         self.max_waiting = max_waiting
+        self.max_waiting_per_owner = max_waiting_per_owner
         self._commands: deque[Callable[[], None]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -131,6 +143,10 @@ class EngineLoop:
         # Event-loop-thread only: accepted requests that have produced no output yet.
         self._not_started: set[str] = set()
         self._streams: dict[str, RequestStream] = {}
+        self._owner_of: dict[str, str] = {}  # not-started request -> its owner
+        self._waiting_by_owner: Counter[str] = Counter()
+        # Engine-thread only: owner -> usage counters (read them through call()).
+        self._usage: dict[str, Counter[str]] = {}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -179,16 +195,24 @@ class EngineLoop:
         *,
         salt: str | None = None,
         arrival: float | None = None,
+        owner: str | None = None,
     ) -> RequestStream:
         """Queue a request on the engine thread and wait until the engine accepted it.
 
-        Raises ``ValueError`` (engine validation, answered 400), :class:`QueueFullError` (503) or
+        Raises ``ValueError`` (engine validation, answered 400), :class:`QueueFullError` (503),
+        :class:`OwnerLimitError` (429: ``owner`` has ``max_waiting_per_owner`` waiting) or
         :class:`EngineRequestError`. If the caller is cancelled meanwhile, the request is aborted.
         """
         if self.max_waiting is not None and len(self._not_started) >= self.max_waiting:
             raise QueueFullError(
                 f"the server is overloaded: {len(self._not_started)} requests are already "
                 f"waiting (max_waiting={self.max_waiting}); retry later"
+            )
+        limit = self.max_waiting_per_owner
+        if owner is not None and limit is not None and self._waiting_by_owner[owner] >= limit:
+            raise OwnerLimitError(
+                f"this API key already has {self._waiting_by_owner[owner]} requests waiting for "
+                f"their first token (the limit per key is {limit}); retry when some have started"
             )
         if not self.alive:
             raise EngineRequestError(503, "the engine thread is not running")
@@ -201,9 +225,12 @@ class EngineLoop:
         accepted: asyncio.Future[None] = loop.create_future()
         self._not_started.add(request_id)
         self._streams[request_id] = stream
+        if owner is not None:
+            self._owner_of[request_id] = owner
+            self._waiting_by_owner[owner] += 1
 
         def command() -> None:
-            self._do_add(stream, prompt, params, salt, accepted)
+            self._do_add(stream, prompt, params, salt, accepted, owner)
 
         self._submit(command)
         try:
@@ -270,8 +297,24 @@ class EngineLoop:
 
     # ---------------------------------------------------------------- internals (any thread)
 
-    def _forget(self, request_id: str) -> None:
+    def usage(self, owner: str) -> dict[str, int]:
+        """What ``owner``'s requests used so far (engine thread: call it through :meth:`call`):
+        ``requests``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``."""
+        got = self._usage.get(owner, Counter())
+        keys = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
+        return {k: int(got[k]) for k in keys}
+
+    def _started(self, request_id: str) -> None:
+        """``request_id`` produced output, failed or left: it no longer counts as waiting."""
         self._not_started.discard(request_id)
+        owner = self._owner_of.pop(request_id, None)
+        if owner is not None:
+            self._waiting_by_owner[owner] -= 1
+            if self._waiting_by_owner[owner] <= 0:
+                del self._waiting_by_owner[owner]
+
+    def _forget(self, request_id: str) -> None:
+        self._started(request_id)
         self._streams.pop(request_id, None)
 
     def _submit(self, command: Callable[[], None]) -> None:
@@ -351,6 +394,7 @@ class EngineLoop:
         params: Any,
         salt: str | None,
         accepted: asyncio.Future[None],
+        owner: str | None = None,
     ) -> None:
         rid = stream.request_id
         try:
@@ -362,7 +406,11 @@ class EngineLoop:
             why = internal_error(f"engine.add_request({rid}) failed: {exc!r}")  # + traceback
             self._resolve(accepted, exc=EngineRequestError(500, why))
             return
-        self._tracked[rid] = _Tracked(stream=stream, n=stream.n, arrival=stream.arrival)
+        self._tracked[rid] = _Tracked(
+            stream=stream, n=stream.n, arrival=stream.arrival, owner=owner
+        )
+        if owner is not None:
+            self._usage.setdefault(owner, Counter())["requests"] += 1
         self._resolve(accepted)
 
     def _do_abort(self, request_id: str) -> None:
@@ -418,8 +466,14 @@ class EngineLoop:
                     int(out.cached_tokens or 0),
                     getattr(out, "cached_tokens_by_tier", None),
                 )
+                if tracked.owner is not None:
+                    usage = self._usage.setdefault(tracked.owner, Counter())
+                    usage["prompt_tokens"] += int(out.prompt_tokens or 0)
+                    usage["cached_tokens"] += int(out.cached_tokens or 0)
             if new_tokens:
                 m.generation_tokens.inc(new_tokens)
+                if tracked.owner is not None:
+                    self._usage[tracked.owner]["completion_tokens"] += new_tokens
                 if tracked.first_token_at is None:
                     tracked.first_token_at = now
                     m.ttft.observe(now - tracked.arrival)
@@ -440,7 +494,7 @@ class EngineLoop:
     def _deliver(self, batch: list[tuple[RequestStream, Any]]) -> None:
         """Event-loop side of :meth:`_dispatch`."""
         for stream, item in batch:
-            self._not_started.discard(stream.request_id)
+            self._started(stream.request_id)
             stream.queue.put_nowait(item)
 
     def _fail_all(self, status_code: int, message: str) -> None:
