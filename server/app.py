@@ -5,20 +5,22 @@ lifespan starts the :class:`~radixkv.server.engine_loop.EngineLoop` thread (and 
 
 Endpoints: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health`` (never needs auth), ``GET /metrics``, ``GET /cache/stats``,
-``POST /flush_cache``, ``POST /cache/pin``, ``GET /cache/tree``, ``GET /dashboard``. Every error is
+``POST /flush_cache``, ``POST /cache/pin``, ``POST /cache/unpin``, ``GET /cache/integrity``,
+``GET /cache/tree``, ``GET /dashboard``. Every error is
 answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 The routes live by family in :mod:`.routes_openai`, :mod:`.routes_native` (``/generate``),
 :mod:`.routes_admin` (health and cache administration), :mod:`.routes_metrics` and
 :mod:`.routes_dashboard` (the cache dashboard, fed by :mod:`.stats_history`); they share
 the request path of :class:`~radixkv.server.context.ServerContext`. This module keeps the app
-factory, the error handlers (one error shape for all) and API-key auth.
+factory, the error handlers (one error shape for all), API-key auth (``auth``: any key;
+``admin``: the admin key, see :class:`~radixkv.server.tenancy.KeyRing`) and the
+:class:`~radixkv.server.guards.RequestGuard` (``Host`` and body size, before anything else).
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,18 +32,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .context import ServerContext
 from .engine_loop import EngineLoop
+from .guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, RequestGuard
 from .intake import now
 from .metrics import ServerMetrics
 from .protocol import APIError, error_body
 from .redaction import internal_error
-from .routes_admin import admin_routes
+from .routes_admin import PinPolicy, admin_routes
 from .routes_dashboard import DASHBOARD_TEXT, dashboard_routes
 from .routes_metrics import metrics_routes
 from .routes_native import native_routes
 from .routes_openai import openai_routes
 from .stats_history import StatsHistory, collect_sample
 from .streaming import ClientDisconnected
-from .tenancy import REQUEST_TENANT_SALT, tenant_salt
+from .tenancy import REQUEST_CALLER, REQUEST_TENANT_SALT, KeyRing
 
 DEFAULT_MAX_WAITING = 1024
 
@@ -50,33 +53,52 @@ def create_app(
     engine: Any,
     *,
     api_key: str | Sequence[str] | None = None,
+    admin_key: str | None = None,
     max_waiting: int | None = DEFAULT_MAX_WAITING,
+    max_waiting_per_key: int | None = None,
     model_name: str | None = None,
     salt_from_api_key: bool = False,
     dashboard_text: str = "show",
+    public_metrics: bool = False,
+    allowed_hosts: Sequence[str] | None = None,
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+    pins: PinPolicy | None = None,
 ) -> FastAPI:
-    """Build the server app around ``engine`` (see docs/design.md, "Engine step API").
+    """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
+    docs/security.md for what each guard protects).
 
     ``api_key``: when set (one key or several), every endpoint but ``/health`` needs
     ``Authorization: Bearer KEY`` with one of them.
+    ``admin_key``: the key of the admin routes (flush, pin/unpin, integrity, the tree, global
+    stats, metrics); without it, one API key and no tenancy is admin, several keys or tenants
+    leave them closed (:class:`~radixkv.server.tenancy.KeyRing`).
     ``salt_from_api_key``: each key is a tenant whose cache salt is derived from the key (see
     :mod:`.tenancy`): tenants never share a cached prefix (needs ``api_key``).
-    ``max_waiting``: bound on requests accepted but not yet producing tokens (503 past it).
+    ``max_waiting``: bound on requests accepted but not yet producing tokens (503 past it);
+    ``max_waiting_per_key``: the same bound per API key (429 past it).
     ``model_name``: the name served in ``/v1/models`` and checked in requests (defaults to
     ``engine.model_name``).
     ``dashboard_text``: ``"show"`` (``/cache/tree`` and ``/dashboard`` show decoded prompt text)
     or ``"hide"`` (token counts only).
+    ``public_metrics``: ``/metrics`` needs no key (it shows server-wide counts, no prompt).
+    ``allowed_hosts``: ``Host`` names served besides the loopback ones when the server has no
+    key at all (``"*"``: any); with keys every name is served.
+    ``max_body_bytes``: larger request bodies are refused (413) before parsing and auth.
+    ``pins``: the pin budgets and maximum ttl (:class:`~radixkv.server.routes_admin.PinPolicy`).
     """
     if dashboard_text not in DASHBOARD_TEXT:
         raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
-    if salt_from_api_key and not api_keys:
-        raise ValueError("salt_from_api_key needs api_key: tenants are told apart by their keys")
-    tenant_salts = {key.encode(): tenant_salt(key) for key in api_keys}
+    keyring = KeyRing(api_keys, admin_key, tenants=salt_from_api_key)
     served_name = model_name or str(getattr(engine, "model_name", None) or "default")
     accepted_names = {served_name, str(getattr(engine, "model_name", served_name))}
     metrics = ServerMetrics(served_name)
-    engine_loop = EngineLoop(engine, metrics=metrics, max_waiting=max_waiting)
+    engine_loop = EngineLoop(
+        engine,
+        metrics=metrics,
+        max_waiting=max_waiting,
+        max_waiting_per_owner=max_waiting_per_key,
+    )
     created = now()
     history = StatsHistory()
 
@@ -103,6 +125,10 @@ def create_app(
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
     app.state.model_name = served_name
+    hosts = None
+    if keyring.open:
+        hosts = [*LOOPBACK_HOSTS, *(allowed_hosts or ())]
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, allowed_hosts=hosts)
 
     # ---------------------------------------------------------------- errors
 
@@ -136,24 +162,31 @@ def create_app(
 
     async def require_auth(request: Request) -> None:
         REQUEST_TENANT_SALT.set(None)
-        if not api_keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode()
-        match = None
-        for key in tenant_salts:  # compare with every key: the time does not say which matched
-            if secrets.compare_digest(given, key) and scheme.lower() == "bearer":
-                match = key
-        if match is None:
+        REQUEST_CALLER.set(None)
+        caller = keyring.identify(request.headers.get("authorization"))
+        if caller is None:
             raise APIError(
                 401,
                 "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
-        if salt_from_api_key:
-            REQUEST_TENANT_SALT.set(tenant_salts[match])
+        REQUEST_TENANT_SALT.set(caller.salt)
+        REQUEST_CALLER.set(caller)
+
+    async def require_admin(request: Request) -> None:
+        await require_auth(request)
+        caller = REQUEST_CALLER.get()
+        if caller is None or not caller.admin:
+            why = (
+                "this route needs the admin key"
+                if keyring.admin_key is not None
+                else "this server has no admin key (several API keys, or tenants, must not "
+                "flush or read each other's cache): restart it with --admin-key to use it"
+            )
+            raise APIError(403, why, type="permission_error", code="admin_key_required")
 
     auth = [Depends(require_auth)]
+    admin = [Depends(require_admin)]
 
     # ---------------------------------------------------------------- routes, by family
 
@@ -165,16 +198,16 @@ def create_app(
         accepted_names=accepted_names,
         created=created,
         auth=auth,
+        admin=admin,
         history=history,
+        keyed=not keyring.open,
     )
     for router in (
         native_routes(ctx),
         openai_routes(ctx),
-        metrics_routes(ctx),
-        admin_routes(ctx),
-        dashboard_routes(
-            ctx, api_key=api_keys, text=dashboard_text, multi_tenant=salt_from_api_key
-        ),
+        metrics_routes(ctx, public=public_metrics),
+        admin_routes(ctx, pins or PinPolicy()),
+        dashboard_routes(ctx, text=dashboard_text),
     ):
         app.include_router(router)
     return app

@@ -63,6 +63,8 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``radixkv serve`` on ``subparsers`` (sets ``func=run_serve``)."""
     from radixkv.server.app import DEFAULT_MAX_WAITING
+    from radixkv.server.guards import DEFAULT_MAX_BODY_BYTES
+    from radixkv.server.routes_admin import DEFAULT_MAX_PIN_TTL, PinPolicy
 
     p = subparsers.add_parser(
         "serve",
@@ -91,6 +93,58 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         action="store_true",
         help="each API key is a tenant with a cache namespace of its own (a hash of the key): "
         "tenants never share cached prefixes (the prefix-cache timing side channel)",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=None,
+        help="the key of the admin routes (flush, pin/unpin, integrity, /cache/tree, global "
+        "stats, /metrics); also --admin-key-file or the environment variable RADIXKV_ADMIN_KEY",
+    )
+    p.add_argument("--admin-key-file", default=None, help="a file holding the admin key")
+    p.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="/metrics needs no key (server-wide counts only, no prompt text)",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="without API keys only loopback Host headers are served (DNS rebinding): add a "
+        "name (repeat; '*' = any)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get 413 before parsing (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--max-waiting-per-key",
+        type=int,
+        default=None,
+        help="requests one API key may have waiting for their first token (429 past it)",
+    )
+    p.add_argument(
+        "--max-pin-ttl",
+        type=float,
+        default=DEFAULT_MAX_PIN_TTL,
+        help=f"longest pin in seconds; a pin without ttl gets it; 0 = pins may last until "
+        f"unpinned (default {DEFAULT_MAX_PIN_TTL:g})",
+    )
+    p.add_argument(
+        "--pin-budget-share",
+        type=float,
+        default=PinPolicy.share,
+        help=f"share of the KV pool all pins may hold (default {PinPolicy.share})",
+    )
+    p.add_argument(
+        "--namespace-pin-budget-share",
+        type=float,
+        default=PinPolicy.namespace_share,
+        help="share of the KV pool the pins of one namespace (a tenant) may hold "
+        f"(default {PinPolicy.namespace_share})",
     )
     p.add_argument(
         "--dashboard-text",
@@ -126,6 +180,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _bind_names(host: str) -> list[str]:
+    """The bind address as a ``Host`` name clients may use (none for a wildcard bind)."""
+    return [] if host in ("0.0.0.0", "::", "") else [host.strip("[]")]
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine and app, then run uvicorn until interrupted. Returns the exit code."""
     import uvicorn
@@ -136,17 +195,21 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from radixkv.server.tenancy import load_api_keys
+    from radixkv.server.routes_admin import PinPolicy
+    from radixkv.server.tenancy import load_admin_key, load_api_keys
 
     try:
         api_keys = load_api_keys(args.api_key, args.api_key_file)
-    except (OSError, ValueError) as exc:
-        print(f"radixkv serve: cannot read the API keys: {exc}", file=sys.stderr)
-        return 2
-    if args.salt_from_api_key and not api_keys:
-        print(
-            "radixkv serve: --salt-from-api-key needs --api-key or --api-key-file", file=sys.stderr
+        if args.salt_from_api_key and not api_keys:
+            raise ValueError("--salt-from-api-key needs --api-key or --api-key-file")
+        admin_key = load_admin_key(args.admin_key, args.admin_key_file)
+        pins = PinPolicy(
+            max_ttl=args.max_pin_ttl or None,
+            share=args.pin_budget_share,
+            namespace_share=args.namespace_pin_budget_share,
         )
+    except (OSError, ValueError) as exc:
+        print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
     knobs = engine_kwargs(args)
     try:
@@ -159,14 +222,25 @@ def run_serve(args: argparse.Namespace) -> int:
         from radixkv.model.platform_info import format_platform_info, platform_info
 
         logger.info("platform: %s", format_platform_info(platform_info(runner=runner)))
-    app = create_app(
-        engine,
-        api_key=api_keys or None,
-        salt_from_api_key=args.salt_from_api_key,
-        max_waiting=args.max_waiting,
-        model_name=args.served_model_name,
-        dashboard_text=args.dashboard_text,
-    )
+    try:
+        app = create_app(
+            engine,
+            api_key=api_keys or None,
+            admin_key=admin_key,
+            salt_from_api_key=args.salt_from_api_key,
+            max_waiting=args.max_waiting,
+            max_waiting_per_key=args.max_waiting_per_key,
+            model_name=args.served_model_name,
+            dashboard_text=args.dashboard_text,
+            public_metrics=args.public_metrics,
+            allowed_hosts=_bind_names(args.host) + (args.allowed_host or []),
+            max_body_bytes=args.max_body_bytes,
+            pins=pins,
+        )
+    except ValueError as exc:
+        print(f"radixkv serve: {exc}", file=sys.stderr)
+        engine.close()
+        return 2
     logger.info(
         "serving %s on http://%s:%d (max_model_len=%s)",
         app.state.model_name,

@@ -4,24 +4,32 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
-from .engine_loop import EngineLoop, EngineRequestError, QueueFullError, RequestStream
+from .engine_loop import (
+    EngineLoop,
+    EngineRequestError,
+    OwnerLimitError,
+    QueueFullError,
+    RequestStream,
+)
 from .metrics import ServerMetrics
 from .protocol import APIError, error_body
 from .streaming import SSE_DONE, ClientDisconnected, Collected, Seq, sse, unless_disconnected
-from .tenancy import effective_salt
+from .tenancy import REQUEST_CALLER, effective_salt
 
 
 @dataclass
 class ServerContext:
     """What the routes of one app share: the engine, its loop thread, metrics and names.
 
-    ``auth`` is the ``dependencies`` list of every route that needs the API key (all but
-    ``/health``); ``accepted_names`` are the model names requests may ask for.
+    ``auth`` is the ``dependencies`` list of every route that needs an API key (all but
+    ``/health``), ``admin`` that of the admin routes; ``accepted_names`` are the model names
+    requests may ask for; ``keyed``: the server has keys (requests then count against their
+    key's waiting limit and usage).
     """
 
     engine: Any
@@ -31,8 +39,10 @@ class ServerContext:
     accepted_names: set[str]
     created: int
     auth: list[Any]
+    admin: list[Any] = field(default_factory=list)
     #: The dashboard's ring buffer of cache samples (:class:`.stats_history.StatsHistory`).
     history: Any = None
+    keyed: bool = False
 
     def check_model(self, name: str) -> None:
         if name not in self.accepted_names:
@@ -53,13 +63,18 @@ class ServerContext:
         arrival: float,
     ) -> RequestStream:
         salt = effective_salt(salt)  # with tenants (salt_from_api_key): the caller's namespace
+        caller = REQUEST_CALLER.get()
+        owner = caller.key_id if self.keyed and caller is not None else None
         try:
             return await self.engine_loop.add_request(
-                request_id, prompt, params, salt=salt, arrival=arrival
+                request_id, prompt, params, salt=salt, arrival=arrival, owner=owner
             )
         except ValueError as exc:
             self.metrics.rejected.labels(reason="invalid").inc()
             raise APIError(400, str(exc)) from exc
+        except OwnerLimitError as exc:
+            self.metrics.rejected.labels(reason="key_limit").inc()
+            raise APIError(429, str(exc), type="rate_limit_error", code="key_limit") from exc
         except QueueFullError as exc:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise APIError(503, str(exc), type="server_error", code="queue_full") from exc

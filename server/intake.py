@@ -19,6 +19,7 @@ __all__ = [
     "FinishReason",
     "apply_chat_template",
     "check_prompt_not_empty",
+    "check_text_length",
     "make_sampling_params",
     "new_id",
     "prompt_token_ids",
@@ -85,11 +86,35 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[
         raise APIError(400, str(exc), param="messages") from exc
 
 
-async def prompt_token_ids(engine: Any, prompt: str | list[int]) -> list[int]:
+MAX_CHARS_PER_TOKEN = 32
+"""Text longer than this many characters per token of the context (``max_model_len``) is
+refused before tokenizing: it cannot fit, and tokenizing it would hold the tokenizer lock the
+engine thread needs (tokens of this tokenizer are rarely over 16 characters)."""
+
+
+def check_text_length(engine: Any, num_chars: int, param: str) -> None:
+    """Refuse (400, naming the bound) text too long to fit the context, before tokenizing."""
+    max_model_len = int(getattr(engine, "max_model_len", 0) or 0)
+    if max_model_len and num_chars > MAX_CHARS_PER_TOKEN * max_model_len:
+        raise APIError(
+            400,
+            f"{param} has {num_chars} characters; this model's context holds {max_model_len} "
+            f"tokens, and text over {MAX_CHARS_PER_TOKEN} characters a token of context is "
+            "refused before tokenizing. Please shorten it.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+async def prompt_token_ids(
+    engine: Any, prompt: str | list[int], param: str = "prompt"
+) -> list[int]:
     """The prompt as token ids, tokenized once per request and off the event loop (a thread of
-    its own; the engine's tokenizer is locked for this), so the engine never tokenizes it again."""
+    its own; the engine's tokenizer is locked for this), so the engine never tokenizes it again.
+    Text too long to fit the context is refused first (:func:`check_text_length`)."""
     if isinstance(prompt, list):
         return prompt
+    check_text_length(engine, len(prompt), param)
     return await asyncio.to_thread(tokenize_text, engine, prompt)
 
 

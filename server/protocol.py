@@ -17,7 +17,7 @@ building them as dicts keeps the streaming path cheap.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -418,8 +418,27 @@ class GenerateRequest(RequestBody):
         return self.text if self.text is not None else list(self.input_ids or [])
 
 
-class PinRequest(RequestBody):
-    """``POST /cache/pin``: keep a cached prefix from eviction (``ttl`` seconds, or forever)."""
+class UnpinRequest(RequestBody):
+    """``POST /cache/unpin``: remove the pins on a prompt's cached path."""
+
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"text": "You are a helpful assistant."}]}
+    )
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    salt: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> Self:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` or `input_ids`")
+        return self
+
+
+class PinRequest(UnpinRequest):
+    """``POST /cache/pin``: keep a cached prefix from eviction (``ttl`` seconds, or the server's
+    maximum pin ttl)."""
 
     model_config = ConfigDict(
         extra="ignore",
@@ -428,13 +447,4 @@ class PinRequest(RequestBody):
         },
     )
 
-    text: str | None = None
-    input_ids: list[int] | None = None
-    salt: str | None = None
     ttl: float | None = Field(None, gt=0)
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> PinRequest:
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of `text` or `input_ids`")
-        return self

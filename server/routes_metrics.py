@@ -12,14 +12,14 @@ from .context import ServerContext
 logger = logging.getLogger(__name__)
 
 
-def metrics_routes(ctx: ServerContext) -> APIRouter:
-    """The Prometheus route of one app (behind ``ctx.auth``)."""
+def metrics_routes(ctx: ServerContext, public: bool = False) -> APIRouter:
+    """The Prometheus route of one app: behind the admin key (``ctx.admin``) unless ``public``
+    (server-wide counts only: no prompt text, no per-key figure)."""
     engine_loop = ctx.engine_loop
     metrics = ctx.metrics
-    auth = ctx.auth
     router = APIRouter()
 
-    @router.get("/metrics", dependencies=auth)
+    @router.get("/metrics", dependencies=[] if public else ctx.admin)
     async def prometheus_metrics() -> Response:
         try:
             stats = await engine_loop.call(lambda e: e.stats())

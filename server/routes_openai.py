@@ -15,6 +15,7 @@ from .context import ServerContext
 from .intake import (
     apply_chat_template,
     check_prompt_not_empty,
+    check_text_length,
     make_sampling_params,
     new_id,
     now,
@@ -156,6 +157,9 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         arrival = time.monotonic()
         check_model(body.model)
         messages = [m.template_dict() for m in body.messages]
+        check_text_length(
+            engine, sum(len(str(m.get("content") or "")) for m in messages), "messages"
+        )
         tokenizer = getattr(engine, "tokenizer", None)
         prompt_ids = await asyncio.to_thread(apply_chat_template, tokenizer, messages)
         check_prompt_not_empty(prompt_ids, "messages")

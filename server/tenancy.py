@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "ADMIN_KEY_ENV",
+    "REQUEST_CALLER",
     "REQUEST_TENANT_SALT",
     "Caller",
     "KeyRing",
@@ -42,6 +43,9 @@ ADMIN_KEY_ENV = "RADIXKV_ADMIN_KEY"
 
 REQUEST_TENANT_SALT: ContextVar[str | None] = ContextVar("radixkv_tenant_salt", default=None)
 """The tenant salt of the request being served (None: no tenancy)."""
+
+REQUEST_CALLER: ContextVar[Caller | None] = ContextVar("radixkv_caller", default=None)
+"""Who sent the request being served (set by the auth dependency; None before it ran)."""
 
 
 def tenant_salt(api_key: str) -> str:
@@ -122,8 +126,10 @@ class KeyRing:
     * API keys without an admin key: one key and no tenancy is one trust domain, and that key
       is admin; several keys, or ``tenants``, leave the admin routes closed (403 naming
       ``--admin-key``): a key holder must not flush or read the others' cache.
-    * ``tenants`` (``--salt-from-api-key``): each key, the admin key included, gets the cache
-      salt :func:`tenant_salt` of its own.
+    * ``tenants`` (``--salt-from-api-key``): each API key gets the cache salt
+      :func:`tenant_salt` of its own. The admin is no tenant: its requests use the salt they
+      name as it is, so the admin can address a tenant's namespace (``salt`` =
+      ``tenant_salt(key)``), e.g. to pin that tenant's system prompt.
 
     Keys are compared in constant time with every key, so the time does not say which matched.
     """
@@ -136,7 +142,7 @@ class KeyRing:
         self.tenants = tenants
         if tenants and not self.api_keys:
             raise ValueError(
-                "tenants (salt_from_api_key) need API keys: tenants are told apart by their keys"
+                "salt_from_api_key needs api_key: tenants are told apart by their keys"
             )
         if admin_key is not None and admin_key in self.api_keys:
             raise ValueError("the admin key must differ from every API key")
@@ -146,7 +152,7 @@ class KeyRing:
         self._callers = [
             Caller(
                 admin=(k == admin_key) or single_domain,
-                salt=tenant_salt(k) if tenants else None,
+                salt=tenant_salt(k) if tenants and k != admin_key else None,
                 key_id=hashlib.sha256(b"radixkv-key-id\0" + k.encode()).hexdigest()[:12],
             )
             for k in all_keys

@@ -431,22 +431,23 @@ def test_cache_stats_history(server: ServerThread) -> None:
 
 def test_dashboard_and_tree_need_the_key(server: ServerThread) -> None:
     base = server.base_url
-    for path in ("/dashboard", "/cache/tree", "/cache/stats?history=true"):
+    for path in ("/cache/tree", "/cache/stats?history=true", "/cache/stats"):
         r = httpx.get(f"{base}{path}", timeout=10)
         assert r.status_code == 401, (path, r.text)
         assert r.json()["error"]["code"] == "invalid_api_key"
-    wrong = httpx.get(f"{base}/dashboard?key=nope", timeout=10)
-    assert wrong.status_code == 401
-    form = httpx.get(f"{base}/dashboard", headers={"Accept": "text/html"}, timeout=10)
-    assert form.status_code == 401 and 'name="key"' in form.text
-    assert SYSTEM not in form.text
     bearer_wrong = httpx.get(f"{base}/cache/tree", headers={"Authorization": "Bearer x"})
     assert bearer_wrong.status_code == 401
-    page = httpx.get(f"{base}/dashboard?key={KEY}", timeout=10)
+    # the page holds no data: anyone gets it, and it asks for the key (from the URL fragment,
+    # which never reaches the server, or a prompt)
+    page = httpx.get(f"{base}/dashboard", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert "<script>" in page.text
+    assert "<script>" in page.text and "location.hash" in page.text
+    assert SYSTEM not in page.text and KEY not in page.text
     assert_self_contained(page.text)
-    assert get(server, "/dashboard").status_code == 200  # a Bearer header works too
+    # a key in the query string would land in the access log: refused, and not echoed
+    in_query = httpx.get(f"{base}/dashboard?key={KEY}", timeout=10)
+    assert in_query.status_code == 400 and in_query.json()["error"]["code"] == "key_in_query"
+    assert KEY not in in_query.text
     assert "/dashboard" not in httpx.get(f"{base}/openapi.json").text
 
 
@@ -474,21 +475,34 @@ def test_hidden_text_and_salt_labels() -> None:
         assert httpx.get(f"{srv.base_url}/dashboard", timeout=10).status_code == 200
 
 
-def test_dashboard_off_when_keys_are_tenants() -> None:
+def test_dashboard_data_is_the_admins_when_keys_are_tenants() -> None:
+    """Tenants never see the tree (it holds every tenant's prompts); the admin key does, and
+    without an admin key nobody does."""
     from fake_engine import FakeEngine
 
     from radixkv.server.app import create_app
 
-    app = create_app(FakeEngine(), api_key=["k1", "k2"], salt_from_api_key=True, model_name="m")
-    with ServerThread(app) as srv:
-        assert httpx.get(f"{srv.base_url}/dashboard", timeout=10).status_code == 401
-        for path, headers in (
-            ("/dashboard?key=k1", {}),
-            ("/cache/tree", {"Authorization": "Bearer k2"}),
-        ):
-            r = httpx.get(f"{srv.base_url}{path}", headers=headers, timeout=10)
-            assert r.status_code == 403, r.text
-            assert r.json()["error"]["code"] == "dashboard_disabled"
+    for admin_key in (None, "the-admin"):
+        app = create_app(
+            FakeEngine(),
+            api_key=["k1", "k2"],
+            admin_key=admin_key,
+            salt_from_api_key=True,
+            model_name="m",
+        )
+        with ServerThread(app) as srv:
+            for key in ("k1", "k2"):
+                r = httpx.get(
+                    f"{srv.base_url}/cache/tree", headers={"Authorization": f"Bearer {key}"}
+                )
+                assert r.status_code == 403, r.text
+                assert r.json()["error"]["code"] == "admin_key_required"
+            if admin_key is not None:
+                r = httpx.get(
+                    f"{srv.base_url}/cache/stats?history=true",
+                    headers={"Authorization": f"Bearer {admin_key}"},
+                )
+                assert r.status_code == 200 and "history" in r.json(), r.text
 
 
 def test_serve_flag_dashboard_text() -> None:
@@ -644,7 +658,7 @@ def test_dashboard_in_a_real_browser(server: ServerThread, tmp_path: Path) -> No
     while len(get(server, "/cache/stats?history=true").json()["history"]) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    url = f"{server.base_url}/dashboard?key={KEY}"
+    url = f"{server.base_url}/dashboard#key={KEY}"
     dom = render(url, tmp_path, RESULTS / "dashboard.png")
     page = DomNodes.parse(dom)
     shared = server.app.state.shared  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from fake_engine import ServerThread
 from bench.tiny_model import tiny_loaded_model
 from radixkv.engine.sampling import SamplingParams
 from radixkv.server.app import create_app
+from radixkv.server.routes_admin import PinPolicy
 from radixkv.server.tenancy import load_api_keys, tenant_salt
 
 MODEL = "test-model"
@@ -97,7 +98,14 @@ def test_salt_from_api_key_over_http(tmp_path: Path) -> None:
 
     engine.add_request = recording_add  # records the salts the server hands the engine
     keys = ["key-alpha", "key-beta"]
-    app = create_app(engine, api_key=keys, salt_from_api_key=True, model_name=MODEL)
+    app = create_app(
+        engine,
+        api_key=keys,
+        admin_key=ADMIN,
+        salt_from_api_key=True,
+        model_name=MODEL,
+        pins=PinPolicy(share=1.0, namespace_share=1.0),  # a small pool: budgets tested apart
+    )
     with ServerThread(app) as srv:
 
         def complete(key: str | None, **extra: Any) -> httpx.Response:
@@ -139,10 +147,20 @@ def test_salt_from_api_key_over_http(tmp_path: Path) -> None:
             timeout=60,
         )
         assert g.status_code == 200 and g.json()["meta_info"]["cached_tokens"] > 0, g.text
+        # pins are the admin's (a tenant's pin loop would lock the pool): the admin pins into
+        # a tenant's namespace by naming its salt
+        pin = {"text": "a prompt only alpha would pin, long enough for pages"}
         p = httpx.post(
             f"{srv.base_url}/cache/pin",
-            json={"text": "a prompt only gamma would pin, long enough for pages"},
+            json=pin,
             headers={"Authorization": "Bearer key-alpha"},
+            timeout=60,
+        )
+        assert p.status_code == 403 and p.json()["error"]["code"] == "admin_key_required"
+        p = httpx.post(
+            f"{srv.base_url}/cache/pin",
+            json={**pin, "salt": tenant_salt("key-alpha")},
+            headers={"Authorization": f"Bearer {ADMIN}"},
             timeout=60,
         )
         assert p.status_code == 200 and p.json()["pinned_tokens"] > 0, p.text
@@ -155,6 +173,9 @@ def test_salt_from_api_key_over_http(tmp_path: Path) -> None:
     want = {tenant_salt("key-alpha"), tenant_salt("key-beta")}
     assert {s.split("/")[0] for s in seen if s} == want
     engine.tiers.close()
+
+
+ADMIN = "admin-key-0"
 
 
 def test_salt_from_api_key_needs_keys(tmp_path: Path) -> None:

@@ -61,13 +61,13 @@
   // ------------------------------------------------------------------ auth + fetch
   var key = null;
   if (!STATIC) {
-    var params = new URLSearchParams(location.search);
-    if (params.get("key")) {
-      key = params.get("key");
+    // the key comes in the URL fragment (#key=...), which browsers never send to the server
+    var frag = new URLSearchParams(location.hash.replace(/^#/, ""));
+    if (frag.get("key")) {
+      key = frag.get("key");
       try { sessionStorage.setItem("radixkv-key", key); } catch (e) { /* private mode */ }
-      params.delete("key"); // keep the key out of the address bar and the history
-      var rest = params.toString();
-      history.replaceState(null, "", location.pathname + (rest ? "?" + rest : ""));
+      // keep the key out of the address bar and the history
+      history.replaceState(null, "", location.pathname + location.search);
     } else {
       try { key = sessionStorage.getItem("radixkv-key"); } catch (e) { key = null; }
     }
@@ -76,10 +76,10 @@
   function api(path) {
     var headers = key ? { Authorization: "Bearer " + key } : {};
     return fetch(path, { headers: headers, cache: "no-store" }).then(function (r) {
-      if (r.status === 401) {
+      if (r.status === 401 || r.status === 403) {
         if (!state.asked) {
           state.asked = true;
-          var k = window.prompt("API key of this radixkv server");
+          var k = window.prompt("Admin key of this radixkv server");
           if (k) {
             key = k;
             state.asked = false;

@@ -1,0 +1,322 @@
+"""The attacks of the security review (issue 29), each written as the attack: it must fail, and
+ordinary traffic must still succeed.
+
+Here: a tenant's and the admin's pin loops, a 50 MB body without a key (with and without
+``Content-Length``), a DNS-rebinding ``Host``, a text too long for the context, one key filling
+the waiting queue, tenants reading global stats. The router's attacks are in
+``tests/test_router.py``; the Redis and disk tiers' in ``tests/test_remote_tier.py`` and
+``tests/test_disk_store.py``; keys and passwords in logs in ``tests/test_redaction.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from typing import Any
+
+import httpx
+import pytest
+from fake_engine import FakeEngine, ServerThread
+
+from bench.tiny_model import tiny_loaded_model
+from radixkv.server.app import create_app
+from radixkv.server.routes_admin import DEFAULT_MAX_PIN_TTL
+from radixkv.server.tenancy import tenant_salt
+
+MODEL = "tiny"
+ADMIN = "admin-secret-0"
+TENANTS = ["tenant-key-1", "tenant-key-2"]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def tiny_engine(**knobs: Any) -> Any:
+    from radixkv.engine.engine import Engine
+
+    base: dict[str, Any] = dict(
+        page_size=4, kv_cache_tokens=128, attention_backend="torch", dtype="float32"
+    )
+    return Engine(tiny_loaded_model(), **{**base, **knobs})
+
+
+def complete(base: str, key: str | None, prompt: str, **extra: Any) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}
+    return httpx.post(
+        f"{base}/v1/completions", json=body, headers=bearer(key) if key else {}, timeout=60
+    )
+
+
+# ------------------------------------------------------------------------------------ pins
+
+
+def test_pin_loops_cannot_lock_the_pool() -> None:
+    engine = tiny_engine()
+    app = create_app(
+        engine, api_key=TENANTS, admin_key=ADMIN, salt_from_api_key=True, model_name=MODEL
+    )
+    pool = 128
+    with ServerThread(app) as srv:
+        base = srv.base_url
+        loop = app.state.engine_loop
+        prompts = [f"{i:02d} pinned me!" for i in range(12)]  # 12 tokens: three pages each
+        # a tenant's pin loop: every pin refused, nothing pinned
+        for p in prompts[:4]:
+            r = httpx.post(f"{base}/cache/pin", json={"text": p}, headers=bearer(TENANTS[0]))
+            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+            r = httpx.post(f"{base}/cache/unpin", json={"text": p}, headers=bearer(TENANTS[0]))
+            assert r.status_code == 403
+        assert loop.call_sync(lambda e: e.tree.num_pins) == 0
+        # the admin's pin loop into one tenant's namespace: refused past its budget (a quarter
+        # of the pool), each refusal changing nothing
+        ns = tenant_salt(TENANTS[0])
+        codes = []
+        for p in prompts:
+            r = httpx.post(
+                f"{base}/cache/pin", json={"text": p, "salt": ns}, headers=bearer(ADMIN), timeout=60
+            )
+            codes.append(r.status_code)
+            if r.status_code == 409:
+                assert r.json()["error"]["code"] == "pin_budget_exceeded"
+                assert "budget of 32 tokens" in r.json()["error"]["message"]
+            else:
+                assert r.status_code == 200, r.text
+                assert r.json()["ttl"] == DEFAULT_MAX_PIN_TTL  # no ttl asked: the maximum
+        assert 200 in codes and 409 in codes, codes
+        held = loop.call_sync(lambda e: e.tree.pinned_tokens(ns))
+        assert 0 < held <= pool // 4
+        # ... and over several namespaces: all pins together stay within half the pool
+        for i, p in enumerate(prompts):
+            httpx.post(
+                f"{base}/cache/pin",
+                json={"text": p, "salt": f"ns-{i}"},
+                headers=bearer(ADMIN),
+                timeout=60,
+            )
+        assert loop.call_sync(lambda e: e.tree.pinned_tokens(whole_tree=True)) <= pool // 2
+        # ordinary traffic still runs: the other half of the pool is free for it
+        for i in range(3):
+            r = complete(
+                base, TENANTS[1], f"an ordinary request {i} after the pin loop", max_tokens=8
+            )
+            assert r.status_code == 200, r.text
+        # a ttl over the maximum is refused; unpin and a flush that drops pins free the rest
+        r = httpx.post(
+            f"{base}/cache/pin",
+            json={"text": prompts[0], "ttl": DEFAULT_MAX_PIN_TTL * 10},
+            headers=bearer(ADMIN),
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "ttl"
+        r = httpx.post(
+            f"{base}/cache/unpin", json={"text": prompts[0], "salt": ns}, headers=bearer(ADMIN)
+        )
+        assert r.status_code == 200 and r.json()["unpinned"] >= 1
+        assert httpx.post(f"{base}/flush_cache", headers=bearer(ADMIN)).status_code == 200
+        assert loop.call_sync(lambda e: e.tree.num_pins) > 0  # a plain flush keeps pins
+        r = httpx.post(f"{base}/flush_cache", json={"drop_pins": True}, headers=bearer(ADMIN))
+        assert r.status_code == 200, r.text
+        assert loop.call_sync(lambda e: (e.tree.num_pins, e.tree.total_size)) == (0, 0)
+        assert httpx.post(f"{base}/flush_cache", headers=bearer(TENANTS[0])).status_code == 403
+        loop.call_sync(lambda e: e.check_integrity())
+
+
+# ------------------------------------------------------------------------------------ bodies
+
+
+def raw_request(host: str, port: int, head: str, body_chunks: Any) -> tuple[int, bytes]:
+    """Send ``head`` then ``body_chunks`` on a raw socket until the server answers; return the
+    status and what it said (the server may answer, and close, before the body is sent)."""
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        try:
+            for chunk in body_chunks:
+                sock.sendall(chunk)
+        except OSError:
+            pass  # the server answered and closed: the rest of the body was never read
+        data = b""
+        sock.settimeout(30)
+        try:
+            while b"\r\n\r\n" not in data or len(data) < 40:
+                got = sock.recv(65536)
+                if not got:
+                    break
+                data += got
+        except OSError:
+            pass
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else -1
+    return status, data
+
+
+def test_a_50_mb_body_without_a_key_is_refused_before_it_is_read() -> None:
+    engine = FakeEngine()
+    app = create_app(engine, api_key=TENANTS, model_name=MODEL)
+    size = 50 << 20
+    with ServerThread(app) as srv:
+        host, port = srv.host, srv.port
+        before = app.state.metrics.rejected.labels(reason="invalid")._value.get()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {size}\r\n\r\n"
+        )
+        sent = 0
+
+        def chunks() -> Any:
+            nonlocal sent
+            block = b" " * (1 << 20)
+            for _ in range(50):
+                sent += len(block)
+                yield block
+
+        status, data = raw_request(host, port, head, chunks())
+        assert status == 413, data[:300]
+        assert b"body_too_large" in data
+        # chunked, no Content-Length: read only up to the limit, then refused
+        head = (
+            f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n"
+        )
+        block = b" " * (1 << 20)
+        chunk = f"{len(block):x}\r\n".encode() + block + b"\r\n"
+        status, data = raw_request(host, port, head, (chunk for _ in range(50)))
+        assert status == 413, data[:300]
+        # no parse, no auth, no validation error counted; ordinary traffic still succeeds
+        after = app.state.metrics.rejected.labels(reason="invalid")._value.get()
+        assert after == before
+        assert complete(srv.base_url, TENANTS[0], "hello there").status_code == 200
+
+
+# ------------------------------------------------------------------------------------ Host
+
+
+def test_dns_rebinding_host_is_refused_without_a_key() -> None:
+    app = create_app(FakeEngine(), model_name=MODEL)
+    with ServerThread(app) as srv:
+        base = srv.base_url
+        for path, method in (("/cache/tree", "GET"), ("/flush_cache", "POST")):
+            r = httpx.request(method, f"{base}{path}", headers={"Host": "rebind.attacker.example"})
+            assert r.status_code == 421, r.text
+            assert r.json()["error"]["code"] == "host_not_allowed"
+        r = httpx.get(f"{base}/cache/stats", headers={"Host": "evil.example:8000"})
+        assert r.status_code == 421
+        for host in (f"localhost:{srv.port}", f"127.0.0.1:{srv.port}", "[::1]:80"):
+            r = httpx.get(f"{base}/cache/stats", headers={"Host": host})
+            assert r.status_code == 200, (host, r.text)
+        assert complete(base, None, "ordinary traffic").status_code == 200
+    # a flag widens it; a server with keys serves any name (the key is the guard)
+    app = create_app(FakeEngine(), model_name=MODEL, allowed_hosts=["radixkv.internal"])
+    with ServerThread(app) as srv:
+        r = httpx.get(f"{srv.base_url}/health", headers={"Host": "radixkv.internal:8000"})
+        assert r.status_code == 200
+    app = create_app(FakeEngine(), model_name=MODEL, api_key="k")
+    with ServerThread(app) as srv:
+        r = httpx.get(f"{srv.base_url}/cache/stats", headers={"Host": "any.example", **bearer("k")})
+        assert r.status_code == 200
+
+
+# ------------------------------------------------------------------------------------ text
+
+
+def test_text_too_long_for_the_context_is_refused_before_tokenizing() -> None:
+    engine = FakeEngine(max_model_len=64)
+    calls: list[int] = []
+    encode = engine.tokenizer.encode
+
+    def counting_encode(text: str, *a: Any, **kw: Any) -> Any:
+        calls.append(len(text))
+        return encode(text, *a, **kw)
+
+    engine.tokenizer.encode = counting_encode  # type: ignore[method-assign]
+    app = create_app(engine, model_name=MODEL)
+    huge = "word " * (64 * 40 // 5 + 10)  # over 32 characters a token of context
+    with ServerThread(app) as srv:
+        base = srv.base_url
+        for path, body in (
+            ("/v1/completions", {"model": MODEL, "prompt": huge}),
+            ("/generate", {"text": huge}),
+            (
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": huge}]},
+            ),
+        ):
+            r = httpx.post(f"{base}{path}", json=body, timeout=30)
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert not any(n >= len(huge) for n in calls), "the long text reached the tokenizer"
+        assert complete(base, None, "short and fine").status_code == 200
+
+
+# ------------------------------------------------------------------------------------ queue
+
+
+def test_one_key_cannot_fill_the_waiting_queue() -> None:
+    engine = FakeEngine()
+    engine.paused = True
+    app = create_app(engine, api_key=TENANTS, model_name=MODEL, max_waiting_per_key=2)
+    with ServerThread(app) as srv:
+        url = f"{srv.base_url}/v1/completions"
+        body = {"model": MODEL, "prompt": "queued", "max_tokens": 2}
+
+        async def scenario() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as http:
+                mine = [
+                    asyncio.create_task(http.post(url, json=body, headers=bearer(TENANTS[0])))
+                    for _ in range(2)
+                ]
+                deadline = time.monotonic() + 10
+                while app.state.engine_loop.num_pending < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                third = await http.post(url, json=body, headers=bearer(TENANTS[0]))
+                other = asyncio.create_task(http.post(url, json=body, headers=bearer(TENANTS[1])))
+                await asyncio.sleep(0.2)
+                engine.paused = False
+                return list(await asyncio.gather(*mine)), third, await other
+
+        mine, third, other = asyncio.run(scenario())
+        assert third.status_code == 429, third.text
+        assert third.json()["error"]["code"] == "key_limit"
+        assert [r.status_code for r in mine] == [200, 200] and other.status_code == 200
+        # the limit frees as requests start: the same key is served again
+        assert complete(srv.base_url, TENANTS[0], "again").status_code == 200
+
+
+# ------------------------------------------------------------------------------------ stats
+
+
+def test_tenants_see_their_own_usage_only() -> None:
+    app = create_app(
+        FakeEngine(), api_key=TENANTS, admin_key=ADMIN, salt_from_api_key=True, model_name=MODEL
+    )
+    with ServerThread(app) as srv:
+        base = srv.base_url
+        for _ in range(2):
+            assert complete(base, TENANTS[0], "the first tenant's prompt").status_code == 200
+        assert complete(base, TENANTS[1], "the second's").status_code == 200
+        mine = httpx.get(f"{base}/cache/stats", headers=bearer(TENANTS[0])).json()
+        assert mine["scope"] == "key" and mine["usage"]["requests"] == 2, mine
+        assert mine["usage"]["completion_tokens"] == 4 and mine["usage"]["prompt_tokens"] > 0
+        assert "requests_total" not in json.dumps(mine)  # nothing server-wide
+        theirs = httpx.get(f"{base}/cache/stats", headers=bearer(TENANTS[1])).json()
+        assert theirs["usage"]["requests"] == 1
+        for path in ("/metrics", "/cache/integrity", "/cache/tree", "/cache/stats?history=true"):
+            r = httpx.get(f"{base}{path}", headers=bearer(TENANTS[0]))
+            assert r.status_code == 403, (path, r.text)
+        admin = httpx.get(f"{base}/cache/stats", headers=bearer(ADMIN)).json()
+        assert admin["pages_total"] == 2048  # the server-wide view
+        assert httpx.get(f"{base}/metrics", headers=bearer(ADMIN)).status_code == 200
+    # metrics made public on purpose
+    app = create_app(FakeEngine(), api_key=TENANTS, model_name=MODEL, public_metrics=True)
+    with ServerThread(app) as srv:
+        assert httpx.get(f"{srv.base_url}/metrics").status_code == 200
+        assert httpx.get(f"{srv.base_url}/cache/stats").status_code == 401
+
+
+@pytest.mark.parametrize("keys", [["only-key"], ["k1", "k2"]])
+def test_without_an_admin_key(keys: list[str]) -> None:
+    """One key and no tenants is one trust domain (that key is admin); several keys are not."""
+    app = create_app(FakeEngine(), api_key=keys, model_name=MODEL)
+    with ServerThread(app) as srv:
+        r = httpx.post(f"{srv.base_url}/flush_cache", headers=bearer(keys[0]))
+        assert r.status_code == (200 if len(keys) == 1 else 403), r.text
