@@ -4,9 +4,28 @@ request where its prefix is cached.
 ``create_router_app(replicas, policy="cache_aware", ...)`` returns a FastAPI app speaking the
 replicas' API: ``POST /v1/completions``, ``/v1/chat/completions`` and ``/generate`` are proxied
 to the replica the policy picks (:mod:`radixkv.server.router_policy`), the body and the
-``Authorization`` header passed through unchanged (the replicas check API keys), a streamed
+``Authorization`` header passed through unchanged (the replicas check API keys too), a streamed
 answer relayed chunk by chunk as it arrives (``httpx`` async streaming, nothing buffered).
-Each answer carries ``x-radixkv-replica: URL``.
+Each 2xx answer carries ``x-radixkv-replica: URL``.
+
+Threat model: the router's prefix trees hold its clients' prompts, and how far a prompt matched
+is exactly what a guesser needs to read another tenant's system prompt a character at a time.
+The router protects them with the replicas' keys (``api_keys``, ``admin_key``,
+``salt_from_api_key``; :class:`~radixkv.server.tenancy.KeyRing`):
+
+* every route but ``/health`` checks ``Authorization: Bearer KEY`` at the router, before any
+  routing or tree work (401 ``invalid_api_key``); a keyless caller learns nothing;
+* the trees are namespaced by tenant (with ``salt_from_api_key``, the key's tenant salt) and
+  client salt: a tenant's prompt never matches another tenant's;
+* a prompt enters the tree (and the match counters) only once its replica answered 2xx: a
+  refused or failed request leaves no trace;
+* ``/router/stats``, ``/metrics`` and ``/flush_cache`` need the admin key (403 for other keys);
+  ``public_metrics`` opens ``/metrics`` without a key, without the prefix-match and key-length
+  counters (those stay admin-only); ``/health`` tells only health, load and errors.
+
+Without any key the router is open, as the replicas are: one trust domain (loopback). The
+router cannot hide from its tenants *which* replica holds their own prefixes, nor tree sizes
+and load (a tenant's volume, never its text).
 
 Failures: a replica that cannot be reached, drops the connection or answers 503 (overloaded)
 before the first byte of its answer is retried on another healthy replica (each at most once),
@@ -16,11 +35,12 @@ traffic (its prefix tree is cleared: its cache is gone when it restarts) until i
 again. A stream that breaks after its first chunk ends there (tokens already sent cannot be
 taken back).
 
-The router's own endpoints: ``GET /health`` (200 while a replica is healthy, 503 otherwise, with
-each replica's state), ``GET /v1/models`` (from a healthy replica), ``GET /metrics``
-(Prometheus: per-replica requests, prefix-match and key characters, errors, in-flight and
-health), ``GET /router/stats`` (the same as JSON) and ``POST /flush_cache`` (forwarded to every
-healthy replica; the trees are cleared).
+The router's own endpoints: ``GET /health`` (open: 200 while a replica is healthy, 503
+otherwise, with each replica's health, in-flight and errors), ``GET /v1/models`` (any key; from a
+healthy replica), ``GET /metrics`` (admin; Prometheus: per-replica requests, prefix-match and key
+characters, errors, in-flight and health), ``GET /router/stats`` (admin; the same as JSON, with
+tree sizes) and ``POST /flush_cache`` (admin; forwarded to every healthy replica with the
+caller's ``Authorization``; the trees of those that answered 200 are cleared).
 """
 
 from __future__ import annotations
@@ -48,9 +68,11 @@ from radixkv.server.router_policy import (
     POLICIES,
     ReplicaPrefixIndex,
     ReplicaState,
+    RouteKey,
     make_policy,
     route_key,
 )
+from radixkv.server.tenancy import Caller, KeyRing
 
 __all__ = ["POLICIES", "RouterMetrics", "create_router_app"]
 
@@ -64,25 +86,28 @@ _PROXIED = ("/v1/completions", "/v1/chat/completions", "/generate")
 
 
 class RouterMetrics:
-    """The router's Prometheus metrics, labelled by replica URL."""
+    """The router's Prometheus metrics, labelled by replica URL: ``registry`` (load and health,
+    what ``public_metrics`` shows) and ``detail`` (prefix-match and key-length counters: what
+    the prompts were like, admin only)."""
 
     def __init__(self, replicas: Sequence[str]) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self.detail = d = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "radixkv_router_requests", "Requests sent to a replica.", ["replica"], registry=r
         )
         self.match_chars = Counter(
             "radixkv_router_prefix_match_chars",
             "Routing-key units (characters, or token ids for id prompts) the router's tree "
-            "already held for the replica a request went to.",
+            "already held for the replica a request went to (2xx answers only).",
             ["replica"],
-            registry=r,
+            registry=d,
         )
         self.key_chars = Counter(
             "radixkv_router_request_chars",
-            "Routing-key units of the requests sent to a replica.",
+            "Routing-key units of the requests a replica answered 2xx.",
             ["replica"],
-            registry=r,
+            registry=d,
         )
         self.errors = Counter(
             "radixkv_router_replica_errors",
@@ -108,8 +133,9 @@ class RouterMetrics:
             self.in_flight.labels(replica=url)
             self.healthy.labels(replica=url).set(1)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, detail: bool = True) -> bytes:
+        out = generate_latest(self.registry)
+        return out + generate_latest(self.detail) if detail else out
 
 
 def _norm(url: str) -> str:
@@ -126,12 +152,19 @@ def create_router_app(
     health_interval: float = 2.0,
     tree_capacity: int = 1 << 20,
     request_timeout: float = 600.0,
+    api_keys: Sequence[str] | None = None,
+    admin_key: str | None = None,
+    salt_from_api_key: bool = False,
+    public_metrics: bool = False,
     **policy_knobs: Any,
 ) -> FastAPI:
     """The router app over ``replicas`` (base URLs like ``http://127.0.0.1:8001``); see the
-    module docstring. ``policy_knobs`` go to the policy (``cache_threshold``,
-    ``balance_abs_threshold``, ``balance_rel_threshold``). Raises ``ValueError`` on a bad
-    policy, knob or an empty replica list."""
+    module docstring. ``api_keys``, ``admin_key`` and ``salt_from_api_key``: the keys the
+    replicas take (a :class:`~radixkv.server.tenancy.KeyRing`; none: the router is open).
+    ``public_metrics``: ``/metrics`` without a key (load and health only). ``policy_knobs`` go
+    to the policy (``cache_threshold``, ``balance_abs_threshold``, ``balance_rel_threshold``).
+    Raises ``ValueError`` on a bad policy, knob, key set or an empty replica list."""
+    ring = KeyRing(list(api_keys or []), admin_key, tenants=salt_from_api_key)
     if not replicas:
         raise ValueError("the router needs at least one --replica URL")
     urls = [_norm(u) for u in replicas]
@@ -186,6 +219,7 @@ def create_router_app(
     app.state.replicas = states
     app.state.policy = pol
     app.state.metrics = metrics
+    app.state.keys = ring
 
     def fail(i: int, why: str, dead: bool) -> None:
         states[i].errors += 1
@@ -194,11 +228,26 @@ def create_router_app(
             mark(i, False, why)
 
     def headers_of(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        # the first value of each, as checked: a second Authorization header is not forwarded
+        return {k: v for k in _FORWARD_HEADERS if (v := request.headers.get(k)) is not None}
 
-    def answer_headers(resp: httpx.Response, url: str) -> dict[str, str]:
+    def authorize(request: Request, admin: bool = False) -> Caller | JSONResponse:
+        """The caller, when it may go on; else the 401 (no or a wrong key) or the 403 (a key
+        that does not open the admin routes). The key itself is never logged or echoed."""
+        caller = ring.identify(request.headers.get("authorization"))
+        if caller is None:
+            msg = "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'"
+            return JSONResponse(error_body(msg, code="invalid_api_key"), status_code=401)
+        if admin and not caller.admin:
+            msg = "this route needs the admin key (radixkv router --admin-key)"
+            body = error_body(msg, type="permission_error", code="admin_key_required")
+            return JSONResponse(body, status_code=403)
+        return caller
+
+    def answer_headers(resp: httpx.Response, url: str | None) -> dict[str, str]:
         out = {k: v for k, v in resp.headers.items() if k.lower() in _RETURN_HEADERS}
-        out["x-radixkv-replica"] = url
+        if url is not None:  # 2xx only: where a refused request would have gone is not told
+            out["x-radixkv-replica"] = url
         return out
 
     def no_replica(tried: int) -> JSONResponse:
@@ -209,7 +258,19 @@ def create_router_app(
         )
         return JSONResponse(error_body(msg, type="server_error"), status_code=503)
 
+    def answered(i: int, key: RouteKey, matched: int) -> None:
+        """The replica answered 2xx: only now does the key enter its tree and the counters."""
+        st = states[i]
+        st.index.insert(key)
+        st.matched_units += matched
+        st.key_units += len(key)
+        metrics.match_chars.labels(replica=st.url).inc(matched)
+        metrics.key_chars.labels(replica=st.url).inc(len(key))
+
     async def proxy(request: Request) -> Response:
+        caller = authorize(request)
+        if isinstance(caller, Response):  # before the body is read: no routing, no tree work
+            return caller
         path = request.url.path
         raw = await request.body()
         try:
@@ -217,7 +278,7 @@ def create_router_app(
         except ValueError:
             body = None
         stream = isinstance(body, dict) and bool(body.get("stream"))
-        key = route_key(path, body)
+        key = route_key(path, body, tenant=caller.salt)
         headers = headers_of(request)
         tried: list[int] = []
         while True:
@@ -228,13 +289,8 @@ def create_router_app(
                 metrics.retries.inc()
             tried.append(i)
             st = states[i]
-            st.index.insert(key)
             st.requests += 1
-            st.matched_units += matched
-            st.key_units += len(key)
             metrics.requests.labels(replica=st.url).inc()
-            metrics.match_chars.labels(replica=st.url).inc(matched)
-            metrics.key_chars.labels(replica=st.url).inc(len(key))
             st.in_flight += 1
             metrics.in_flight.labels(replica=st.url).inc()
             done = True
@@ -258,7 +314,8 @@ def create_router_app(
                     await resp.aclose()
                     fail(i, f"{type(exc).__name__}: {exc}", dead=True)
                     continue
-                out_headers = answer_headers(resp, st.url)
+                ok = 200 <= resp.status_code < 300
+                out_headers = answer_headers(resp, st.url if ok else None)
                 if not stream or not first:
                     rest = [first]
                     try:
@@ -269,7 +326,11 @@ def create_router_app(
                         fail(i, f"{type(exc).__name__}: {exc}", dead=True)
                         continue
                     await resp.aclose()
+                    if ok:
+                        answered(i, key, matched)
                     return Response(b"".join(rest), resp.status_code, headers=out_headers)
+                if ok:  # a 2xx stream: the replica took the prompt
+                    answered(i, key, matched)
                 done = False  # the stream's generator releases the replica
 
                 async def relay(
@@ -299,6 +360,8 @@ def create_router_app(
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        if isinstance(refused := authorize(request), Response):
+            return refused
         tried: list[int] = []
         for i, st in enumerate(states):
             if not st.healthy:
@@ -309,7 +372,8 @@ def create_router_app(
             except httpx.TransportError as exc:
                 fail(i, type(exc).__name__, dead=True)
                 continue
-            return Response(r.content, r.status_code, headers=answer_headers(r, st.url))
+            url = st.url if 200 <= r.status_code < 300 else None
+            return Response(r.content, r.status_code, headers=answer_headers(r, url))
         return no_replica(len(tried))
 
     def replica_report() -> list[dict[str, Any]]:
@@ -330,19 +394,31 @@ def create_router_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = any(st.healthy for st in states)
-        body = {"status": "ok" if ok else "no healthy replica", "replicas": replica_report()}
+        reps = [
+            {"url": st.url, "healthy": st.healthy, "in_flight": st.in_flight, "errors": st.errors}
+            for st in states
+        ]  # open: nothing of the prompts (no match, key or tree sizes)
+        body = {"status": "ok" if ok else "no healthy replica", "replicas": reps}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/router/stats")
-    async def stats() -> dict[str, Any]:
-        return {"policy": pol.name, "replicas": replica_report()}
+    async def stats(request: Request) -> Response:
+        if isinstance(refused := authorize(request, admin=True), Response):
+            return refused
+        return JSONResponse({"policy": pol.name, "replicas": replica_report()})
 
     @app.get("/metrics")
-    async def prom() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def prom(request: Request) -> Response:
+        admin = authorize(request, admin=True)
+        if isinstance(admin, Response) and not public_metrics:
+            return admin
+        detail = not isinstance(admin, Response)  # public: load and health only
+        return Response(metrics.render(detail=detail), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/flush_cache")
-    async def flush(request: Request) -> JSONResponse:
+    async def flush(request: Request) -> Response:
+        if isinstance(refused := authorize(request, admin=True), Response):
+            return refused
         results = {}
         status = 200
         for i, st in enumerate(states):

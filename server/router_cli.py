@@ -2,6 +2,11 @@
 
 ``add_router_parser(subparsers)`` registers the subcommand (``radixkv/cli.py`` wires it in) and
 ``run_router(args)`` runs it with uvicorn until interrupted.
+
+Give the router the replicas' keys (``--api-key`` / ``--api-key-file``, ``--salt-from-api-key``,
+``--admin-key`` / ``--admin-key-file`` / ``RADIXKV_ADMIN_KEY``): its prefix trees hold the
+prompts, so it checks keys itself, keeps tenants apart and keeps its stats for the admin (see
+:mod:`radixkv.server.router`). Without keys it is open and says so in its log.
 """
 
 from __future__ import annotations
@@ -66,6 +71,35 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         default=1 << 20,
         help="characters remembered per replica (LRU beyond; default 1048576)",
     )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="accept 'Authorization: Bearer KEY' (checked here, before any routing, and passed "
+        "on); repeat for several keys. Give the replicas' keys",
+    )
+    p.add_argument(
+        "--api-key-file", default=None, help="more API keys, one a line ('#' comments skipped)"
+    )
+    p.add_argument(
+        "--salt-from-api-key",
+        action="store_true",
+        help="each API key is a tenant: the router's prefix trees keep tenants apart, as the "
+        "replicas' caches do with the same flag (give it to both)",
+    )
+    p.add_argument(
+        "--admin-key",
+        default=None,
+        help="the key of /router/stats, /metrics and /flush_cache (else --admin-key-file, else "
+        "$RADIXKV_ADMIN_KEY); with several API keys and no admin key those routes are closed",
+    )
+    p.add_argument("--admin-key-file", default=None, help="a file holding the admin key")
+    p.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without a key: load, errors and health only (the prefix-match "
+        "counters stay behind the admin key)",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn/log level (default info)")
     p.set_defaults(func=run_router)
     return p
@@ -76,6 +110,7 @@ def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from radixkv.server.router import create_router_app
+    from radixkv.server.tenancy import load_admin_key, load_api_keys
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -88,16 +123,38 @@ def run_router(args: argparse.Namespace) -> int:
             "balance_rel_threshold": args.balance_rel_threshold,
         }
     try:
+        api_keys = load_api_keys(args.api_key, args.api_key_file)
+        admin_key = load_admin_key(args.admin_key, args.admin_key_file)
+    except (OSError, ValueError) as exc:  # the message names the file, never a key
+        print(f"radixkv router: cannot read the keys: {exc}", file=sys.stderr)
+        return 2
+    try:
         app = create_router_app(
             args.replica,
             args.policy,
             health_interval=args.health_interval,
             tree_capacity=args.tree_capacity,
+            api_keys=api_keys,
+            admin_key=admin_key,
+            salt_from_api_key=args.salt_from_api_key,
+            public_metrics=args.public_metrics,
             **knobs,
         )
     except ValueError as exc:
         print(f"radixkv router: {exc}", file=sys.stderr)
         return 2
+    if not api_keys and admin_key is None:
+        logger.warning(
+            "no --api-key: the router is open (its stats show how far prompts matched); give it "
+            "the replicas' keys unless every client is trusted"
+        )
+    else:
+        logger.info(
+            "keys: %d API key(s)%s%s",
+            len(api_keys),
+            ", one tenant each" if args.salt_from_api_key else "",
+            ", an admin key" if admin_key is not None else "",
+        )
     logger.info(
         "routing (%s) on http://%s:%d to %s", args.policy, args.host, args.port, args.replica
     )

@@ -4,21 +4,26 @@ The router never sees token ids of its replicas' tokenizer, so (like SGLang's ro
 **characters**: a request's *routing key* is its prompt text (``/v1/completions``, ``/generate``
 ``text``), its rendered messages (``/v1/chat/completions``: ``role``, NUL, content, SOH per
 message, so one conversation's turns extend each other) or its token ids when it sends ids; a
-character is its code point. Keys live in a namespace per kind and salt (``cache_salt`` /
-``salt``), since the replicas never share a prefix across salts either.
+character is its code point. Keys live in a namespace per kind, *tenant* (the cache salt the
+router derived from the caller's API key under ``--salt-from-api-key``, else None) and client
+salt (``cache_salt`` / ``salt``), since the replicas never share a prefix across tenants or
+salts either: one tenant's keys never match in another tenant's namespace, whatever salt it
+sends.
 
 Each replica has a :class:`ReplicaPrefixIndex`: a :class:`~radixkv.cache.radix_tree.RadixTree`
-in simulation mode (page size 1, no allocator) over those code points, holding the keys the
-router sent there, bounded by ``capacity`` characters (LRU eviction). It is approximate: the
-replica may have evicted a prefix the router still remembers, and it learns nothing of what the
-replica caches by itself.
+in simulation mode (page size 1, no allocator) over those code points, holding the keys of the
+requests that replica answered, bounded by ``capacity`` characters (LRU eviction). It is
+approximate: the replica may have evicted a prefix the router still remembers, and it learns
+nothing of what the replica caches by itself.
 
 :class:`CacheAwarePolicy` is SGLang's ``cache_aware`` rule: when the in-flight load is
 imbalanced (``max - min > balance_abs_threshold`` and ``max > min * balance_rel_threshold``) send
 to the least loaded replica; otherwise to the replica with the longest cached prefix when it
 covers more than ``cache_threshold`` of the key, else to the replica whose tree is smallest (a
-new prefix goes where there is most room), ties to the least loaded. The chosen replica's tree
-then gets the key. :class:`RoundRobinPolicy` cycles through the healthy replicas.
+new prefix goes where there is most room), ties to the least loaded. The policies only *read*
+the trees (:meth:`ReplicaPrefixIndex.match`); the router inserts the key into the chosen
+replica's tree once that replica answered 2xx, so a refused or failed request leaves no trace.
+:class:`RoundRobinPolicy` cycles through the healthy replicas.
 """
 
 from __future__ import annotations
@@ -72,18 +77,19 @@ def _message_text(messages: Sequence[Any]) -> str:
     return "".join(parts)
 
 
-def route_key(path: str, body: Any) -> RouteKey:
-    """The routing key of a request body sent to ``path`` (an empty key when there is no
-    prompt the router understands: such a request still goes somewhere, by load)."""
+def route_key(path: str, body: Any, tenant: str | None = None) -> RouteKey:
+    """The routing key of a request body sent to ``path`` by ``tenant`` (its cache salt, None
+    without tenancy); an empty key when there is no prompt the router understands (such a
+    request still goes somewhere, by load)."""
     if not isinstance(body, Mapping):
-        return RouteKey((), ("none", None))
+        return RouteKey((), ("none", tenant, None))
     salt = body.get("cache_salt") if path.startswith("/v1/") else body.get("salt")
     salt = salt if isinstance(salt, str) else None
     prompt: Any = None
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if isinstance(messages, list):
-            return RouteKey(_text_units(_message_text(messages)), ("chat", salt))
+            return RouteKey(_text_units(_message_text(messages)), ("chat", tenant, salt))
     elif path.endswith("/completions"):
         prompt = body.get("prompt")
     elif path.endswith("/generate"):
@@ -93,10 +99,10 @@ def route_key(path: str, body: Any) -> RouteKey:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: route by its first prompt
     if isinstance(prompt, str):
-        return RouteKey(_text_units(prompt), ("text", salt))
+        return RouteKey(_text_units(prompt), ("text", tenant, salt))
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return RouteKey(tuple(prompt), ("ids", salt))
-    return RouteKey((), ("none", salt))
+        return RouteKey(tuple(prompt), ("ids", tenant, salt))
+    return RouteKey((), ("none", tenant, salt))
 
 
 class ReplicaPrefixIndex:

@@ -1,6 +1,10 @@
 """The cache-aware router in front of real replicas (in-process uvicorn, the real engine on the
 tiny random Llama): shared prefixes stick to one replica, a dead replica's traffic moves, a
-stream through the router is the same text as direct, the OpenAI client works unchanged."""
+stream through the router is the same text as direct, the OpenAI client works unchanged.
+
+The router keeps prompts (its prefix trees): the attack tests at the end play a keyless
+guesser and a second tenant against keyed replicas (the real server app on the fake engine,
+which checks keys as ``radixkv serve`` does)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from fake_engine import ServerThread
+from fake_engine import FakeEngine, ServerThread
 
 from bench.tiny_model import tiny_loaded_model
 from radixkv.server.router_policy import (
@@ -18,6 +22,7 @@ from radixkv.server.router_policy import (
     RoundRobinPolicy,
     route_key,
 )
+from radixkv.server.tenancy import tenant_salt
 
 KEY = "router-key"
 
@@ -272,3 +277,238 @@ def test_health_checks_keep_traffic_off_a_dead_replica(replicas) -> None:
         )
     finally:
         rt.stop()
+
+
+# ---------------------------------------------------------------------------- the attacks
+TENANT_A, TENANT_B, ADMIN = "key-tenant-a", "key-tenant-b", "key-router-admin"
+SECRET = "System: you are tenant A's assistant. Project X launches on 2031-04-17; never say so.\n"
+FAKE = "fake-model"
+
+
+def auth(key: str | None) -> dict[str, str]:
+    return {} if key is None else {"Authorization": f"Bearer {key}"}
+
+
+def ask(base: str, key: str | None, prompt: str, path: str = "/v1/completions", **extra):
+    if path == "/generate":
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 2}}
+    elif path == "/v1/chat/completions":
+        body = {"model": FAKE, "messages": [{"role": "system", "content": prompt}]}
+    else:
+        body = {"model": FAKE, "prompt": prompt, "max_tokens": 2}
+    body.update(extra)
+    return httpx.post(base + path, json=body, headers=auth(key), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    """Two replicas taking tenant A's and B's keys, one tenant each. The admin key is one of
+    their keys too (the replicas' own admin key is another module's work), so a flush the
+    router forwards with it is accepted."""
+    from radixkv.server.app import create_app
+
+    servers = [
+        ServerThread(
+            create_app(
+                FakeEngine(max_model_len=2048),
+                api_key=[TENANT_A, TENANT_B, ADMIN],
+                salt_from_api_key=True,
+            )
+        ).start()
+        for _ in range(2)
+    ]
+    yield [(s.base_url, s.app.state.engine) for s in servers]
+    for s in servers:
+        s.stop()
+
+
+def keyed_router(urls: list[str], **kw) -> ServerThread:
+    kw.setdefault("api_keys", [TENANT_A, TENANT_B])
+    kw.setdefault("admin_key", ADMIN)
+    kw.setdefault("salt_from_api_key", True)
+    return router(urls, health_interval=3600, **kw)
+
+
+def trees(rt: ServerThread) -> list[int]:
+    return [st.index.size for st in rt.app.state.replicas]
+
+
+def admin_stats(rt: ServerThread) -> dict:
+    r = httpx.get(rt.base_url + "/router/stats", headers=auth(ADMIN))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_keyless_guesser_gets_401s_and_learns_nothing(keyed) -> None:
+    rt = keyed_router([u for u, _ in keyed])
+    try:
+        for q in ("Q1", "Q2"):  # tenant A's system prompt is in the router's tree
+            assert ask(rt.base_url, TENANT_A, SECRET + q).status_code == 200
+        before, sizes = admin_stats(rt), trees(rt)
+        assert max(sizes) >= len(SECRET)
+        wrong = [
+            None,
+            "Bearer wrong",
+            f"Bearer {TENANT_A[:-1]}",
+            f"Bearer {TENANT_A}x",
+            f"Basic {TENANT_A}",
+            "Bearer",
+            f"Bearer {TENANT_A} {TENANT_B}",
+        ]
+        for k, bad in enumerate(wrong):
+            guess = SECRET[: 10 + 7 * k]  # a guess further each time
+            headers = {} if bad is None else {"Authorization": bad}
+            for path in ("/v1/completions", "/generate", "/v1/chat/completions"):
+                for stream in (False, True):
+                    body = {"model": FAKE, "prompt": guess, "text": guess, "stream": stream}
+                    body["messages"] = [{"role": "system", "content": guess}]
+                    r = httpx.post(rt.base_url + path, json=body, headers=headers, timeout=30)
+                    assert r.status_code == 401, (path, r.text)
+                    assert r.json()["error"]["code"] == "invalid_api_key"
+                    assert "x-radixkv-replica" not in r.headers
+                    assert TENANT_A not in r.text
+            for path in ("/router/stats", "/metrics", "/v1/models"):
+                r = httpx.get(rt.base_url + path, headers=headers)
+                assert r.status_code == 401, path
+                assert "prefix_match" not in r.text
+            r = httpx.post(rt.base_url + "/flush_cache", headers=headers)
+            assert r.status_code == 401
+        health = httpx.get(rt.base_url + "/health")
+        assert health.status_code == 200  # open, but it tells nothing of the prompts
+        assert all(
+            set(x) == {"url", "healthy", "in_flight", "errors"} for x in health.json()["replicas"]
+        )
+        # nothing reached the tree, the counters or a replica
+        assert trees(rt) == sizes
+        assert admin_stats(rt) == before
+    finally:
+        rt.stop()
+
+
+def test_a_tenant_never_matches_another_tenants_prefix(keyed) -> None:
+    urls = [u for u, _ in keyed]
+    rt = keyed_router(urls)
+    try:
+        first = ask(rt.base_url, TENANT_A, SECRET + "Q1", cache_salt="team")
+        home = first.headers["x-radixkv-replica"]
+        again = ask(rt.base_url, TENANT_A, SECRET + "Q2", cache_salt="team")
+        assert again.headers["x-radixkv-replica"] == home  # A's own prefix is followed
+        matched = sum(r["prefix_match_units"] for r in admin_stats(rt)["replicas"])
+        assert matched >= len(SECRET)
+        # B guesses A's prompt, with A's client salt and without: no replica's tree matches in
+        # B's namespace, so B is routed as for a new prefix (the empty replica), matching 0
+        states = rt.app.state.replicas
+        for salt in ("team", None):
+            body = {"prompt": SECRET + "Q1", **({"cache_salt": salt} if salt else {})}
+            key_b = route_key("/v1/completions", body, tenant=tenant_salt(TENANT_B))
+            key_a = route_key("/v1/completions", body, tenant=tenant_salt(TENANT_A))
+            assert all(st.index.match(key_b) == 0 for st in states)
+            assert salt is None or max(st.index.match(key_a) for st in states) >= len(SECRET)
+        extra = {"cache_salt": "team"}
+        guess = ask(rt.base_url, TENANT_B, SECRET + "Q1", **extra)
+        assert guess.status_code == 200
+        assert guess.headers["x-radixkv-replica"] != home
+        assert sum(r["prefix_match_units"] for r in admin_stats(rt)["replicas"]) == matched
+        # a tenant's key does not open the admin routes
+        for path in ("/router/stats", "/metrics"):
+            r = httpx.get(rt.base_url + path, headers=auth(TENANT_B))
+            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+        assert httpx.post(rt.base_url + "/flush_cache", headers=auth(TENANT_A)).status_code == 403
+        assert httpx.get(rt.base_url + "/v1/models", headers=auth(TENANT_B)).status_code == 200
+    finally:
+        rt.stop()
+    # without --salt-from-api-key the keys are one trust domain: B's request follows A's prefix
+    one = keyed_router(urls, salt_from_api_key=False)
+    try:
+        home = ask(one.base_url, TENANT_A, SECRET + "Q1").headers["x-radixkv-replica"]
+        assert ask(one.base_url, TENANT_B, SECRET + "Q2").headers["x-radixkv-replica"] == home
+    finally:
+        one.stop()
+
+
+def test_only_a_2xx_answer_fills_the_tree(keyed) -> None:
+    urls = [u for u, _ in keyed]
+    rt = keyed_router(urls)
+    try:
+        refused = [
+            ask(rt.base_url, TENANT_A, SECRET, max_tokens=-1),  # 400
+            ask(rt.base_url, TENANT_A, SECRET, model="no-such-model"),  # 404
+            ask(rt.base_url, TENANT_A, SECRET, stream=True, temperature=-1.0),  # 400, streamed
+            ask(rt.base_url, TENANT_A, SECRET, "/generate", sampling_params={"top_p": 7}),
+        ]
+        for _, engine in keyed:
+            engine.fail_steps = 1  # the next step raises: a 500
+        try:
+            refused.append(ask(rt.base_url, TENANT_A, SECRET + "boom"))
+        finally:
+            for _, engine in keyed:
+                engine.fail_steps = 0
+        codes = [r.status_code for r in refused]
+        assert codes == [400, 404, 400, 400, 500], [r.text for r in refused]
+        assert all("x-radixkv-replica" not in r.headers for r in refused)
+        assert trees(rt) == [0, 0]
+        stats = admin_stats(rt)["replicas"]
+        assert all(r["prefix_match_units"] == 0 and r["key_units"] == 0 for r in stats)
+        ok = ask(rt.base_url, TENANT_A, SECRET + "Q", stream=True)
+        assert ok.status_code == 200 and "[DONE]" in ok.text
+        assert sum(trees(rt)) == len(SECRET + "Q")  # a 2xx stream is remembered
+    finally:
+        rt.stop()
+    # a router given no keys is open, but the replicas' 401 still leaves the tree empty and
+    # does not say where the guess would have gone
+    bare = router(urls, health_interval=3600)
+    try:
+        r = ask(bare.base_url, None, SECRET)
+        assert r.status_code == 401 and "x-radixkv-replica" not in r.headers
+        assert trees(bare) == [0, 0]
+    finally:
+        bare.stop()
+
+
+def test_authorized_traffic_routes_cache_aware_and_the_admin_reads_stats(keyed) -> None:
+    urls = [u for u, _ in keyed]
+    rt = keyed_router(urls, public_metrics=True)
+    try:
+        where = {}
+        for q in range(2):
+            for g, key in enumerate((TENANT_A, TENANT_B)):
+                r = ask(rt.base_url, key, f"Tenant {g} system prompt, long enough.\n Q{q}")
+                assert r.status_code == 200, r.text
+                where.setdefault(g, set()).add(r.headers["x-radixkv-replica"])
+        assert all(len(v) == 1 for v in where.values()), where  # the repeat followed its prefix
+        stats = admin_stats(rt)
+        assert sum(r["requests"] for r in stats["replicas"]) == 4
+        assert sum(r["prefix_match_units"] for r in stats["replicas"]) >= 2 * 30
+        admin = httpx.get(rt.base_url + "/metrics", headers=auth(ADMIN)).text
+        assert "radixkv_router_prefix_match_chars_total" in admin
+        public = httpx.get(rt.base_url + "/metrics")  # --public-metrics: load and health only
+        assert public.status_code == 200
+        assert "radixkv_router_requests_total" in public.text
+        assert "prefix_match" not in public.text and "request_chars" not in public.text
+        assert httpx.get(rt.base_url + "/router/stats").status_code == 401  # still the admin's
+        flushed = httpx.post(rt.base_url + "/flush_cache", headers=auth(ADMIN))
+        assert flushed.status_code == 200, flushed.text
+        assert trees(rt) == [0, 0]
+    finally:
+        rt.stop()
+
+
+def test_router_cli_takes_the_keys(monkeypatch, tmp_path) -> None:
+    import uvicorn
+
+    from radixkv.cli import build_parser
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("app", app))
+    monkeypatch.delenv("RADIXKV_ADMIN_KEY", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text(f"# tenants\n{TENANT_B}\n")
+    argv = ["router", "--replica", "127.0.0.1:1", "--api-key", TENANT_A, "--api-key-file"]
+    argv += [str(keys), "--salt-from-api-key", "--admin-key", ADMIN, "--public-metrics"]
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    ring = seen["app"].state.keys
+    assert ring.tenants and ring.api_keys == [TENANT_A, TENANT_B] and ring.admin_key == ADMIN
+    assert ring.identify(f"Bearer {TENANT_B}").salt == tenant_salt(TENANT_B)
+    bad = build_parser().parse_args(["router", "--replica", "x:1", "--salt-from-api-key"])
+    assert bad.func(bad) == 2  # tenants without keys
