@@ -302,16 +302,16 @@ def ask(base: str, key: str | None, prompt: str, path: str = "/v1/completions", 
 
 @pytest.fixture(scope="module")
 def keyed():
-    """Two replicas taking tenant A's and B's keys, one tenant each. The admin key is one of
-    their keys too (the replicas' own admin key is another module's work), so a flush the
-    router forwards with it is accepted."""
+    """Two replicas taking tenant A's and B's keys, one tenant each, and the router's admin key
+    as their own admin key, so a flush the router forwards with it is accepted."""
     from radixkv.server.app import create_app
 
     servers = [
         ServerThread(
             create_app(
                 FakeEngine(max_model_len=2048),
-                api_key=[TENANT_A, TENANT_B, ADMIN],
+                api_key=[TENANT_A, TENANT_B],
+                admin_key=ADMIN,
                 salt_from_api_key=True,
             )
         ).start()
