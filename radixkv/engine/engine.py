@@ -23,6 +23,7 @@ from radixkv.engine.lifecycle import SequenceLifecycle
 from radixkv.engine.lifetime import track, untrack
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
 from radixkv.engine.outputs import engine_stats, request_output, step_output, with_logprobs
+from radixkv.engine.pinning import compute_prompt
 from radixkv.engine.request import Prompt, RequestOutput, Sequence, StepOutput, now
 from radixkv.engine.sampler import SequenceState
 from radixkv.engine.sampling import SamplingParams
@@ -464,19 +465,7 @@ class Engine:
             self.tree.match_prefix(ids, salt=salt).num_tokens
             < len(ids) // self.page_size * self.page_size
         ):
-            rid = f"pin-{next(self._ids)}"
-            self.add_request(
-                rid, ids + [ids[-1]], SamplingParams(max_tokens=1, temperature=0.0), salt
-            )
-            idle = 0
-            while rid in self.lifecycle:  # other requests' outputs stay queued for step()
-                before = self.counters["steps"]
-                self._pending.extend(o for o in self.step() if o.request_id != rid)
-                idle = idle + 1 if self.counters["steps"] == before else 0
-                if idle > 8 or not self.scheduler.has_work():  # no progress: give up, bounded
-                    self.abort(rid)
-                    self._pending = [o for o in self._pending if o.request_id != rid]
-                    break
+            compute_prompt(self, ids, salt, f"pin-{next(self._ids)}")
         return self.tree.pin(
             ids, salt=salt, ttl=ttl, budget=budget, namespace_budget=namespace_budget
         )

@@ -1,0 +1,29 @@
+"""Computing a prompt for :meth:`radixkv.Engine.pin_prefix`: run it as a one-token greedy request
+inside the engine so its pages end up cached, keeping the other requests' outputs for their
+``step()``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixkv.engine.sampling import SamplingParams
+
+__all__ = ["compute_prompt"]
+
+
+def compute_prompt(engine: Any, ids: list[int], salt: str | None, request_id: str) -> None:
+    """Step ``engine`` until the request ``request_id`` over ``ids`` has run its prefill (its
+    pages then sit in the tree). Outputs of other requests stay queued in ``engine._pending``
+    for the next ``step()``; after 8 steps without progress the request is aborted (bounded)."""
+    engine.add_request(
+        request_id, ids + [ids[-1]], SamplingParams(max_tokens=1, temperature=0.0), salt
+    )
+    idle = 0
+    while request_id in engine.lifecycle:
+        before = engine.counters["steps"]
+        engine._pending.extend(o for o in engine.step() if o.request_id != request_id)
+        idle = idle + 1 if engine.counters["steps"] == before else 0
+        if idle > 8 or not engine.scheduler.has_work():  # no progress: give up, bounded
+            engine.abort(request_id)
+            engine._pending = [o for o in engine._pending if o.request_id != request_id]
+            return
