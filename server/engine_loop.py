@@ -39,7 +39,7 @@ from .request_stream import (
     OwnerLimitError,
     QueueFullError,
     RequestStream,
-    _Failure,
+    StreamFailure,
 )
 
 __all__ = [
@@ -411,7 +411,7 @@ class EngineLoop:
                 batch.append(
                     (
                         tracked.stream,
-                        _Failure(500, internal_error(f"request {out.request_id}: {error}")),
+                        StreamFailure(500, internal_error(f"request {out.request_id}: {error}")),
                     )
                 )
                 continue
@@ -466,6 +466,6 @@ class EngineLoop:
             except Exception:
                 logger.exception("engine.abort(%s) failed while failing requests", rid)
             self.metrics.requests.labels(finish_reason="error").inc()
-            batch.append((tracked.stream, _Failure(status_code, message)))
+            batch.append((tracked.stream, StreamFailure(status_code, message)))
         if batch:
             self._call_in_loop(lambda: self._deliver(batch))

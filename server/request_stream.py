@@ -30,7 +30,7 @@ class EngineRequestError(Exception):
 
 
 @dataclass
-class _Failure:
+class StreamFailure:
     """Put in a request's queue instead of a ``StepOutput`` when the request failed."""
 
     status_code: int
@@ -61,7 +61,7 @@ class RequestStream:
         """Yield the request's ``StepOutput``s in order, ending after the last sequence ends."""
         while not self.finished:
             item = await self.queue.get()
-            if isinstance(item, _Failure):
+            if isinstance(item, StreamFailure):
                 self.failed = True
                 raise EngineRequestError(item.status_code, item.message)
             if item.finished:
