@@ -303,6 +303,37 @@ def test_pin_without_ttl_and_unpin() -> None:
     check_all(tree, alloc)
 
 
+def test_pin_budgets_count_path_unions_and_refuse_without_change() -> None:
+    from radixkv.cache.pins import PinBudgetError
+
+    clock = FakeClock()
+    alloc, tree = make(clock=clock)
+    put(tree, alloc, [1, 2, 3, 4])
+    put(tree, alloc, [1, 2, 5, 6])
+    put(tree, alloc, [1, 2, 3], salt="t")
+    assert tree.pin([1, 2, 3, 4], budget=4) == 4
+    # [1, 2] is shared with the first pin: the second adds [5, 6] only -> 6 tokens held
+    with pytest.raises(PinBudgetError, match="6 tokens .* budget of 5"):
+        tree.pin([1, 2, 5, 6], budget=5)
+    assert tree.num_pins == 1 and tree.pinned_tokens() == 4  # the refusal changed nothing
+    check_all(tree, alloc)
+    assert tree.pin([1, 2, 5, 6], budget=6) == 4
+    assert tree.pinned_tokens() == 6 and tree.pinned_tokens(whole_tree=True) == 6
+    # a namespace has a budget of its own; the whole tree's counts it too
+    with pytest.raises(PinBudgetError, match="this namespace"):
+        tree.pin([1, 2, 3], salt="t", namespace_budget=2)
+    with pytest.raises(PinBudgetError, match="the server"):
+        tree.pin([1, 2, 3], salt="t", budget=8)
+    assert tree.pin([1, 2, 3], salt="t", budget=9, namespace_budget=3) == 3
+    assert tree.pinned_tokens("t") == 3 and tree.pinned_tokens(whole_tree=True) == 9
+    assert tree.pin([1, 2, 3, 4], budget=0) == 4  # re-pinning (extending) is never refused
+    check_all(tree, alloc)
+    assert tree.unpin_all() == 3
+    assert tree.num_pins == 0 and tree.pinned_tokens(whole_tree=True) == 0
+    assert tree.evict(100) == 9
+    check_all(tree, alloc)
+
+
 def test_pin_extend() -> None:
     clock = FakeClock()
     alloc, tree = make(clock=clock)
