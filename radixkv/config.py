@@ -25,6 +25,11 @@ class EngineConfig:
     host, and when the engine closes) or ``write_through`` (queued for the disk when cached).
     ``kv_layout``: ``paged`` (page table, the default) or ``virtual`` (each running sequence's K/V
     contiguous in virtual memory over a shared memfd page pool; see radixkv/model/virtual_kv.py).
+    ``kv_mac_key_file``: a file (mode 0600) holding the secret (at least 16 bytes) that keys the
+    HMAC of every page on disk and in Redis; replicas sharing a Redis must share it. Unset: the
+    environment variable ``RADIXKV_KV_MAC_KEY``, else the disk tier's ``kv_mac.key`` (created in
+    ``disk_cache_dir`` on first start), else a random key of the process (see
+    radixkv/cache/kv_mac.py).
     """
 
     model: str = "smollm2"
@@ -48,6 +53,7 @@ class EngineConfig:
     disk_cache_bytes: int = 8 << 30
     disk_write_policy: str = "write_back"
     remote_cache_url: str | None = None
+    kv_mac_key_file: str | None = None
     kv_layout: str = "paged"
 
     def validate(self) -> None:
@@ -93,6 +99,10 @@ class EngineConfig:
             ("redis://", "rediss://", "unix://")
         ):
             raise bad("remote_cache_url", "expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
+        if self.kv_mac_key_file is not None and not (
+            isinstance(self.kv_mac_key_file, str) and self.kv_mac_key_file
+        ):
+            raise bad("kv_mac_key_file", "expected the path of a file holding the secret")
 
     @classmethod
     def knob_names(cls) -> list[str]:

@@ -51,6 +51,13 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "shared remote tier, redis://HOST:PORT[/DB] (off if unset)",
     ),
     (
+        "--kv-mac-key-file",
+        "kv_mac_key_file",
+        str,
+        "secret (file, mode 0600) keying the MAC of disk and Redis KV pages; replicas sharing "
+        "a Redis share it (default: $RADIXKV_KV_MAC_KEY, else DISK_DIR/kv_mac.key)",
+    ),
+    (
         "--kv-layout",
         "kv_layout",
         str,

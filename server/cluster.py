@@ -2,15 +2,24 @@
 
 ``radixkv cluster --replicas 2 --port 8000`` starts
 
-1. ``redis-server`` on a free loopback port (no persistence, ``--maxmemory`` with
-   ``allkeys-lru``): the shared remote KV tier (skipped with ``--no-remote-cache``);
+1. ``redis-server`` on a free loopback port (no persistence, ``maxmemory`` with
+   ``allkeys-lru``) that requires a password: the shared remote KV tier (skipped with
+   ``--no-remote-cache``);
 2. ``N`` ``radixkv serve`` processes on ``port+1 .. port+N``, each pinned to its own share of
    the CPUs (``os.sched_setaffinity``; ``OMP_NUM_THREADS`` set to match), each with
-   ``--remote-cache redis://127.0.0.1:REDIS/0`` and ``--host-write-policy write_through`` (a
-   prefix goes to Redis as soon as it is cached, so the other replicas can use it at once;
-   give ``--host-write-policy write_back`` after ``--`` to send pages only on eviction);
-   arguments after ``--`` go to every replica;
+   ``--remote-cache redis://127.0.0.1:REDIS/0``, ``--kv-mac-key-file`` (one secret for all of
+   them: the MAC of the pages they share) and ``--host-write-policy write_through`` (a prefix
+   goes to Redis as soon as it is cached, so the other replicas can use it at once; give
+   ``--host-write-policy write_back`` after ``--`` to send pages only on eviction); arguments
+   after ``--`` go to every replica (a ``--kv-mac-key-file`` there replaces the cluster's);
 3. the router on ``port`` (in this process), once every replica answers ``/health``.
+
+Secrets: the Redis password and the KV MAC key are fresh random values per cluster, written to
+files of mode 0600 in a private work directory (0700, removed at stop): ``redis.conf``
+(``requirepass``; ``redis-server redis.conf``) and ``kv_mac.key``. No command line carries the
+password (``/proc/PID/cmdline`` is world-readable): replicas get it in their environment
+(``RADIXKV_REDIS_PASSWORD``), and :attr:`Cluster.redis_url` (with the password, for library
+users) is logged only through ``redact_url``.
 
 Ctrl-C (or any failure) stops the router, then the replicas, then Redis. :class:`Cluster` is the
 same as a library (the router bench uses it without the router).
@@ -22,15 +31,22 @@ import argparse
 import contextlib
 import logging
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from radixkv.cache.kv_mac import KEY_FILE_NAME, create_secret_file
+from radixkv.cache.private_files import write_new_file
+from radixkv.cache.remote_store import PASSWORD_ENV
 
 from .redaction import redact_argv, redact_url
 
@@ -106,6 +122,8 @@ class Cluster:
         redis_maxmemory: Redis ``maxmemory`` (``allkeys-lru`` beyond it).
         cores: the CPUs to split between replicas (default: this process's affinity).
         log_dir: where each process's output goes (default: inherited stdout/stderr).
+
+    Raises ``ValueError`` for a ``redis_maxmemory`` that is not a size (``1gb``, ``512mb``).
     """
 
     def __init__(
@@ -120,6 +138,8 @@ class Cluster:
         cores: Sequence[int] | None = None,
         log_dir: str | None = None,
     ) -> None:
+        if remote_cache and not re.fullmatch(r"[0-9]+[a-zA-Z]{0,2}", redis_maxmemory):
+            raise ValueError(f"--redis-maxmemory {redis_maxmemory!r} is not a size like 1gb")
         self.n = replicas
         self.core_groups = split_cores(replicas, cores)
         self.ports = [base_port + 1 + i if base_port else free_port() for i in range(replicas)]
@@ -129,6 +149,9 @@ class Cluster:
         self.redis_maxmemory = redis_maxmemory
         self.redis_port = redis_port or (free_port() if remote_cache else 0)
         self.log_dir = log_dir
+        #: fresh per cluster; never logged, never on a command line
+        self.redis_password = secrets.token_hex(24) if remote_cache else None
+        self.work_dir: str | None = None  # created on first use (see _secrets), removed at stop
         self.redis: subprocess.Popen[Any] | None = None
         self.procs: list[subprocess.Popen[Any]] = []
         self._logs: list[Any] = []
@@ -140,7 +163,33 @@ class Cluster:
 
     @property
     def redis_url(self) -> str | None:
+        """The URL of the cluster's Redis, password included (log it through ``redact_url``)."""
+        if not self.remote_cache:
+            return None
+        return f"redis://:{self.redis_password}@127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def replica_redis_url(self) -> str | None:
+        """The URL on the replicas' command lines: no password (they get it in their
+        environment, ``RADIXKV_REDIS_PASSWORD``)."""
         return f"redis://127.0.0.1:{self.redis_port}/0" if self.remote_cache else None
+
+    def _secrets(self) -> str:
+        """The private work directory (0700) with ``kv_mac.key`` (0600), created once."""
+        if self.work_dir is None:
+            self.work_dir = tempfile.mkdtemp(prefix="radixkv-cluster-")
+            create_secret_file(os.path.join(self.work_dir, KEY_FILE_NAME))
+        return self.work_dir
+
+    @property
+    def kv_mac_key_file(self) -> str | None:
+        """The key file every replica gets (None without the remote tier, or when the serve
+        arguments name their own)."""
+        if not self.remote_cache or any(
+            a.partition("=")[0] == "--kv-mac-key-file" for a in self.serve_args
+        ):
+            return None
+        return os.path.join(self._secrets(), KEY_FILE_NAME)
 
     def _out(self, name: str) -> Any:
         if self.log_dir is None:
@@ -176,12 +225,23 @@ class Cluster:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (bash setup.sh installs it)")
-        args = [binary, "--port", str(self.redis_port), "--bind", "127.0.0.1"]
-        args += ["--save", "", "--appendonly", "no"]
-        args += ["--maxmemory", self.redis_maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        conf = os.path.join(self._secrets(), "redis.conf")
+        lines = [
+            f"port {self.redis_port}",
+            "bind 127.0.0.1",
+            'save ""',
+            "appendonly no",
+            f"maxmemory {self.redis_maxmemory}",
+            "maxmemory-policy allkeys-lru",
+            f"requirepass {self.redis_password}",
+        ]
+        write_new_file(conf, ("\n".join(lines) + "\n").encode())  # mode 0600
         out = self._out("redis")
         self.redis = subprocess.Popen(
-            args, stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp
+            [binary, conf],
+            stdout=out or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            preexec_fn=os.setpgrp,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -189,7 +249,7 @@ class Cluster:
                 contextlib.suppress(OSError),
                 socket.create_connection(("127.0.0.1", self.redis_port), timeout=0.2),
             ):
-                logger.info("redis-server on 127.0.0.1:%d", self.redis_port)
+                logger.info("redis-server on 127.0.0.1:%d (password required)", self.redis_port)
                 return
             if self.redis.poll() is not None:
                 break
@@ -197,12 +257,16 @@ class Cluster:
         raise RuntimeError(f"redis-server did not start on port {self.redis_port}")
 
     def replica_command(self, i: int) -> list[str]:
-        """The command line of replica ``i`` (``radixkv serve`` with its port, the remote tier
-        when on, then the extra serve arguments)."""
+        """The command line of replica ``i`` (``radixkv serve`` with its port, the remote tier and
+        the cluster's KV MAC key file when on, then the extra serve arguments). It carries no
+        password (see :attr:`replica_redis_url`)."""
         cmd = [sys.executable, "-m", "radixkv", "serve", "--model", self.model]
         cmd += ["--port", str(self.ports[i]), "--host", "127.0.0.1"]
         if self.remote_cache:
-            cmd += ["--remote-cache", str(self.redis_url)]
+            cmd += ["--remote-cache", str(self.replica_redis_url)]
+            key_file = self.kv_mac_key_file
+            if key_file is not None:
+                cmd += ["--kv-mac-key-file", key_file]
             if "--host-write-policy" not in self.serve_args:
                 cmd += ["--host-write-policy", "write_through"]
         return cmd + self.serve_args
@@ -212,6 +276,8 @@ class Cluster:
         cmd = self.replica_command(i)
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = str(len(cores))
+        if self.redis_password is not None:
+            env[PASSWORD_ENV] = self.redis_password
         out = self._out(f"replica{i}")
         logger.info(
             "replica %d on %s, cores %s: %s", i, self.urls[i], cores, " ".join(redact_argv(cmd))
@@ -227,7 +293,8 @@ class Cluster:
         )
 
     def stop(self) -> None:
-        """Stop the replicas (SIGINT, then SIGKILL after 15 s), then Redis (idempotent)."""
+        """Stop the replicas (SIGINT, then SIGKILL after 15 s), then Redis, and remove the work
+        directory with the secrets (idempotent)."""
         for proc in self.procs:
             if proc.poll() is None:
                 with contextlib.suppress(OSError):
@@ -243,6 +310,9 @@ class Cluster:
             self.redis.kill()
             self.redis.wait(timeout=10)
             self.redis = None
+        if self.work_dir is not None:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+            self.work_dir = None
         for f in self._logs:
             f.close()
         self._logs = []

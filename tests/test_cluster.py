@@ -124,21 +124,32 @@ SERVE = [sys.executable, "-m", "radixkv", "serve", "--model", "smollm2"]
 
 def test_replica_command_lines_with_the_remote_cache() -> None:
     c = _cluster("--replicas", "2", "--port", "9100", "--redis-port", "6390")
-    remote = ["--remote-cache", "redis://127.0.0.1:6390/0", "--host-write-policy", "write_through"]
-    assert c.redis_url == "redis://127.0.0.1:6390/0"
+    key_file = c.kv_mac_key_file  # one secret for every replica, in the cluster's work dir
+    remote = ["--remote-cache", "redis://127.0.0.1:6390/0", "--kv-mac-key-file", key_file]
+    remote += ["--host-write-policy", "write_through"]
+    assert c.redis_url == f"redis://:{c.redis_password}@127.0.0.1:6390/0"
     assert c.replica_command(0) == SERVE + ["--port", "9101", "--host", "127.0.0.1"] + remote
     assert c.replica_command(1) == SERVE + ["--port", "9102", "--host", "127.0.0.1"] + remote
+    assert os.stat(key_file).st_mode & 0o777 == 0o600
+    c.stop()
+    assert not os.path.exists(key_file)  # the secrets go with the cluster
     # a write policy after -- replaces the write-through default; the rest is passed on
     c = _cluster("--replicas", "1", "--port", "9100", "--redis-port", "6390", "--")
     assert c.replica_command(0)[-2:] == ["--host-write-policy", "write_through"]
+    c.stop()
     c = _cluster(
         "--replicas", "1", "--port", "9100", "--redis-port", "6390", "--model", "m",
         "--", "--host-write-policy", "write_back", "--dtype", "float32",
+        "--kv-mac-key-file", "/etc/radixkv/kv.key",
     )  # fmt: skip
     assert c.replica_command(0) == [sys.executable, "-m", "radixkv", "serve", "--model", "m"] + [
         "--port", "9101", "--host", "127.0.0.1", "--remote-cache", "redis://127.0.0.1:6390/0",
         "--host-write-policy", "write_back", "--dtype", "float32",
+        "--kv-mac-key-file", "/etc/radixkv/kv.key",
     ]  # fmt: skip
+    assert c.work_dir is None  # the given key file is used: the cluster writes none
+    with pytest.raises(ValueError, match="redis-maxmemory"):
+        _cluster("--redis-maxmemory", "1gb\nrequirepass x")
 
 
 def test_no_remote_cache_starts_no_redis_and_gives_replicas_no_remote_tier(
@@ -148,6 +159,7 @@ def test_no_remote_cache_starts_no_redis_and_gives_replicas_no_remote_tier(
 
     c = _cluster("--replicas", "2", "--port", "9100", "--no-remote-cache", "--", "--seed", "1")
     assert (c.remote_cache, c.redis_url, c.redis_port) == (False, None, 0)
+    assert (c.redis_password, c.kv_mac_key_file) == (None, None)
     for i in range(2):
         port = str(9101 + i)
         assert c.replica_command(i) == SERVE + [
@@ -170,3 +182,85 @@ def test_no_remote_cache_starts_no_redis_and_gives_replicas_no_remote_tier(
     c.start()
     c.stop()
     assert started == [0, 1] and c.redis is None
+
+
+def test_the_clusters_redis_requires_a_password_that_no_log_shows(
+    tmp_path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """The cluster's Redis alone (no replica process): a client without the password gets
+    NOAUTH; a replica's command line, environment and log line, what Redis writes to its log,
+    the engines' stats and ``/cache/stats`` never show the password; engines wired the way the
+    replicas are (URL without the password, the password in the environment, the cluster's key
+    file) share pages through it."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (bash setup.sh installs it)")
+    import logging
+    import socket
+    import types
+
+    import redis
+    from fake_engine import ServerThread
+    from test_tiers import _tiny, greedy
+
+    from radixkv import Engine
+    from radixkv.cache.remote_store import PASSWORD_ENV
+    from radixkv.server import cluster as cluster_mod
+    from radixkv.server.app import create_app
+
+    c = cluster_mod.Cluster(replicas=1, log_dir=str(tmp_path / "logs"))
+    password = c.redis_password
+    assert password and len(password) >= 32
+    try:
+        with caplog.at_level(logging.DEBUG):
+            c._start_redis()
+            started: dict = {}
+
+            def popen(cmd, env=None, **kw):  # the replica's process, not started
+                started.update(cmd=cmd, env=env)
+                return types.SimpleNamespace(poll=lambda: None)
+
+            monkeypatch.setattr(cluster_mod.subprocess, "Popen", popen)
+            c._start_replica(0)
+            monkeypatch.undo()
+            c.procs.clear()  # nothing was started
+        work = c.work_dir
+        assert work is not None and os.stat(work).st_mode & 0o777 == 0o700
+        for name in ("redis.conf", "kv_mac.key"):
+            assert os.stat(os.path.join(work, name)).st_mode & 0o777 == 0o600
+        with socket.create_connection(("127.0.0.1", c.redis_port), timeout=5) as conn:
+            conn.sendall(b"SET planted x\r\n")  # a client without the password
+            assert conn.recv(256).startswith(b"-NOAUTH")
+            conn.sendall(b"AUTH guess\r\n")
+            assert conn.recv(256).startswith(b"-WRONGPASS")
+        assert redis.Redis.from_url(c.redis_url).ping()  # the password parsed from the URL
+        assert password not in " ".join(started["cmd"])
+        assert started["env"][PASSWORD_ENV] == password
+        key_file = started["cmd"][started["cmd"].index("--kv-mac-key-file") + 1]
+        # two engines wired like two replicas: the first computes, the second loads from Redis
+        monkeypatch.setenv(PASSWORD_ENV, password)
+        tiny = _tiny(7, "tiny-cluster")
+        knobs = dict(page_size=16, dtype="float32", kv_cache_tokens=2048)
+        knobs.update(remote_cache_url=c.replica_redis_url, kv_mac_key_file=key_file)
+        a = Engine(tiny, host_write_policy="write_through", **knobs)
+        ids = list(range(3, 163))
+        want = a.generate([ids], greedy())[0].outputs[0].token_ids
+        a.tiers.sync()
+        b = Engine(tiny, **knobs)
+        (out,) = b.generate([ids], greedy())
+        assert out.cached_tokens_by_tier["remote"] >= len(ids) - 2 * 16
+        assert out.outputs[0].token_ids == want
+        a.tiers.close()
+        monkeypatch.delenv(PASSWORD_ENV)
+        # /cache/stats of a server whose URL carries the password
+        d = Engine(tiny, **{**knobs, "remote_cache_url": c.redis_url})
+        with ServerThread(create_app(d, model_name="t")) as srv:
+            text = httpx.get(srv.base_url + "/cache/stats", timeout=10).text
+        assert f"redis://***@127.0.0.1:{c.redis_port}/0" in text
+        shown = [text, str(b.stats()), caplog.text, *capfd.readouterr()]
+    finally:
+        c.stop()
+    logs = [p.read_text(errors="replace") for p in (tmp_path / "logs").iterdir()]
+    assert "Ready to accept connections" in (tmp_path / "logs" / "redis.log").read_text()
+    for where in shown + logs:
+        assert password not in where
+    assert not os.path.exists(work)  # the secrets went with the cluster

@@ -126,24 +126,20 @@ def test_disk_directory_replaced_by_a_file_mid_run(tmp_path: Path) -> None:
 
 
 def test_disk_full_injected_enospc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import builtins
-
-    from radixkv.cache import disk_store
+    from radixkv.cache import private_files
 
     engine = tiny_engine(disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 20)
     reference = [engine.generate(p, greedy())[0].token_ids for p in PROMPTS]
     engine.tiers.sync()
     files_before = engine.tiers.disk.num_files
+    write_all = private_files._write_all
 
-    def full_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if "w" in mode:
-            # a partial write first, as a real full disk leaves one
-            with builtins.open(path, mode, *args, **kwargs) as f:
-                f.write(b"partial")
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        return builtins.open(path, mode, *args, **kwargs)
+    def full_write(fd: int, data: Any) -> None:
+        # a partial write first, as a real full disk leaves one
+        write_all(fd, b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-    monkeypatch.setattr(disk_store, "open", full_open, raising=False)
+    monkeypatch.setattr(private_files, "_write_all", full_write)
     for _ in range(2):
         for prompt, ref in zip(PROMPTS, reference):
             assert engine.generate(prompt, greedy())[0].token_ids == ref
@@ -163,7 +159,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mnt.mkdir()
     try:
         r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mnt)],
+            ["mount", "-t", "tmpfs", "-o", "size=48k,mode=0700", "tmpfs", str(mnt)],
             capture_output=True,
             timeout=10,
         )

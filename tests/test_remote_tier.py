@@ -289,3 +289,77 @@ def test_pages_are_sent_again_after_a_flush(tiny, golden, redis_server) -> None:
     assert out.outputs[0].token_ids == golden[3]
     a.tiers.close()
     b.tiers.close()
+
+
+def _key_file(path, secret: bytes):
+    path.write_bytes(secret + b"\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_a_planted_redis_value_is_a_miss_unless_signed_with_the_shared_secret(
+    tiny, golden, redis_server, tmp_path
+) -> None:
+    """Whoever can write to Redis and knows the model and the tokens can compute a page's key;
+    without the replicas' secret the value it plants is refused (``corrupt_mac``), deleted and
+    recomputed, while values written by a replica with the shared secret are hits."""
+    from radixkv.cache.kv_mac import seal
+    from radixkv.cache.remote_store import REMOTE_MAGIC
+
+    flushdb(redis_server)
+    shared = _key_file(tmp_path / "shared.key", b"replicas-shared-secret-0123456789")
+    a = make_engine(
+        tiny, redis_server.url, host_write_policy="write_through", kv_mac_key_file=shared
+    )
+    ids = prompt(4)
+    run(a, ids)
+    a.tiers.sync()
+    # the attacker: the key the engine would use, and real KV of the wrong page (page 6 of the
+    # prompt) as the payload, with a well-formed header and crc, signed with its own guess
+    fp, ns = a.tiers.fingerprint, a.tiers.remote.namespace
+    keys = chain_hashes(fp, ids, P, None)
+    r = redis_server.client()
+    bad = 5
+    wrong = r.get(ns + keys[bad + 1])[HEADER.size :]
+    guess = b"the-attackers-guess-0123456789"
+    r.set(ns + keys[bad], seal(REMOTE_MAGIC, fp, keys[bad], wrong, guess) + wrong)
+    b = make_engine(tiny, redis_server.url, kv_mac_key_file=shared)
+    out = run(b, ids)
+    assert out.cached_tokens_by_tier["remote"] == bad * P  # pages 0-4 are hits, 5 is refused
+    assert out.outputs[0].token_ids == golden[4]
+    rs = b.stats()["tiers"]["remote"]
+    assert rs["corrupt_mac"] == 1 and rs["corrupt_values"] == 1, rs
+    assert r.get(ns + keys[bad]) is None  # deleted
+    # the same plant signed with the shared secret is used: the MAC is what refused it
+    secret = a.tiers.remote.mac_key
+    r.set(ns + keys[bad], seal(REMOTE_MAGIC, fp, keys[bad], wrong, secret) + wrong)
+    c = make_engine(tiny, redis_server.url, kv_mac_key_file=shared)
+    assert run(c, ids).cached_tokens_by_tier["remote"] > bad * P
+    # a replica with another secret shares nothing, and still answers right
+    other = _key_file(tmp_path / "other.key", b"another-clusters-secret-987654321")
+    d = make_engine(tiny, redis_server.url, kv_mac_key_file=other)
+    out_d = run(d, ids)
+    assert out_d.cached_tokens_by_tier.get("remote", 0) == 0
+    assert out_d.outputs[0].token_ids == golden[4]
+    assert d.stats()["tiers"]["remote"]["corrupt_mac"] == 1
+    for e in (a, b, c, d):
+        e.tiers.close()
+
+
+def test_without_a_shared_secret_the_remote_tier_warns(redis_server, monkeypatch, caplog) -> None:
+    """No key file, no environment secret, no disk tier: a per-process key and a warning; the
+    environment's secret is used when set."""
+    from radixkv.cache import kv_mac
+
+    monkeypatch.delenv(kv_mac.MAC_KEY_ENV, raising=False)
+    monkeypatch.setattr(kv_mac, "_process_key", None)
+    with caplog.at_level(logging.WARNING, logger="radixkv.cache.kv_mac"):
+        s1 = RemoteStore(redis_server.url, b"\x01" * 32, background=False)
+        s2 = RemoteStore(redis_server.url, b"\x01" * 32, background=False)
+    assert s1.mac_key == s2.mac_key  # one key per process
+    assert sum("will not share Redis values" in m for m in caplog.messages) == 1
+    monkeypatch.setenv(kv_mac.MAC_KEY_ENV, "from-the-environment-0123456789")
+    s3 = RemoteStore(redis_server.url, b"\x01" * 32, background=False)
+    assert s3.mac_key == b"from-the-environment-0123456789"
+    for s in (s1, s2, s3):
+        s.close()

@@ -736,6 +736,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         + ["--max-model-len", "256", "--device", "cpu", "--seed", "5"]
         + ["--remote-cache", "redis://127.0.0.1:6399/0", "--mixed-prefill-tokens", "128"]
         + ["--served-model-name", "svc", "--api-key-file", "/tmp/keys.txt"]
+        + ["--kv-mac-key-file", "/tmp/kv.key"]
     )
     assert engine_kwargs(args) == {
         "kv_cache_memory_gb": 0.5,
@@ -747,6 +748,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         "seed": 5,
         "remote_cache_url": "redis://127.0.0.1:6399/0",
         "mixed_prefill_tokens": 128,
+        "kv_mac_key_file": "/tmp/kv.key",
     }
     assert (args.served_model_name, args.api_key_file, args.api_key) == (
         "svc",

@@ -67,7 +67,7 @@ def test_close_makes_the_prompt_durable_and_a_new_engine_serves_it(
     assert summary["pages"] == (len(prompt) + 6 - 1) // P and summary["drained"]
     assert summary["bytes"] > 0 and summary["seconds"] < 30
     assert any("disk tier flushed" in r.getMessage() for r in caplog.records)
-    assert len(os.listdir(tmp_path)) == summary["pages"]
+    assert len(list(tmp_path.glob("*.kv"))) == summary["pages"]
 
     second = _engine(tiny_model, tmp_path)
     got = _generate(second, prompt)
@@ -89,7 +89,7 @@ def test_close_writes_host_pages_and_skips_pages_already_on_disk(
     outs = [_generate(engine, p) for p in (a, b)]
     assert engine.tree.host_size > 0
     summary = engine.close()
-    files = len(os.listdir(tmp_path))
+    files = len(list(tmp_path.glob("*.kv")))
     assert files == summary["pages"] == 2 * ((300 + 5) // P)
     again = _engine(tiny_model, tmp_path, kv_cache_tokens=384)
     for p, want in zip((a, b), outs):
@@ -97,7 +97,7 @@ def test_close_writes_host_pages_and_skips_pages_already_on_disk(
         assert got.cached_tokens_by_tier["disk"] >= 300 - 2 * P
         assert got.token_ids == want.token_ids
     again.close()
-    assert len(os.listdir(tmp_path)) == files  # the restart wrote nothing new
+    assert len(list(tmp_path.glob("*.kv"))) == files  # the restart wrote nothing new
     again.check_integrity()
 
 
@@ -212,7 +212,7 @@ def test_sigkill_mid_write_never_serves_a_corrupt_page(tmp_path: Path) -> None:
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]  # cleaned at start
     expected = {hashlib.sha256(str(i).encode()).digest(): i for i in range(100_000)}
     served = 0
-    for name in sorted(os.listdir(tmp_path)):
+    for name in sorted(n for n in os.listdir(tmp_path) if n.endswith(".kv")):
         key = bytes.fromhex(name[:64])
         data = store.get(key)
         if data is None:  # rejected: counted as corrupt and removed

@@ -499,6 +499,6 @@ def test_disk_budget_is_respected(tiny, tmp_path) -> None:
     t = engine.stats()["tiers"]
     assert 0 < t["disk_bytes"] <= 200_000
     assert t["disk_evicted_files"] > 0
-    assert sum(f.stat().st_size for f in tmp_path.iterdir()) == t["disk_bytes"]
+    assert sum(f.stat().st_size for f in tmp_path.glob("*.kv")) == t["disk_bytes"]
     assert_idle_clean(engine)
     engine.tiers.close()

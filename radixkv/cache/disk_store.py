@@ -2,21 +2,31 @@
 
 One file per page, named ``<key hex>.kv`` where ``key`` (32 bytes) is the page's chained hash:
 ``h_i = sha256(h_{i-1} | salt | tokens of page i)`` with ``h_{-1} = sha256(fingerprint)`` (see
-:func:`chain_hashes`), so a key names a whole page-aligned prefix of one model. File layout::
+:func:`chain_hashes`), so a key names a whole page-aligned prefix of one model. File layout (see
+:mod:`radixkv.cache.kv_mac`)::
 
-    header  = struct "<8sI32s32sQI": magic b"RKVPAGE1", format version, fingerprint (32 B),
-              key (32 B), payload length, crc32 of the payload
+    header  = struct "<8sI32s32sQI32s": magic b"RKVPAGE2", format version 2, fingerprint (32 B),
+              key (32 B), payload length, crc32 of the payload, HMAC-SHA256 (32 B) keyed by the
+              replicas' secret over the other header fields and the payload
     payload = the page's K and V bytes (opaque here)
 
-Files are written atomically (temporary file in the same directory, then ``os.replace``), by a
+The directory is private: created with mode 0700, and an existing one must belong to this user
+and be closed to group and others (``ValueError`` otherwise). Without a given secret, the MAC key
+is the directory's ``kv_mac.key`` (created 0600 on first start, kept across restarts).
+
+Files are written atomically (a temporary file in the same directory, named after the process
+and a random token, created ``O_EXCL | O_NOFOLLOW`` with mode 0600, then ``os.replace``), by a
 background writer thread fed through a bounded queue (a full queue drops the write and counts it:
-the decode loop never waits on the disk). Reads are synchronous and verified: a file that is
-truncated, corrupt (crc), written for another model (fingerprint) or under another name (key) is
+the decode loop never waits on the disk). Reads are synchronous and verified: a file is opened
+``O_NOFOLLOW``, must be a regular file no larger than a page can be (checked before reading), and
+one that is truncated, corrupt (crc), of an older format, written for another model
+(fingerprint), under another name (key) or with another secret (MAC: planted or forged) is
 counted in ``stats()["corrupt_files"]`` (and by reason), removed, and reported as a miss.
 
 The store is bounded by ``capacity_bytes`` (whole file sizes, headers included) and evicts least
 recently used files (reads and re-writes refresh). It survives restarts: the index is rebuilt from
-the directory at startup, oldest modification time first; leftover temporary files are removed.
+the directory at startup (regular ``*.kv`` files only), oldest modification time first; leftover
+temporary files are removed.
 
 ``DiskStore(None, ...)`` is a directory-less, data-less store (keys and sizes only) for the
 simulator.
@@ -33,27 +43,39 @@ import hashlib
 import logging
 import os
 import queue
+import secrets
+import stat
 import struct
 import threading
 import time
 import weakref
-import zlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 from radixkv.cache.allocator import IntegrityError
+from radixkv.cache.kv_mac import (
+    HEADER,
+    MIN_KEY_BYTES,
+    REASONS,
+    configured_mac_key,
+    dir_mac_key,
+    seal,
+    verify,
+)
+from radixkv.cache.private_files import read_capped, secure_dir, write_new_file
 
-__all__ = ["DiskStore", "HEADER", "MAGIC", "chain_hashes"]
+__all__ = ["DiskStore", "HEADER", "MAGIC", "MAX_FILE_BYTES", "chain_hashes"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"RKVPAGE1"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sI32s32sQI")
+MAGIC = b"RKVPAGE2"
 SUFFIX = ".kv"
 _TMP = ".tmp"
+#: no file larger than this is ever read (nor one larger than the store's capacity, nor, when the
+#: caller names the page size, one larger than a header and a page)
+MAX_FILE_BYTES = 1 << 30
 
 
 def _remove(path: str) -> None:
@@ -112,6 +134,10 @@ class DiskStore:
             header and checked on every read.
         background: write through a writer thread (default) instead of synchronously.
         max_pending: bound of the writer queue (writes beyond it are dropped and counted).
+        mac_key: the secret keying every file's MAC (at least 16 bytes); default:
+            ``$RADIXKV_KV_MAC_KEY``, else the directory's ``kv_mac.key`` (created on first use).
+
+    Raises ``ValueError`` for a directory others may use (see :func:`~.kv_mac.secure_dir`).
 
     Thread safety: one engine thread calls everything; the writer thread only touches the index
     under ``_lock``.
@@ -124,6 +150,7 @@ class DiskStore:
         fingerprint: bytes,
         background: bool = True,
         max_pending: int = 1024,
+        mac_key: bytes | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
@@ -146,15 +173,16 @@ class DiskStore:
             "misses": 0,
             "evicted_files": 0,
             "corrupt_files": 0,
-            "corrupt_truncated": 0,
-            "corrupt_checksum": 0,
-            "corrupt_fingerprint": 0,
-            "corrupt_key": 0,
+            **{f"corrupt_{r}": 0 for r in (*REASONS, "oversize")},
         }
         self._queue: queue.Queue[tuple[bytes, Any] | None] | None = None
         self._thread: threading.Thread | None = None
+        if mac_key is not None and len(mac_key) < MIN_KEY_BYTES:
+            raise ValueError(f"mac_key must have at least {MIN_KEY_BYTES} bytes")
+        self.mac_key = mac_key or b""
         if self.path is not None:
-            os.makedirs(self.path, exist_ok=True)
+            secure_dir(self.path)
+            self.mac_key = mac_key or configured_mac_key() or dir_mac_key(self.path)
             self._scan()
             if background:
                 self._queue = queue.Queue(maxsize=max(1, max_pending))
@@ -184,9 +212,11 @@ class DiskStore:
                 continue
             try:
                 key = bytes.fromhex(name[:64])
-                st = os.stat(full)
+                st = os.lstat(full)
             except (ValueError, OSError):
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                continue  # a symlink, a FIFO, a directory: never a page
             entries.append((st.st_mtime, key, st.st_size))
         entries.sort()
         for _, key, size in entries:
@@ -291,17 +321,14 @@ class DiskStore:
     def _write(self, key: bytes, payload: Any) -> None:
         """Write one file (temporary name, then an atomic rename). A failure (disk full, the
         directory gone or read-only) is counted and logged, and leaves no temporary file."""
-        tmp = None
+        tmp = None  # set once this write created it (never someone else's file)
         try:
             data = payload() if callable(payload) else payload
-            header = HEADER.pack(
-                MAGIC, FORMAT_VERSION, self.fingerprint, key, len(data), zlib.crc32(data)
-            )
+            header = seal(MAGIC, self.fingerprint, key, data, self.mac_key)
             final = self._file(key)
-            tmp = f"{final}.{threading.get_ident()}{_TMP}"
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(data)
+            name = f"{final}.{os.getpid()}.{secrets.token_hex(8)}{_TMP}"
+            write_new_file(name, header, data)  # fails on anything planted at the name
+            tmp = name
             os.replace(tmp, final)
         except Exception as exc:
             if tmp is not None:
@@ -352,9 +379,10 @@ class DiskStore:
         return True
 
     # ------------------------------------------------------------------ reads
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes, expect_len: int | None = None) -> bytes | None:
         """The verified payload stored under ``key``, or None (missing or bad: a bad file is
-        counted by reason, removed and forgotten). Refreshes the LRU position."""
+        counted by reason, removed and forgotten). ``expect_len``: the payload length a page
+        has (a larger file is refused before any of it is read). Refreshes the LRU position."""
         if key not in self._index:
             self.counters["misses"] += 1
             return None
@@ -364,28 +392,19 @@ class DiskStore:
                     self._index.move_to_end(key)
             self.counters["reads"] += 1
             return b""
-        try:
-            with open(self._file(key), "rb") as f:
-                data = f.read()
+        limit = min(self.capacity_bytes, MAX_FILE_BYTES)
+        if expect_len is not None:
+            limit = min(limit, HEADER.size + expect_len)
+        try:  # a symlink, a non-file or an oversized file is refused before reading
+            data, reason = read_capped(self._file(key), limit)
         except OSError:
             self._forget(key)
             self.counters["misses"] += 1
             return None
-        reason = None
-        if len(data) < HEADER.size:
-            reason = "truncated"
-        else:
-            magic, version, fp, fkey, length, crc = HEADER.unpack_from(data)
-            if magic != MAGIC or version != FORMAT_VERSION:
-                reason = "checksum"
-            elif fp != self.fingerprint:
-                reason = "fingerprint"
-            elif fkey != key:
-                reason = "key"
-            elif len(data) - HEADER.size != length:
-                reason = "truncated"
-            elif zlib.crc32(memoryview(data)[HEADER.size :]) != crc:
-                reason = "checksum"
+        if data is None:
+            self.discard(key, reason or "format")
+            return None
+        reason = verify(data, MAGIC, self.fingerprint, key, self.mac_key, expect_len)
         if reason is not None:
             self.discard(key, reason)
             return None
@@ -397,8 +416,8 @@ class DiskStore:
         return data[HEADER.size :]
 
     def discard(self, key: bytes, reason: str | None = None) -> None:
-        """Remove ``key``'s file; with a ``reason`` (truncated / checksum / fingerprint / key /
-        other) it is counted as a corrupt file."""
+        """Remove ``key``'s file; with a ``reason`` (one of :data:`~.kv_mac.REASONS`, or
+        ``oversize``) it is counted as a corrupt file."""
         self._forget(key)
         if self.path is not None:
             _remove(self._file(key))

@@ -3,10 +3,19 @@
 Several engine replicas pointed at one Redis share their prefixes: a page one replica wrote is
 found by every other one that meets the same tokens. Keys are the disk tier's chained page hashes
 (:func:`~radixkv.cache.disk_store.chain_hashes`: model fingerprint, salt and every earlier token),
-stored as ``namespace + key``; a value is a header (magic, version, fingerprint, key, length,
-crc32, the :data:`~radixkv.cache.disk_store.HEADER` layout) followed by the page payload. A read
-verifies all of it: a missing, short, damaged or foreign value is a miss (a bad one is counted by
-reason and deleted), and the request recomputes from there.
+stored as ``namespace + key``; a value is a header (magic ``b"RKVREM02"``, version,
+fingerprint, key, length, crc32 and an HMAC-SHA256 over them and the payload: the layout of
+:mod:`radixkv.cache.kv_mac`) followed by the page payload. A read verifies all of it: a missing,
+short, damaged, foreign or unauthenticated value is a miss (a bad one is counted by reason and
+deleted), and the request recomputes from there. Keys can be computed by anyone who knows the
+model and the tokens; the MAC keeps whoever can write to Redis from planting KV that replicas
+would serve (``corrupt_mac``). Its secret, ``mac_key``: the engine's ``kv_mac_key_file``, else
+``$RADIXKV_KV_MAC_KEY``, the disk tier's key file, else a random key of this process (a warning:
+replicas then share nothing).
+
+A password comes in the URL (``redis://:PASSWORD@HOST:PORT/DB``) or, when the URL has none, from
+``$RADIXKV_REDIS_PASSWORD`` (how ``radixkv cluster`` gives it to replicas, off their command
+lines); stats, logs and errors show the URL through :func:`redact_url`.
 
 Redis bounds itself (``maxmemory`` + ``allkeys-lru``); this store never assumes a page is still
 there. It keeps no index of the server's keys, only:
@@ -31,25 +40,33 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from radixkv.cache.allocator import IntegrityError
-from radixkv.cache.disk_store import HEADER
+from radixkv.cache.kv_mac import (
+    HEADER,
+    MIN_KEY_BYTES,
+    REASONS,
+    configured_mac_key,
+    process_mac_key,
+    seal,
+    verify,
+)
 
-__all__ = ["REMOTE_MAGIC", "RemoteStore", "parse_remote_url", "redact_url"]
+__all__ = ["PASSWORD_ENV", "REMOTE_MAGIC", "RemoteStore", "parse_remote_url", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
-REMOTE_MAGIC = b"RKVREM01"
-FORMAT_VERSION = 1
+REMOTE_MAGIC = b"RKVREM02"
+PASSWORD_ENV = "RADIXKV_REDIS_PASSWORD"
 _SCHEMES = ("redis://", "rediss://", "unix://")
-_REASONS = ("truncated", "checksum", "fingerprint", "key")
+_REASONS = REASONS
 
 
 def redact_url(url: object) -> str:
@@ -97,6 +114,8 @@ class RemoteStore:
         retry_min, retry_max: backoff bounds (seconds) of the probes while the server is down.
         recent_ttl: seconds a written key is not written again.
         capacity_pages: simulation only: pages kept (LRU).
+        mac_key: the secret keying every value's MAC (at least 16 bytes; see the module
+            docstring for the default).
 
     Thread safety: one engine thread calls the public methods; the writer thread touches
     ``_pending``, ``_recent``, the up/down state and the counters under ``_lock``.
@@ -115,11 +134,14 @@ class RemoteStore:
         retry_max: float = 10.0,
         recent_ttl: float = 30.0,
         capacity_pages: int = 0,
+        mac_key: bytes | None = None,
     ) -> None:
         if len(fingerprint) != 32:
             raise ValueError("fingerprint must be 32 bytes (a sha256 digest)")
         if batch_pages < 1:
             raise ValueError(f"batch_pages must be >= 1, got {batch_pages}")
+        if mac_key is not None and len(mac_key) < MIN_KEY_BYTES:
+            raise ValueError(f"mac_key must have at least {MIN_KEY_BYTES} bytes")
         self.url = None if url is None else parse_remote_url(url)
         self.fingerprint = fingerprint
         self.namespace = namespace
@@ -135,6 +157,7 @@ class RemoteStore:
         self._backoff = retry_min
         self._next_probe = 0.0
         self._sim: OrderedDict[bytes, int] | None = None
+        self.mac_key = b""  # set below when there is a server
         self.capacity_pages = capacity_pages
         self.counters: dict[str, int] = {
             "writes": 0,  # pages stored
@@ -161,12 +184,14 @@ class RemoteStore:
                 raise ValueError("a simulated remote store needs capacity_pages >= 1")
             self._sim = OrderedDict()
             return
+        self.mac_key = mac_key or configured_mac_key() or process_mac_key()
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
         self._client = redis.Redis.from_url(
             self.url,
+            password=os.environ.get(PASSWORD_ENV) or None,  # the URL's own password wins
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
@@ -232,27 +257,7 @@ class RemoteStore:
         return self.namespace + key
 
     def _pack(self, key: bytes, data: bytes) -> bytes:
-        header = HEADER.pack(
-            REMOTE_MAGIC, FORMAT_VERSION, self.fingerprint, key, len(data), zlib.crc32(data)
-        )
-        return header + data
-
-    def _check(self, key: bytes, value: bytes, expect_len: int | None) -> str | None:
-        """Why ``value`` is not a valid page for ``key`` (a reason), or None when it is."""
-        if len(value) < HEADER.size:
-            return "truncated"
-        magic, version, fp, vkey, length, crc = HEADER.unpack_from(value)
-        if magic != REMOTE_MAGIC or version != FORMAT_VERSION:
-            return "checksum"
-        if fp != self.fingerprint:
-            return "fingerprint"
-        if vkey != key:
-            return "key"
-        if len(value) - HEADER.size != length or (expect_len is not None and length != expect_len):
-            return "truncated"
-        if zlib.crc32(memoryview(value)[HEADER.size :]) != crc:
-            return "checksum"
-        return None
+        return seal(REMOTE_MAGIC, self.fingerprint, key, data, self.mac_key) + data
 
     # ------------------------------------------------------------------ writes
     def wants(self, key: bytes) -> bool:
@@ -410,7 +415,8 @@ class RemoteStore:
                 if value is None:
                     self.counters["misses"] += 1
                     return out
-                reason = self._check(key, value, expect_len)
+                fp, mac_key = self.fingerprint, self.mac_key
+                reason = verify(value, REMOTE_MAGIC, fp, key, mac_key, expect_len)
                 if reason is not None:
                     self.discard(key, reason)
                     return out
@@ -420,8 +426,8 @@ class RemoteStore:
         return out
 
     def discard(self, key: bytes, reason: str | None = None) -> None:
-        """Delete ``key`` from the server (best effort); with a ``reason`` (truncated /
-        checksum / fingerprint / key) it is counted as a corrupt value."""
+        """Delete ``key`` from the server (best effort); with a ``reason`` (one of
+        :data:`~radixkv.cache.kv_mac.REASONS`) it is counted as a corrupt value."""
         if reason is not None:
             self.counters["corrupt_values"] += 1
             name = f"corrupt_{reason}"

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.allocator import BlockAllocator, IntegrityError
 from radixkv.cache.disk_store import DiskStore, chain_hashes
+from radixkv.cache.kv_mac import REASONS
 from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeEvents, TreeNode
 from radixkv.cache.tier_durability import CLOSE_TIMEOUT_S, TierDurability
 
@@ -221,8 +222,9 @@ class TieredCache(TierDurability):
             self.counters["loads_skipped"] += 1
             return keep
         payloads: list[bytes] = []
+        page_bytes = self.kv_pool.bytes_per_page if self.kv_pool is not None else None
         for key in disk_keys:  # read (and verify) before taking any device page
-            data = disk.get(key) if disk is not None else None
+            data = disk.get(key, page_bytes) if disk is not None else None
             if data is None:
                 break
             if self.has_data and len(data) != self.kv_pool.bytes_per_page:  # type: ignore[union-attr]
@@ -235,7 +237,6 @@ class TieredCache(TierDurability):
         if remote is not None and n_disk == len(disk_keys) and at < max_pages:
             # the continuation after host and disk, fetched in pipelined batches and verified
             hashes = chain_hashes(self.fingerprint, tokens, P, salt, max_pages)
-            page_bytes = self.kv_pool.bytes_per_page if self.kv_pool is not None else None
             payloads += remote.get_prefix(hashes[at:max_pages], page_bytes)
         nh = host_tok // P
         need = nh + len(payloads)
@@ -351,9 +352,7 @@ class TieredCache(TierDurability):
             out["disk_pending_writes"] = d["pending_writes"]
             out["disk_evicted_files"] = d["evicted_files"]
             out["corrupt_files"] = d["corrupt_files"]
-            out["corrupt_by_reason"] = {
-                r: d[f"corrupt_{r}"] for r in ("truncated", "checksum", "fingerprint", "key")
-            }
+            out["corrupt_by_reason"] = {r: d[f"corrupt_{r}"] for r in (*REASONS, "oversize")}
         if self.remote is not None:
             out["remote"] = self.remote.stats()
         return out

@@ -137,6 +137,7 @@ def build_tiers(
         return None
     from radixkv.cache.disk_store import DiskStore
     from radixkv.cache.host_pool import HostPool
+    from radixkv.cache.kv_mac import configured_mac_key
     from radixkv.cache.tiers import TieredCache
 
     kv_pool = getattr(runner, "kv_pool", None) or runner.pool
@@ -149,16 +150,21 @@ def build_tiers(
     fp = engine_fingerprint(
         model_name, kv_pool, P, getattr(runner, "model", None), getattr(runner, "hf_config", None)
     )
+    mac_key = configured_mac_key(cfg.kv_mac_key_file)  # None: the stores' own default
     disk = None
     if cfg.disk_cache_dir:
         page_bytes = kv_pool.bytes_per_page
         max_pending = int(min(4096, max(16, (256 << 20) // max(1, page_bytes))))
-        disk = DiskStore(cfg.disk_cache_dir, cfg.disk_cache_bytes, fp, max_pending=max_pending)
+        disk = DiskStore(
+            cfg.disk_cache_dir, cfg.disk_cache_bytes, fp, max_pending=max_pending, mac_key=mac_key
+        )
     remote = None
     if cfg.remote_cache_url:
         from radixkv.cache.remote_store import RemoteStore
 
-        remote = RemoteStore(cfg.remote_cache_url, fp)
+        # no secret given: the disk tier's key file (replicas sharing a disk dir share it)
+        key = disk.mac_key if disk is not None else mac_key
+        remote = RemoteStore(cfg.remote_cache_url, fp, mac_key=key)
     return TieredCache(
         tree,
         allocator,
