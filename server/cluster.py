@@ -373,6 +373,31 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     )
 
 
+def router_keys(serve_args: Sequence[str]) -> dict[str, Any]:
+    """The key arguments of ``create_router_app`` from the replicas' ``radixkv serve`` arguments
+    (``--api-key``, ``--api-key-file``, ``--salt-from-api-key``, ``--admin-key``,
+    ``--admin-key-file`` or ``RADIXKV_ADMIN_KEY``), so the router checks the keys the replicas
+    take. Raises ``ValueError`` for a bad key or key file."""
+    from radixkv.server.tenancy import load_admin_key, load_api_keys
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--api-key", action="append", default=None)
+    p.add_argument("--api-key-file", default=None)
+    p.add_argument("--salt-from-api-key", action="store_true")
+    p.add_argument("--admin-key", default=None)
+    p.add_argument("--admin-key-file", default=None)
+    known, _ = p.parse_known_args(list(serve_args))
+    try:
+        api_keys = load_api_keys(known.api_key, known.api_key_file)
+    except OSError as exc:
+        raise ValueError(f"cannot read the API keys: {exc}") from exc
+    return {
+        "api_keys": api_keys,
+        "admin_key": load_admin_key(known.admin_key, known.admin_key_file),
+        "salt_from_api_key": known.salt_from_api_key,
+    }
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     """Start everything, serve the router until Ctrl-C, stop everything. Returns the exit
     code."""
@@ -385,12 +410,13 @@ def run_cluster(args: argparse.Namespace) -> int:
     )
     try:
         cluster = cluster_from_args(args)
+        keys = router_keys(cluster.serve_args)
     except (ValueError, RuntimeError) as exc:
         print(f"radixkv cluster: {exc}", file=sys.stderr)
         return 2
     try:
         cluster.start()
-        app = create_router_app(cluster.urls, args.policy)
+        app = create_router_app(cluster.urls, args.policy, **keys)
         logger.info(
             "cluster: router http://127.0.0.1:%d (%s) -> %s; remote cache %s",
             args.port,

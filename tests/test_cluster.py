@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -264,3 +265,31 @@ def test_the_clusters_redis_requires_a_password_that_no_log_shows(
     for where in shown + logs:
         assert password not in where
     assert not os.path.exists(work)  # the secrets went with the cluster
+
+
+def test_the_router_takes_the_replicas_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`radixkv cluster -- --api-key ...` keys the router too: a keyless guesser through the
+    cluster's router gets 401s before any routing (the router attacks are in test_router)."""
+    from radixkv.server.cluster import router_keys
+
+    monkeypatch.delenv("RADIXKV_ADMIN_KEY", raising=False)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("key-b\n# comment\nkey-c\n")
+    got = router_keys(
+        ["--dtype", "float32", "--api-key", "key-a", "--api-key-file", str(keys),
+         "--salt-from-api-key", "--admin-key=adm"]
+    )  # fmt: skip
+    assert got == {
+        "api_keys": ["key-a", "key-b", "key-c"],
+        "admin_key": "adm",
+        "salt_from_api_key": True,
+    }
+    assert router_keys(["--seed", "1"]) == {
+        "api_keys": [],
+        "admin_key": None,
+        "salt_from_api_key": False,
+    }
+    with pytest.raises(ValueError, match="API keys"):
+        router_keys(["--api-key-file", str(tmp_path / "missing")])
