@@ -23,6 +23,10 @@ The router protects them with the replicas' keys (``api_keys``, ``admin_key``,
   ``public_metrics`` opens ``/metrics`` without a key, without the prefix-match and key-length
   counters (those stay admin-only); ``/health`` tells only health, load and errors.
 
+Before all of that the router has the replicas' :class:`~radixkv.server.guards.RequestGuard`:
+a body over 8 MiB is refused (413) unread, and without keys only loopback ``Host`` names are
+served (421, DNS rebinding).
+
 Without any key the router is open, as the replicas are: one trust domain (loopback). The
 router cannot hide from its tenants *which* replica holds their own prefixes, nor tree sizes
 and load (a tenant's volume, never its text).
@@ -63,6 +67,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from radixkv.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, RequestGuard
 from radixkv.server.protocol import error_body
 from radixkv.server.router_policy import (
     POLICIES,
@@ -216,6 +221,9 @@ def create_router_app(
             await holder["client"].aclose()
 
     app = FastAPI(title="radixkv router", lifespan=lifespan)
+    # the replicas' guards, before the router reads a body: its size, and (keyless) the Host
+    hosts = sorted(LOOPBACK_HOSTS) if ring.open else None
+    app.add_middleware(RequestGuard, max_body_bytes=DEFAULT_MAX_BODY_BYTES, allowed_hosts=hosts)
     app.state.replicas = states
     app.state.policy = pol
     app.state.metrics = metrics

@@ -339,6 +339,23 @@ def admin_stats(rt: ServerThread) -> dict:
     return r.json()
 
 
+def test_an_oversized_body_is_refused_at_the_router_unread(keyed) -> None:
+    rt = keyed_router([u for u, _ in keyed])
+    try:
+        big = b'{"prompt": "' + b"x" * (9 << 20) + b'"}'
+        r = httpx.post(
+            rt.base_url + "/v1/completions",
+            content=big,
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        assert all(size == 0 for size in trees(rt))
+        assert ask(rt.base_url, TENANT_A, SECRET + "Q").status_code == 200
+    finally:
+        rt.stop()
+
+
 def test_keyless_guesser_gets_401s_and_learns_nothing(keyed) -> None:
     rt = keyed_router([u for u, _ in keyed])
     try:
