@@ -36,7 +36,7 @@ from .guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, RequestGuard
 from .intake import now
 from .metrics import ServerMetrics
 from .protocol import APIError, error_body
-from .redaction import internal_error
+from .redaction import install_access_log_redactor, internal_error
 from .routes_admin import PinPolicy, admin_routes
 from .routes_dashboard import DASHBOARD_TEXT, dashboard_routes
 from .routes_metrics import metrics_routes
@@ -129,6 +129,7 @@ def create_app(
     if keyring.open:
         hosts = [*LOOPBACK_HOSTS, *(allowed_hosts or ())]
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, allowed_hosts=hosts)
+    install_access_log_redactor()  # a key typed into a query string never reaches the log
 
     # ---------------------------------------------------------------- errors
 

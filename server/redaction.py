@@ -10,13 +10,22 @@ text and an id, the detail logged under that id.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import uuid
 from collections.abc import Sequence
 
 from radixkv.cache.remote_store import redact_url
 
-__all__ = ["SECRET_FLAGS", "internal_error", "redact_argv", "redact_url"]
+__all__ = [
+    "SECRET_FLAGS",
+    "QueryKeyRedactor",
+    "install_access_log_redactor",
+    "internal_error",
+    "redact_argv",
+    "redact_query",
+    "redact_url",
+]
 
 logger = logging.getLogger("radixkv.server")
 
@@ -51,3 +60,32 @@ def internal_error(detail: str) -> str:
     error_id = uuid.uuid4().hex[:12]
     logger.error("internal error %s: %s", error_id, detail, exc_info=sys.exc_info()[0] is not None)
     return f"internal error (id {error_id}; the server log has the detail)"
+
+
+#: query parameters whose values are secrets (``/dashboard?key=`` is refused, but the access log
+#: line is written before any route runs)
+_SECRET_QUERY = re.compile(r"(?i)([?&](?:key|api_key|token|access_token)=)[^&#\s]*")
+
+
+def redact_query(path: str) -> str:
+    """``path`` with the values of secret-looking query parameters (``key``, ``api_key``,
+    ``token``, ``access_token``) replaced by ``***``."""
+    return _SECRET_QUERY.sub(r"\1***", path)
+
+
+class QueryKeyRedactor(logging.Filter):
+    """A filter for uvicorn's access log: the request path's secret query values become ``***``
+    (uvicorn's record args are ``(client, method, path, http_version, status)``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str):
+            record.args = (*args[:2], redact_query(args[2]), *args[3:])
+        return True
+
+
+def install_access_log_redactor() -> None:
+    """Put one :class:`QueryKeyRedactor` on the ``uvicorn.access`` logger (idempotent)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QueryKeyRedactor) for f in access.filters):
+        access.addFilter(QueryKeyRedactor())

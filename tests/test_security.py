@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import time
 from typing import Any
@@ -320,3 +321,52 @@ def test_without_an_admin_key(keys: list[str]) -> None:
     with ServerThread(app) as srv:
         r = httpx.post(f"{srv.base_url}/flush_cache", headers=bearer(keys[0]))
         assert r.status_code == (200 if len(keys) == 1 else 403), r.text
+
+
+# ------------------------------------------------------------------------------------ logs
+
+
+def test_the_logs_never_hold_a_key(caplog: pytest.LogCaptureFixture) -> None:
+    """Every log record of a real uvicorn server (access log on) while keys are sent right,
+    wrong, in a query string and to a failing route: no key appears in any of them."""
+    import threading
+
+    import uvicorn
+
+    engine = FakeEngine()
+    app = create_app(engine, api_key=TENANTS, admin_key=ADMIN, model_name=MODEL)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="debug", access_log=True, lifespan="on")
+    server = uvicorn.Server(config)
+    caplog.set_level("DEBUG")
+    access = logging.getLogger("uvicorn.access")  # uvicorn's loggers do not propagate
+    access.addHandler(caplog.handler)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert complete(base, TENANTS[0], "hello").status_code == 200
+        assert complete(base, "wrong-" + TENANTS[1], "hello").status_code == 401
+        assert httpx.get(f"{base}/dashboard?key={ADMIN}").status_code == 400
+        assert httpx.get(f"{base}/cache/stats?token={TENANTS[1]}").status_code == 401
+        assert httpx.get(f"{base}/metrics", headers=bearer(ADMIN)).status_code == 200
+        engine.fail_steps = 1  # a 500: the detail goes to the log, never a key
+        assert complete(base, TENANTS[0], "boom").status_code == 500
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        access.removeHandler(caplog.handler)
+    # the server's records (the test's own HTTP client logs the URLs it was asked to send)
+    lines = [r.getMessage() for r in caplog.records if not r.name.startswith(("httpx", "httpcore"))]
+    assert any("/dashboard?key=***" in line for line in lines), lines[-10:]
+    assert any("internal error" in line for line in lines)
+    for secret in (ADMIN, *TENANTS):
+        leaked = [line for line in lines if secret in line]
+        assert not leaked, leaked
