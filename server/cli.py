@@ -71,6 +71,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     """Register ``radixkv serve`` on ``subparsers`` (sets ``func=run_serve``)."""
     from radixkv.server.app import DEFAULT_MAX_WAITING
     from radixkv.server.guards import DEFAULT_MAX_BODY_BYTES
+    from radixkv.server.key_flags import add_key_flags
     from radixkv.server.routes_admin import DEFAULT_MAX_PIN_TTL, PinPolicy
 
     p = subparsers.add_parser(
@@ -86,33 +87,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        help="require 'Authorization: Bearer KEY' (not on /health); repeat for several keys",
-    )
-    p.add_argument(
-        "--api-key-file", default=None, help="more API keys, one a line ('#' comments skipped)"
-    )
-    p.add_argument(
-        "--salt-from-api-key",
-        action="store_true",
-        help="each API key is a tenant with a cache namespace of its own (a hash of the key): "
-        "tenants never share cached prefixes (the prefix-cache timing side channel)",
-    )
-    p.add_argument(
-        "--admin-key",
-        default=None,
-        help="the key of the admin routes (flush, pin/unpin, integrity, /cache/tree, global "
-        "stats, /metrics); also --admin-key-file or the environment variable RADIXKV_ADMIN_KEY",
-    )
-    p.add_argument("--admin-key-file", default=None, help="a file holding the admin key")
-    p.add_argument(
-        "--public-metrics",
-        action="store_true",
-        help="/metrics needs no key (server-wide counts only, no prompt text)",
-    )
+    add_key_flags(p)
     p.add_argument(
         "--allowed-host",
         action="append",
@@ -202,14 +177,11 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from radixkv.server.key_flags import keys_from_args
     from radixkv.server.routes_admin import PinPolicy
-    from radixkv.server.tenancy import load_admin_key, load_api_keys
 
     try:
-        api_keys = load_api_keys(args.api_key, args.api_key_file)
-        if args.salt_from_api_key and not api_keys:
-            raise ValueError("--salt-from-api-key needs --api-key or --api-key-file")
-        admin_key = load_admin_key(args.admin_key, args.admin_key_file)
+        keys = keys_from_args(args)
         pins = PinPolicy(
             max_ttl=args.max_pin_ttl or None,
             share=args.pin_budget_share,
@@ -232,9 +204,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(
             engine,
-            api_key=api_keys or None,
-            admin_key=admin_key,
-            salt_from_api_key=args.salt_from_api_key,
+            api_key=keys.api_keys or None,
+            admin_key=keys.admin_key,
+            salt_from_api_key=keys.salt_from_api_key,
             max_waiting=args.max_waiting,
             max_waiting_per_key=args.max_waiting_per_key,
             model_name=args.served_model_name,

@@ -378,23 +378,15 @@ def router_keys(serve_args: Sequence[str]) -> dict[str, Any]:
     (``--api-key``, ``--api-key-file``, ``--salt-from-api-key``, ``--admin-key``,
     ``--admin-key-file`` or ``RADIXKV_ADMIN_KEY``), so the router checks the keys the replicas
     take. Raises ``ValueError`` for a bad key or key file."""
-    from radixkv.server.tenancy import load_admin_key, load_api_keys
+    from radixkv.server.key_flags import add_key_flags, keys_from_args
 
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--api-key", action="append", default=None)
-    p.add_argument("--api-key-file", default=None)
-    p.add_argument("--salt-from-api-key", action="store_true")
-    p.add_argument("--admin-key", default=None)
-    p.add_argument("--admin-key-file", default=None)
-    known, _ = p.parse_known_args(list(serve_args))
-    try:
-        api_keys = load_api_keys(known.api_key, known.api_key_file)
-    except OSError as exc:
-        raise ValueError(f"cannot read the API keys: {exc}") from exc
+    add_key_flags(p, public_metrics=False)
+    keys = keys_from_args(p.parse_known_args(list(serve_args))[0])
     return {
-        "api_keys": api_keys,
-        "admin_key": load_admin_key(known.admin_key, known.admin_key_file),
-        "salt_from_api_key": known.salt_from_api_key,
+        "api_keys": keys.api_keys,
+        "admin_key": keys.admin_key,
+        "salt_from_api_key": keys.salt_from_api_key,
     }
 
 

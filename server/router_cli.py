@@ -15,6 +15,7 @@ import argparse
 import logging
 import sys
 
+from radixkv.server.key_flags import add_key_flags
 from radixkv.server.router_policy import POLICIES
 
 __all__ = ["add_router_parser", "run_router"]
@@ -71,35 +72,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         default=1 << 20,
         help="characters remembered per replica (LRU beyond; default 1048576)",
     )
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        help="accept 'Authorization: Bearer KEY' (checked here, before any routing, and passed "
-        "on); repeat for several keys. Give the replicas' keys",
-    )
-    p.add_argument(
-        "--api-key-file", default=None, help="more API keys, one a line ('#' comments skipped)"
-    )
-    p.add_argument(
-        "--salt-from-api-key",
-        action="store_true",
-        help="each API key is a tenant: the router's prefix trees keep tenants apart, as the "
-        "replicas' caches do with the same flag (give it to both)",
-    )
-    p.add_argument(
-        "--admin-key",
-        default=None,
-        help="the key of /router/stats, /metrics and /flush_cache (else --admin-key-file, else "
-        "$RADIXKV_ADMIN_KEY); with several API keys and no admin key those routes are closed",
-    )
-    p.add_argument("--admin-key-file", default=None, help="a file holding the admin key")
-    p.add_argument(
-        "--public-metrics",
-        action="store_true",
-        help="serve /metrics without a key: load, errors and health only (the prefix-match "
-        "counters stay behind the admin key)",
-    )
+    add_key_flags(p)
     p.add_argument("--log-level", default="info", help="uvicorn/log level (default info)")
     p.set_defaults(func=run_router)
     return p
@@ -109,8 +82,8 @@ def run_router(args: argparse.Namespace) -> int:
     """Build the router app and run uvicorn until interrupted. Returns the exit code."""
     import uvicorn
 
+    from radixkv.server.key_flags import keys_from_args
     from radixkv.server.router import create_router_app
-    from radixkv.server.tenancy import load_admin_key, load_api_keys
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -123,11 +96,11 @@ def run_router(args: argparse.Namespace) -> int:
             "balance_rel_threshold": args.balance_rel_threshold,
         }
     try:
-        api_keys = load_api_keys(args.api_key, args.api_key_file)
-        admin_key = load_admin_key(args.admin_key, args.admin_key_file)
-    except (OSError, ValueError) as exc:  # the message names the file, never a key
-        print(f"radixkv router: cannot read the keys: {exc}", file=sys.stderr)
+        keys = keys_from_args(args)
+    except ValueError as exc:  # the message names the file, never a key
+        print(f"radixkv router: {exc}", file=sys.stderr)
         return 2
+    api_keys, admin_key = keys.api_keys, keys.admin_key
     try:
         app = create_router_app(
             args.replica,
@@ -136,7 +109,7 @@ def run_router(args: argparse.Namespace) -> int:
             tree_capacity=args.tree_capacity,
             api_keys=api_keys,
             admin_key=admin_key,
-            salt_from_api_key=args.salt_from_api_key,
+            salt_from_api_key=keys.salt_from_api_key,
             public_metrics=args.public_metrics,
             **knobs,
         )
