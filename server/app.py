@@ -6,7 +6,9 @@ lifespan starts the :class:`~radixkv.server.engine_loop.EngineLoop` thread (and 
 Endpoints: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health`` (never needs auth), ``GET /metrics``, ``GET /cache/stats``,
 ``POST /flush_cache``, ``POST /cache/pin``, ``POST /cache/unpin``, ``GET /cache/integrity``,
-``GET /cache/tree``, ``GET /dashboard``. Every error is
+``GET /cache/tree``, ``GET /dashboard``; discovery and tokenizer routes (``/version``, ``/ping``,
+``/tokenize``, ``/detokenize``, SGLang's ``/server_info`` and ``/model_info``) in
+:mod:`.routes_info`; vLLM's ``POST /reset_prefix_cache`` beside ``/flush_cache``. Every error is
 answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 The routes live by family in :mod:`.routes_openai`, :mod:`.routes_native` (``/generate``),
@@ -39,6 +41,7 @@ from .protocol import APIError, error_body
 from .redaction import install_access_log_redactor, internal_error
 from .routes_admin import PinPolicy, admin_routes
 from .routes_dashboard import DASHBOARD_TEXT, dashboard_routes
+from .routes_info import info_routes
 from .routes_metrics import metrics_routes
 from .routes_native import native_routes
 from .routes_openai import openai_routes
@@ -207,6 +210,7 @@ def create_app(
         native_routes(ctx),
         openai_routes(ctx),
         metrics_routes(ctx, public=public_metrics),
+        info_routes(ctx),
         admin_routes(ctx, pins or PinPolicy()),
         dashboard_routes(ctx, text=dashboard_text),
     ):

@@ -1,5 +1,6 @@
 """Cache administration and liveness: ``GET /health`` (never needs auth), ``GET /cache/stats``,
-``POST /flush_cache``, ``POST /cache/pin``, ``POST /cache/unpin``, ``GET /cache/integrity``.
+``POST /flush_cache`` (also vLLM's ``POST /reset_prefix_cache``), ``POST /cache/pin``,
+``POST /cache/unpin``, ``GET /cache/integrity``.
 
 Who may call what (:class:`~radixkv.server.tenancy.KeyRing`): flush, pin, unpin and integrity
 need the admin key. ``GET /cache/stats`` answers the admin ``engine.stats()``; with
@@ -139,6 +140,9 @@ def admin_routes(ctx: ServerContext, pins: PinPolicy | None = None) -> APIRouter
                 code="requests_in_flight",
             )
         return JSONResponse({"success": True, "message": "cache flushed"})
+
+    # vLLM's name for the same
+    router.add_api_route("/reset_prefix_cache", flush_cache, methods=["POST"], dependencies=admin)
 
     @router.post("/cache/pin", dependencies=admin)
     async def pin(body: PinRequest) -> dict[str, Any]:

@@ -131,3 +131,32 @@ def test_stop_strings_over_http_cut_the_real_text(
     assert out.choices[0].finish_reason == "stop"
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
+def test_tokenize_gives_the_ids_the_engine_uses(
+    client: openai.OpenAI, real_server: ServerThread
+) -> None:
+    """vLLM's /tokenize and /detokenize on the real tokenizer: the ids (without special tokens)
+    are the engine's own, counted as the completion's and the chat's prompt_tokens."""
+    import httpx
+
+    base, engine = real_server.base_url, real_server.app.state.engine
+    text = SYSTEM + " Where is the Louvre?"
+    r = httpx.post(
+        f"{base}/tokenize",
+        json={"prompt": text, "add_special_tokens": False, "return_token_strs": True},
+    ).json()
+    assert r["tokens"] == engine.tokenize(text) and r["count"] == len(r["tokens"])
+    assert len(r["token_strs"]) == r["count"] and r["max_model_len"] == engine.max_model_len
+    done = client.completions.create(model=model_name(real_server), prompt=text, max_tokens=1)
+    assert done.usage.prompt_tokens == r["count"]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi!"}]
+    chat_ids = httpx.post(f"{base}/tokenize", json={"messages": messages}).json()["tokens"]
+    chat = client.chat.completions.create(
+        model=model_name(real_server),
+        messages=messages,
+        max_tokens=1,  # type: ignore[arg-type]
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(chat_ids)
+    back = httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back == {"prompt": text}

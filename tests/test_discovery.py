@@ -1,0 +1,93 @@
+"""What vLLM and SGLang clients ask a server about itself: ``/version``, ``/ping``,
+``/tokenize``, ``/detokenize``, SGLang's ``/server_info`` and ``/model_info`` (and their
+``/get_*`` names), vLLM's ``/reset_prefix_cache``. The real tokenizer's answers are checked
+against the engine's own tokenization in ``tests/test_server_real_model.py``."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fake_engine import FakeEngine, ServerThread
+
+from radixkv import __version__
+from radixkv.server.app import create_app
+
+MODEL = "fake-served"
+KEY, ADMIN = "tenant-key", "admin-key"
+
+
+@pytest.fixture(scope="module")
+def srv():
+    app = create_app(FakeEngine(), api_key=KEY, admin_key=ADMIN, model_name=MODEL)
+    with ServerThread(app) as s:
+        yield s
+
+
+def post(srv: ServerThread, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(srv.base_url + path, json=body, headers=headers, timeout=30)
+
+
+def test_version_and_ping_are_open(srv: ServerThread) -> None:
+    r = httpx.get(srv.base_url + "/version")
+    assert r.status_code == 200 and r.json() == {"version": __version__}
+    assert httpx.get(srv.base_url + "/ping").status_code == 200
+    assert httpx.post(srv.base_url + "/ping").status_code == 200
+
+
+def test_tokenize_and_detokenize_round_trip(srv: ServerThread) -> None:
+    text = "héllo, world"
+    want = FakeEngine().tokenizer.encode(text)
+    r = post(srv, "/tokenize", {"prompt": text})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": len(want), "max_model_len": 512, "tokens": want}
+    assert post(srv, "/tokenize", {"model": MODEL, "prompt": text}).json()["tokens"] == want
+    chat = post(srv, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == FakeEngine().tokenizer.encode("<|user|>hi\n<|assistant|>")
+    back = post(srv, "/detokenize", {"tokens": want})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, None),
+        ("/tokenize", {}, 400, None),
+        ("/tokenize", {"prompt": "x", "truncate": 3}, 400, "truncate"),
+        ("/tokenize", {"prompt": "w" * (512 * 33)}, 400, "prompt"),
+        ("/detokenize", {"tokens": [5, -1]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ],
+)
+def test_bad_tokenizer_requests_are_4xx_naming_the_field(
+    srv: ServerThread, path: str, body: dict, status: int, param: str | None
+) -> None:
+    r = post(srv, path, body)
+    assert r.status_code == status, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param, r.text
+
+
+def test_tokenizer_routes_need_a_key(srv: ServerThread) -> None:
+    assert post(srv, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
+    assert post(srv, "/detokenize", {"tokens": [5]}, key="wrong").status_code == 401
+
+
+def test_sglang_discovery(srv: ServerThread) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(srv.base_url + path, headers=auth).json()
+        assert info["served_model_name"] == MODEL and info["model_path"] == "fake-model"
+        assert info["context_length"] == 512 and info["page_size"] == 4
+        assert info["max_total_num_tokens"] == 2048 * 4 and info["version"] == __version__
+    for path in ("/model_info", "/get_model_info"):
+        info = httpx.get(srv.base_url + path, headers=auth).json()
+        assert info["is_generation"] is True and info["tokenizer_path"] == "fake-model"
+    assert httpx.get(srv.base_url + "/server_info").status_code == 401
+
+
+def test_reset_prefix_cache_is_the_admins_flush(srv: ServerThread) -> None:
+    assert post(srv, "/reset_prefix_cache", {}, key=KEY).status_code == 403
+    r = post(srv, "/reset_prefix_cache", {}, key=ADMIN)
+    assert r.status_code == 200 and r.json()["success"] is True
