@@ -59,7 +59,7 @@ def create_app(
     admin_key: str | None = None,
     max_waiting: int | None = DEFAULT_MAX_WAITING,
     max_waiting_per_key: int | None = None,
-    model_name: str | None = None,
+    model_name: str | Sequence[str] | None = None,
     salt_from_api_key: bool = False,
     dashboard_text: str = "show",
     public_metrics: bool = False,
@@ -79,8 +79,9 @@ def create_app(
     :mod:`.tenancy`): tenants never share a cached prefix (needs ``api_key``).
     ``max_waiting``: bound on requests accepted but not yet producing tokens (503 past it);
     ``max_waiting_per_key``: the same bound per API key (429 past it).
-    ``model_name``: the name served in ``/v1/models`` and checked in requests (defaults to
-    ``engine.model_name``).
+    ``model_name``: the name (or names: the first is the primary one) served in ``/v1/models``
+    and accepted in requests, besides ``engine.model_name`` which is always accepted (defaults
+    to ``engine.model_name``); a request without ``model`` gets the served model.
     ``dashboard_text``: ``"show"`` (``/cache/tree`` and ``/dashboard`` show decoded prompt text)
     or ``"hide"`` (token counts only).
     ``public_metrics``: ``/metrics`` needs no key (it shows server-wide counts, no prompt).
@@ -93,8 +94,11 @@ def create_app(
         raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     keyring = KeyRing(api_keys, admin_key, tenants=salt_from_api_key)
-    served_name = model_name or str(getattr(engine, "model_name", None) or "default")
-    accepted_names = {served_name, str(getattr(engine, "model_name", served_name))}
+    names = [model_name] if isinstance(model_name, str) else list(model_name or [])
+    own_name = str(getattr(engine, "model_name", None) or "default")
+    served_names = list(dict.fromkeys(names or [own_name]))
+    served_name = served_names[0]
+    accepted_names = {*served_names, own_name}
     metrics = ServerMetrics(served_name)
     engine_loop = EngineLoop(
         engine,
@@ -200,6 +204,7 @@ def create_app(
         metrics=metrics,
         served_name=served_name,
         accepted_names=accepted_names,
+        served_names=served_names,
         created=created,
         auth=auth,
         admin=admin,

@@ -81,9 +81,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "/generate, /health, /metrics, /cache/stats, /flush_cache, /cache/pin, /cache/tree, "
         "/dashboard (a live view of the cache).",
     )
-    p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
     p.add_argument(
-        "--served-model-name", default=None, help="name clients use (default: the model's)"
+        "model_arg",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model name or path, as in `vllm serve MODEL` (or --model; default smollm2)",
+    )
+    p.add_argument("--model", default=None, help="model name or path (default smollm2)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names clients use (the first is listed first); default: MODEL as given. The "
+        "model's own name is always accepted too",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -167,6 +178,17 @@ def _bind_names(host: str) -> list[str]:
     return [] if host in ("0.0.0.0", "::", "") else [host.strip("[]")]
 
 
+def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """(the model to load, the names to serve) from ``MODEL`` / ``--model`` and
+    ``--served-model-name``. Raises ``ValueError`` when MODEL and --model disagree."""
+    positional = getattr(args, "model_arg", None)
+    flag = getattr(args, "model", None)
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"two models given: {positional!r} (MODEL) and {flag!r} (--model)")
+    model = positional or flag or "smollm2"
+    return model, list(getattr(args, "served_model_name", None) or [model])
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine and app, then run uvicorn until interrupted. Returns the exit code."""
     import uvicorn
@@ -181,6 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixkv.server.routes_admin import PinPolicy
 
     try:
+        model, served_names = resolve_model(args)
         keys = keys_from_args(args)
         pins = PinPolicy(
             max_ttl=args.max_pin_ttl or None,
@@ -192,7 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     knobs = engine_kwargs(args)
     try:
-        engine = Engine(model=args.model, **knobs)
+        engine = Engine(model=model, **knobs)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"radixkv serve: cannot build the engine: {exc}", file=sys.stderr)
         return 2
@@ -209,7 +232,7 @@ def run_serve(args: argparse.Namespace) -> int:
             salt_from_api_key=keys.salt_from_api_key,
             max_waiting=args.max_waiting,
             max_waiting_per_key=args.max_waiting_per_key,
-            model_name=args.served_model_name,
+            model_name=served_names,
             dashboard_text=args.dashboard_text,
             public_metrics=args.public_metrics,
             allowed_hosts=_bind_names(args.host) + (args.allowed_host or []),

@@ -40,12 +40,15 @@ class ServerContext:
     created: int
     auth: list[Any]
     admin: list[Any] = field(default_factory=list)
+    #: Every name ``/v1/models`` lists (``served_name`` first).
+    served_names: list[str] = field(default_factory=list)
     #: The dashboard's ring buffer of cache samples (:class:`.stats_history.StatsHistory`).
     history: Any = None
     keyed: bool = False
 
-    def check_model(self, name: str) -> None:
-        if name not in self.accepted_names:
+    def check_model(self, name: str | None) -> None:
+        """A request's ``model``: None (the served model) or one of ``accepted_names``."""
+        if name is not None and name not in self.accepted_names:
             raise APIError(
                 404,
                 f"The model `{name}` does not exist. This server serves `{self.served_name}`.",

@@ -246,7 +246,7 @@ class CompletionRequest(SamplingFields):
         }
     )
 
-    model: str
+    model: str | None = None  # optional, as in vLLM: the served model
     prompt: str | list[int] | list[str] | list[list[int]]
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -332,7 +332,7 @@ class ChatCompletionRequest(SamplingFields):
         }
     )
 
-    model: str
+    model: str | None = None  # optional, as in vLLM: the served model
     messages: list[ChatMessage]
     stream: bool = False
     stream_options: StreamOptions | None = None

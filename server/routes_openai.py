@@ -265,12 +265,14 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             "object": "list",
             "data": [
                 {
-                    "id": served_name,
+                    "id": name,
                     "object": "model",
                     "created": ctx.created,
                     "owned_by": "radixkv",
+                    "root": str(getattr(engine, "model_name", served_name)),
                     "max_model_len": getattr(engine, "max_model_len", None),
                 }
+                for name in ctx.served_names or [served_name]
             ],
         }
 

@@ -669,7 +669,7 @@ def test_api_key() -> None:
 def test_serve_flags_map_to_engine_knobs() -> None:
     import argparse
 
-    from radixkv.server.cli import add_serve_parser, engine_kwargs
+    from radixkv.server.cli import add_serve_parser, engine_kwargs, resolve_model
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
@@ -707,7 +707,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
             "1000000",
         ]
     )
-    assert (args.model, args.host, args.port, args.api_key, args.max_waiting) == (
+    assert (resolve_model(args)[0], args.host, args.port, args.api_key, args.max_waiting) == (
         "smollm2",
         "127.0.0.1",
         9001,
@@ -751,7 +751,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         "kv_mac_key_file": "/tmp/kv.key",
     }
     assert (args.served_model_name, args.api_key_file, args.api_key) == (
-        "svc",
+        ["svc"],
         "/tmp/keys.txt",
         None,
     )
@@ -857,3 +857,44 @@ def test_a_text_prompt_is_tokenized_once(
     )
     assert out.usage is not None and out.usage.prompt_tokens == len(encode(FakeTokenizer(), text))
     assert calls == [text]
+
+
+def test_model_identity_like_vllm() -> None:
+    """`radixkv serve MODEL` (positional, like `vllm serve`), several served names, the name
+    given as the model served by default, the model's own name always accepted, and requests
+    without `model` served."""
+    import argparse
+
+    from radixkv.server.cli import add_serve_parser, resolve_model
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+
+    def resolved(*argv: str) -> tuple[str, list[str]]:
+        return resolve_model(parser.parse_args(["serve", *argv]))
+
+    assert resolved() == ("smollm2", ["smollm2"])
+    assert resolved("smollm2") == ("smollm2", ["smollm2"])
+    assert resolved("--model", "smollm2") == ("smollm2", ["smollm2"])
+    assert resolved("/m.gguf", "--served-model-name", "a", "b") == ("/m.gguf", ["a", "b"])
+    with pytest.raises(ValueError, match="two models"):
+        resolved("smollm2", "--model", "other")
+
+    app = create_app(FakeEngine(), model_name=["smollm2", "chat-alias"])
+    with ServerThread(app) as srv:
+        base = srv.base_url
+        listed = httpx.get(f"{base}/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == ["smollm2", "chat-alias"]
+        assert all(m["root"] == "fake-model" for m in listed)
+        for model in ("smollm2", "chat-alias", "fake-model", None):
+            body = {"prompt": "hi", "max_tokens": 2}
+            if model is not None:
+                body["model"] = model
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200 and r.json()["model"] == "smollm2", (model, r.text)
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            if model is not None:
+                chat["model"] = model
+            assert httpx.post(f"{base}/v1/chat/completions", json=chat).status_code == 200
+        r = httpx.post(f"{base}/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
+        assert r.status_code == 404 and "`smollm2`" in r.json()["error"]["message"]
