@@ -255,6 +255,8 @@ def _describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str 
     for err in errors:
         if _field_path(err.get("loc")) == param:
             msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            if err.get("type") == "extra_forbidden":
+                msg = "this field is not supported by radixkv (refused, never silently ignored)"
             if msg not in msgs:
                 msgs.append(msg)
         else:

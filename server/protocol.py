@@ -233,17 +233,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(SamplingFields):
+class OpenAIAccepted(BaseModel):
+    """OpenAI fields taken and without effect here: nothing is stored (``store`` must not be
+    true), there is one service tier, ``user`` and ``metadata`` are labels. Any other field
+    radixkv does not implement is a 400 naming it (``extra="forbid"``), never ignored."""
+
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    store: Literal[False] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(SamplingFields, OpenAIAccepted):
     """``POST /v1/completions``."""
 
     model_config = ConfigDict(
+        extra="forbid",
         json_schema_extra={
             "examples": [
                 {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8},
                 {"model": "smollm2", "prompt": [72, 101, 108], "max_tokens": 4, "n": 2},
                 {"model": "smollm2", "prompt": "Hi", "max_tokens": 4, "stream": True},
             ]
-        }
+        },
     )
 
     model: str | None = None  # optional, as in vLLM: the served model
@@ -286,7 +299,7 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
     def template_dict(self) -> dict[str, Any]:
@@ -309,10 +322,11 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, OpenAIAccepted):
     """``POST /v1/chat/completions``."""
 
     model_config = ConfigDict(
+        extra="forbid",
         json_schema_extra={
             "examples": [
                 {
@@ -329,7 +343,7 @@ class ChatCompletionRequest(SamplingFields):
                     "stream_options": {"include_usage": True},
                 },
             ]
-        }
+        },
     )
 
     model: str | None = None  # optional, as in vLLM: the served model
@@ -340,6 +354,17 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     cache_salt: str | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(
+                f"response_format type {value.get('type')!r} is not supported yet (structured "
+                "outputs are not implemented); only {'type': 'text'}"
+            )
+        return value
 
     @field_validator("stream")
     @classmethod

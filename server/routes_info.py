@@ -84,7 +84,7 @@ def info_routes(ctx: ServerContext) -> APIRouter:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @router.api_route("/ping", methods=["GET", "POST"])
+    @router.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
     async def ping() -> Response:
         return Response(status_code=200)
 

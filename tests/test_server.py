@@ -898,3 +898,56 @@ def test_model_identity_like_vllm() -> None:
             assert httpx.post(f"{base}/v1/chat/completions", json=chat).status_code == 200
         r = httpx.post(f"{base}/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
         assert r.status_code == 404 and "`smollm2`" in r.json()["error"]["message"]
+
+
+def test_openai_client_like_a_vllm_user() -> None:
+    """The official openai client as a vLLM user drives it: no model field problems, a field
+    radixkv does not implement is a 400 naming it (never 200 with it ignored), bad roles are
+    400s, the fields without effect here (user, metadata, service_tier, store=false) pass."""
+    import openai
+
+    app = create_app(FakeEngine(), model_name="smollm2")
+    with ServerThread(app) as srv:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}]
+        ok = client.chat.completions.create(
+            model="smollm2", messages=msgs, max_tokens=2, user="u-1", metadata={"a": "b"},
+            service_tier="auto", store=False, response_format={"type": "text"},
+        )  # fmt: skip
+        assert ok.choices[0].message.content is not None
+        done = client.completions.create(model="smollm2", prompt="hi", max_tokens=2, user="u")
+        assert done.usage is not None and done.usage.completion_tokens == 2
+        refused = [
+            ("logit_bias", {"logit_bias": {"5": 10}}),
+            ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            ("tool_choice", {"tool_choice": "required"}),
+            ("min_tokens", {"extra_body": {"min_tokens": 3}}),
+            ("chat_template_kwargs", {"extra_body": {"chat_template_kwargs": {"x": 1}}}),
+            ("response_format", {"response_format": {"type": "json_object"}}),
+            ("store", {"store": True}),
+        ]
+        for param, extra in refused:
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(
+                    model="smollm2", messages=msgs, max_tokens=2, **extra
+                )
+            body = err.value.body
+            assert isinstance(body, dict) and body["param"] == param, (param, body)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="smollm2", prompt="hi", suffix="end")
+        assert isinstance(err.value.body, dict) and err.value.body["param"] == "suffix"
+        assert "not supported" in err.value.body["message"]
+        for role in ("wizard", "function", ""):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(
+                    model="smollm2",
+                    messages=[{"role": role, "content": "x"}],  # type: ignore[misc,list-item]
+                )
+            assert isinstance(err.value.body, dict)
+            assert err.value.body["param"] == "messages.0.role", err.value.body
+        for role in ("system", "developer", "assistant", "tool"):
+            client.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": role, "content": "x"}, *msgs],  # type: ignore[misc,list-item]
+                max_tokens=1,
+            )
