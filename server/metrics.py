@@ -3,7 +3,8 @@
 Each app gets its own :class:`~prometheus_client.CollectorRegistry` (so several servers can live
 in one process, as in the tests). Per-request metrics (token counters, TTFT, inter-token latency,
 end-to-end latency) are updated by the engine thread from ``StepOutput``s; the cache and queue
-gauges are refreshed from ``engine.stats()`` at scrape time.
+gauges are refreshed from ``engine.stats()`` at scrape time. The same series are also exposed
+under vLLM's and SGLang's names (:mod:`.peer_metrics`).
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
+        from .peer_metrics import PeerMetricNames
+
+        r.register(PeerMetricNames(self))  # vllm:* and sglang:* names of the same series
 
     def record_prompt(
         self, prompt_tokens: int, cached_tokens: int, by_tier: Mapping[str, int] | None

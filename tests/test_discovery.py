@@ -91,3 +91,49 @@ def test_reset_prefix_cache_is_the_admins_flush(srv: ServerThread) -> None:
     assert post(srv, "/reset_prefix_cache", {}, key=KEY).status_code == 403
     r = post(srv, "/reset_prefix_cache", {}, key=ADMIN)
     assert r.status_code == 200 and r.json()["success"] is True
+
+
+def test_vllm_and_sglang_metric_names(srv: ServerThread) -> None:
+    """A vLLM or SGLang dashboard finds its series: parsed with Prometheus' own text parser,
+    each peer name carries model_name and equals radixkv's series it renames."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(2):  # the second hits the cache
+        r = post(
+            srv, "/v1/completions", {"prompt": "a shared prompt, long enough", "max_tokens": 3}
+        )
+        assert r.status_code == 200, r.text
+    text = httpx.get(srv.base_url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(name: str, **labels: str) -> float:
+        samples = [
+            s
+            for s in fams[name].samples
+            if all(s.labels.get(k) == v for k, v in labels.items())
+            and not s.name.endswith(("_created", "_bucket"))
+        ]
+        assert samples, (name, labels)
+        return sum(s.value for s in samples if not s.name.endswith("_sum"))
+
+    pairs = {
+        "vllm:prompt_tokens": "radixkv_prompt_tokens",
+        "sglang:prompt_tokens": "radixkv_prompt_tokens",
+        "vllm:prefix_cache_queries": "radixkv_prompt_tokens",
+        "vllm:prefix_cache_hits": "radixkv_cached_tokens",
+        "sglang:cached_tokens": "radixkv_cached_tokens",
+        "vllm:generation_tokens": "radixkv_generation_tokens",
+        "vllm:num_requests_running": "radixkv_num_requests_running",
+        "sglang:num_queue_reqs": "radixkv_num_requests_waiting",
+        "sglang:cache_hit_rate": "radixkv_cache_hit_rate",
+        "vllm:time_to_first_token_seconds": "radixkv_time_to_first_token_seconds",
+        "sglang:e2e_request_latency_seconds": "radixkv_e2e_request_latency_seconds",
+    }
+    for peer, ours in pairs.items():
+        assert value(peer, model_name=MODEL) == value(ours), peer
+    assert value("vllm:prefix_cache_hits", model_name=MODEL) > 0
+    assert value("vllm:request_success", finished_reason="length", model_name=MODEL) >= 2
+    used = value("radixkv_kv_pages_used") / value("radixkv_kv_pages_total")
+    assert value("vllm:kv_cache_usage_perc", model_name=MODEL) == pytest.approx(used)
+    assert value("sglang:token_usage", model_name=MODEL) == pytest.approx(used)
+    assert fams["vllm:time_to_first_token_seconds"].type == "histogram"

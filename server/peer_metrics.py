@@ -1,0 +1,101 @@
+"""vLLM's and SGLang's metric names for what they share with radixkv's own, so their dashboards
+work unchanged against radixkv.
+
+:class:`PeerMetricNames` is a Prometheus collector over :class:`~.metrics.ServerMetrics`: at
+scrape time it renames radixkv's samples (no second bookkeeping) and adds a ``model_name``
+label. What maps to what:
+
+======================================  ==============================================
+vLLM / SGLang                           radixkv
+======================================  ==============================================
+``vllm:prompt_tokens_total``,           ``radixkv_prompt_tokens_total``
+``sglang:prompt_tokens_total``
+``vllm:generation_tokens_total``,       ``radixkv_generation_tokens_total``
+``sglang:generation_tokens_total``
+``vllm:prefix_cache_queries_total``     ``radixkv_prompt_tokens_total`` (tokens looked up)
+``vllm:prefix_cache_hits_total``,       ``radixkv_cached_tokens_total``
+``sglang:cached_tokens_total``
+``vllm:request_success_total``          ``radixkv_requests_total`` (``finished_reason``)
+``vllm:num_requests_running`` /         ``radixkv_num_requests_running`` / ``_waiting``
+``_waiting``, ``sglang:num_running_reqs``
+/ ``sglang:num_queue_reqs``
+``vllm:kv_cache_usage_perc``,           ``radixkv_kv_pages_used / radixkv_kv_pages_total``
+``sglang:token_usage``                  (a fraction, 1 = full)
+``sglang:cache_hit_rate``               ``radixkv_cache_hit_rate``
+``{vllm,sglang}:time_to_first_token_seconds``, ``:inter_token_latency_seconds``,
+``:e2e_request_latency_seconds``        the ``radixkv_`` histograms of the same names
+``vllm:time_per_output_token_seconds``  ``radixkv_inter_token_latency_seconds``
+======================================  ==============================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .metrics import ServerMetrics
+
+__all__ = ["PeerMetricNames"]
+
+
+class PeerMetricNames(Collector):
+    """Collector of the ``vllm:*`` and ``sglang:*`` names (see the module docstring)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        renames = [
+            (m.prompt_tokens, ("vllm:prompt_tokens", "sglang:prompt_tokens")),
+            (m.prompt_tokens, ("vllm:prefix_cache_queries",)),
+            (m.generation_tokens, ("vllm:generation_tokens", "sglang:generation_tokens")),
+            (m.cached_tokens, ("vllm:prefix_cache_hits", "sglang:cached_tokens")),
+            (m.requests, ("vllm:request_success",)),
+            (m.running, ("vllm:num_requests_running", "sglang:num_running_reqs")),
+            (m.waiting, ("vllm:num_requests_waiting", "sglang:num_queue_reqs")),
+            (m.hit_rate, ("sglang:cache_hit_rate",)),
+            (m.ttft, ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds")),
+            (
+                m.itl,
+                (
+                    "vllm:inter_token_latency_seconds",
+                    "vllm:time_per_output_token_seconds",
+                    "sglang:inter_token_latency_seconds",
+                ),
+            ),
+            (m.e2e, ("vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds")),
+        ]
+        for source, names in renames:
+            for family in source.collect():
+                for name in names:
+                    yield self._renamed(family, name)
+        used, total = _value(m.pages_used), _value(m.pages_total)
+        usage = used / total if total else 0.0
+        for name in ("vllm:kv_cache_usage_perc", "sglang:token_usage"):
+            family = Metric(name, "KV pages in use / KV pages in the pool (1 = full).", "gauge")
+            family.add_sample(name, {"model_name": m.model_name}, usage)
+            yield family
+
+    def _renamed(self, family: Metric, name: str) -> Metric:
+        out = Metric(name, family.documentation, family.type)
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue  # radixkv's own series carry the creation times
+            suffix = sample.name[len(family.name) :]
+            labels = {**sample.labels, "model_name": self.m.model_name}
+            if "finish_reason" in labels:  # vLLM's label name
+                labels["finished_reason"] = labels.pop("finish_reason")
+            out.add_sample(name + suffix, labels, sample.value, sample.timestamp, sample.exemplar)
+        return out
+
+
+def _value(gauge: object) -> float:
+    for family in gauge.collect():  # type: ignore[attr-defined]
+        for sample in family.samples:
+            return float(sample.value)
+    return 0.0
