@@ -31,13 +31,10 @@ vLLM / SGLang                           radixkv
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-
-if TYPE_CHECKING:
-    from .metrics import ServerMetrics
 
 __all__ = ["PeerMetricNames"]
 
@@ -45,7 +42,9 @@ __all__ = ["PeerMetricNames"]
 class PeerMetricNames(Collector):
     """Collector of the ``vllm:*`` and ``sglang:*`` names (see the module docstring)."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: Any) -> None:
+        """``metrics``: the :class:`~.metrics.ServerMetrics` whose series are renamed (not
+        imported here: metrics.py registers this collector)."""
         self.m = metrics
 
     def collect(self) -> Iterator[Metric]:
