@@ -46,6 +46,7 @@ from .routes_metrics import metrics_routes
 from .routes_native import native_routes
 from .routes_openai import openai_routes
 from .stats_history import StatsHistory, collect_sample
+from .stats_log import StatsLine
 from .streaming import ClientDisconnected
 from .tenancy import REQUEST_CALLER, REQUEST_TENANT_SALT, KeyRing
 
@@ -66,6 +67,7 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
     pins: PinPolicy | None = None,
+    log_stats_interval: float | None = 10.0,
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
     docs/security.md for what each guard protects).
@@ -89,6 +91,8 @@ def create_app(
     key at all (``"*"``: any); with keys every name is served.
     ``max_body_bytes``: larger request bodies are refused (413) before parsing and auth.
     ``pins``: the pin budgets and maximum ttl (:class:`~radixkv.server.routes_admin.PinPolicy`).
+    ``log_stats_interval``: seconds between stats lines in the log while busy (None: none;
+    :mod:`.stats_log`).
     """
     if dashboard_text not in DASHBOARD_TEXT:
         raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
@@ -108,9 +112,13 @@ def create_app(
     )
     created = now()
     history = StatsHistory()
+    stats_line = StatsLine(log_stats_interval) if log_stats_interval else None
 
     async def sample() -> dict[str, Any]:
-        return await engine_loop.call(lambda e: collect_sample(e, metrics))
+        got = await engine_loop.call(lambda e: collect_sample(e, metrics))
+        if stats_line is not None:
+            stats_line.observe(got)
+        return got
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

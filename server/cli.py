@@ -140,6 +140,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         f"(default {PinPolicy.namespace_share})",
     )
     p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between stats lines (throughput, queue, KV use, hit rate) while busy; "
+        "0 = none (default 10)",
+    )
+    p.add_argument(
         "--dashboard-text",
         choices=["show", "hide"],
         default="show",
@@ -238,6 +245,7 @@ def run_serve(args: argparse.Namespace) -> int:
             allowed_hosts=_bind_names(args.host) + (args.allowed_host or []),
             max_body_bytes=args.max_body_bytes,
             pins=pins,
+            log_stats_interval=args.log_stats_interval or None,
         )
     except ValueError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)

@@ -429,7 +429,7 @@ class EngineLoop:
                     usage["prompt_tokens"] += int(out.prompt_tokens or 0)
                     usage["cached_tokens"] += int(out.cached_tokens or 0)
             if new_tokens:
-                m.generation_tokens.inc(new_tokens)
+                m.record_generated(new_tokens)
                 if tracked.owner is not None:
                     self._usage[tracked.owner]["completion_tokens"] += new_tokens
                 if tracked.first_token_at is None:

@@ -57,6 +57,7 @@ class ServerMetrics:
         self.prompt_tokens_seen = 0
         self.cached_tokens_seen = 0
         self.cached_by_tier_seen: dict[str, int] = {}
+        self.generated_tokens_seen = 0  # plain total of generation_tokens (engine thread)
         r = self.registry
         self.model_name = model_name
         self.prompt_tokens = Counter(
@@ -142,6 +143,11 @@ class ServerMetrics:
         from .peer_metrics import PeerMetricNames
 
         r.register(PeerMetricNames(self))  # vllm:* and sglang:* names of the same series
+
+    def record_generated(self, tokens: int) -> None:
+        """Count ``tokens`` generated (engine thread)."""
+        self.generated_tokens_seen += tokens
+        self.generation_tokens.inc(tokens)
 
     def record_prompt(
         self, prompt_tokens: int, cached_tokens: int, by_tier: Mapping[str, int] | None

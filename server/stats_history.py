@@ -15,6 +15,7 @@ Sample schema (``version`` 1 of the dashboard API; keys are only ever added)::
       "cached_by_tier": {"device": int, "host": int, "disk": int, "remote": int},
       "requests": int,           # cumulative requests counted above
       "requests_hit": int,       # cumulative requests with at least one cached token
+      "generated_tokens": int,   # cumulative tokens generated
       "running": int, "waiting": int,
       "tiers": {                 # occupancy in tokens; a tier that is off is absent
         "device": {"used": int, "cached": int, "capacity": int},
@@ -85,6 +86,7 @@ def collect_sample(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
         "cached_by_tier": {k: metrics.cached_by_tier_seen.get(k, 0) for k in TIERS},
         "requests": metrics.requests_seen,
         "requests_hit": metrics.requests_hit,
+        "generated_tokens": metrics.generated_tokens_seen,
         "running": _int(stats.get("running")),
         "waiting": _int(stats.get("waiting")),
         "tiers": tiers,

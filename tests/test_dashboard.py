@@ -82,6 +82,7 @@ SAMPLE_KEYS = {
     "cached_tokens",
     "cached_by_tier",
     "requests",
+    "generated_tokens",
     "requests_hit",
     "running",
     "waiting",

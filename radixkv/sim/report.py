@@ -114,6 +114,7 @@ class Timeline:
                 },
                 "requests": done,
                 "requests_hit": self.requests_hit,
+                "generated_tokens": 0,  # a simulation runs no model: no token is generated
                 "running": 0,
                 "waiting": 0,
                 "tiers": tier_occ,
