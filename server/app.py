@@ -39,6 +39,7 @@ from .intake import now
 from .metrics import ServerMetrics
 from .protocol import APIError, error_body
 from .redaction import install_access_log_redactor, internal_error
+from .request_id import RequestIdMiddleware
 from .routes_admin import PinPolicy, admin_routes
 from .routes_dashboard import DASHBOARD_TEXT, dashboard_routes
 from .routes_info import info_routes
@@ -144,6 +145,7 @@ def create_app(
     if keyring.open:
         hosts = [*LOOPBACK_HOSTS, *(allowed_hosts or ())]
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, allowed_hosts=hosts)
+    app.add_middleware(RequestIdMiddleware)  # outermost: guard refusals carry the id too
     install_access_log_redactor()  # a key typed into a query string never reaches the log
 
     # ---------------------------------------------------------------- errors

@@ -137,3 +137,30 @@ def test_vllm_and_sglang_metric_names(srv: ServerThread) -> None:
     assert value("vllm:kv_cache_usage_perc", model_name=MODEL) == pytest.approx(used)
     assert value("sglang:token_usage", model_name=MODEL) == pytest.approx(used)
     assert fams["vllm:time_to_first_token_seconds"].type == "histogram"
+
+
+def test_x_request_id_is_honoured_and_returned(srv: ServerThread) -> None:
+    r = post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert len(r.headers["x-request-id"]) == 32  # none sent: a fresh one
+    headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "trace-42.a:b"}
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42.a:b"
+    refused = httpx.post(
+        srv.base_url + "/v1/completions", json=body, headers={"X-Request-Id": "x y"}
+    )
+    assert refused.status_code == 401 and refused.headers["x-request-id"] != "x y"
+
+
+def test_the_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from radixkv.server.key_flags import API_KEY_ENV, add_key_flags, keys_from_args
+
+    p = argparse.ArgumentParser()
+    add_key_flags(p)
+    monkeypatch.setenv(API_KEY_ENV, "env-key")
+    assert keys_from_args(p.parse_args([])).api_keys == ["env-key"]
+    assert keys_from_args(p.parse_args(["--api-key", "flag-key"])).api_keys == ["flag-key"]
+    monkeypatch.delenv(API_KEY_ENV)
+    assert keys_from_args(p.parse_args([])).api_keys == []
