@@ -1,6 +1,8 @@
 """The key flags ``radixkv serve``, ``radixkv router`` and ``radixkv cluster`` share:
 ``--api-key`` (repeatable), ``--api-key-file``, ``--salt-from-api-key``, ``--admin-key``,
-``--admin-key-file`` (or ``RADIXKV_ADMIN_KEY``) and ``--public-metrics``.
+``--admin-key-file`` (or ``RADIXKV_ADMIN_KEY``) and ``--public-metrics``. Without
+``--api-key`` or ``--api-key-file`` the API key may come from ``RADIXKV_API_KEY`` (like vLLM's
+``VLLM_API_KEY``), so it stays off command lines.
 
 :func:`add_key_flags` registers them; :func:`keys_from_args` reads them into the keyword
 arguments of ``create_app`` / ``create_router_app`` (the ``api_keys``, ``admin_key`` and
@@ -11,11 +13,15 @@ key flags as its replicas.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from .tenancy import ADMIN_KEY_ENV, load_admin_key, load_api_keys
 
-__all__ = ["KeyArgs", "add_key_flags", "keys_from_args"]
+__all__ = ["API_KEY_ENV", "KeyArgs", "add_key_flags", "keys_from_args"]
+
+API_KEY_ENV = "RADIXKV_API_KEY"
+"""The environment variable holding the API key when no flag gives one."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ def add_key_flags(p: argparse.ArgumentParser, *, public_metrics: bool = True) ->
         action="append",
         default=None,
         help="require 'Authorization: Bearer KEY' (every route but /health); repeat for "
-        "several keys",
+        f"several keys (or set ${API_KEY_ENV})",
     )
     p.add_argument(
         "--api-key-file", default=None, help="more API keys, one a line ('#' comments skipped)"
@@ -65,8 +71,11 @@ def add_key_flags(p: argparse.ArgumentParser, *, public_metrics: bool = True) ->
 def keys_from_args(args: argparse.Namespace) -> KeyArgs:
     """The keys of parsed key flags. Raises ``ValueError`` (the message names a file or the
     rule broken, never a key) for an unreadable file, a bad key, or tenants without keys."""
+    given = args.api_key
+    if given is None and args.api_key_file is None and os.environ.get(API_KEY_ENV):
+        given = [os.environ[API_KEY_ENV]]
     try:
-        api_keys = load_api_keys(args.api_key, args.api_key_file)
+        api_keys = load_api_keys(given, args.api_key_file)
     except OSError as exc:
         raise ValueError(f"cannot read the API keys: {exc}") from exc
     if args.salt_from_api_key and not api_keys:
