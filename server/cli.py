@@ -206,7 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from radixkv.server.key_flags import keys_from_args
+    from radixkv.server.key_flags import key_warnings, keys_from_args
     from radixkv.server.routes_admin import PinPolicy
 
     try:
@@ -220,6 +220,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
+    for warning in key_warnings(keys, args.host):
+        logger.warning("%s", warning)
     knobs = engine_kwargs(args)
     try:
         engine = Engine(model=model, **knobs)

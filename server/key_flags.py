@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .tenancy import ADMIN_KEY_ENV, load_admin_key, load_api_keys
 
-__all__ = ["API_KEY_ENV", "KeyArgs", "add_key_flags", "keys_from_args"]
+__all__ = ["API_KEY_ENV", "KeyArgs", "add_key_flags", "key_warnings", "keys_from_args"]
 
 API_KEY_ENV = "RADIXKV_API_KEY"
 """The environment variable holding the API key when no flag gives one."""
@@ -85,3 +85,21 @@ def keys_from_args(args: argparse.Namespace) -> KeyArgs:
     except OSError as exc:
         raise ValueError(f"cannot read the admin key: {exc}") from exc
     return KeyArgs(api_keys, admin_key, bool(args.salt_from_api_key))
+
+
+def key_warnings(keys: KeyArgs, host: str) -> list[str]:
+    """What an operator should hear at start about the keys given and the bind address."""
+    out = []
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    if not keys.api_keys and keys.admin_key is None and not loopback:
+        out.append(
+            f"bound to {host} without --api-key: anyone who reaches the port may generate, read "
+            "the cache tree (prompt text) and flush it; only loopback Host names are served "
+            "unless --allowed-host says otherwise"
+        )
+    if keys.admin_key is None and (len(keys.api_keys) > 1 or keys.salt_from_api_key):
+        out.append(
+            "several API keys (or tenants) and no --admin-key: the admin routes (flush, pin, "
+            "integrity, the tree, global stats, metrics) are closed to every key"
+        )
+    return out

@@ -164,3 +164,14 @@ def test_the_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert keys_from_args(p.parse_args(["--api-key", "flag-key"])).api_keys == ["flag-key"]
     monkeypatch.delenv(API_KEY_ENV)
     assert keys_from_args(p.parse_args([])).api_keys == []
+
+
+def test_start_up_warnings_about_keys() -> None:
+    from radixkv.server.key_flags import KeyArgs, key_warnings
+
+    assert key_warnings(KeyArgs([], None, False), "127.0.0.1") == []
+    assert "without --api-key" in key_warnings(KeyArgs([], None, False), "0.0.0.0")[0]
+    assert key_warnings(KeyArgs(["k"], None, False), "0.0.0.0") == []
+    closed = key_warnings(KeyArgs(["k1", "k2"], None, False), "0.0.0.0")
+    assert len(closed) == 1 and "no --admin-key" in closed[0]
+    assert key_warnings(KeyArgs(["k1", "k2"], "adm", True), "0.0.0.0") == []
