@@ -32,6 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixkv import __version__
+
 from .context import ServerContext
 from .engine_loop import EngineLoop
 from .guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, RequestGuard
@@ -136,7 +138,7 @@ def create_app(
             if callable(close) and not engine_loop.alive:
                 await asyncio.to_thread(close)
 
-    app = FastAPI(title="radixkv", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="radixkv", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
