@@ -190,3 +190,24 @@ def test_work_per_token_does_not_grow_with_the_output(tok) -> None:
         out = "".join(detok.update(ids[:k], final=k == len(ids))[0] for k in range(1, len(ids) + 1))
         assert out == full_decode(tok, ids)
         assert decoded <= 12 * len(ids), decoded
+
+
+def test_special_tokens_shown_when_asked_and_stop_strings_kept(tok) -> None:
+    """skip_special_tokens=False keeps special tokens' text (e.g. ``<|im_end|>``);
+    include_stop keeps the stop string; stop_reason names it."""
+    ids = tok.encode("Hello there", add_special_tokens=False) + [tok.eos_token_id]
+    special = tok.decode([tok.eos_token_id], skip_special_tokens=False)
+    assert special  # the EOS token has a text when not skipped
+    shown = IncrementalDetokenizer(tok, None, skip_special_tokens=False)
+    text = "".join(shown.update(ids[:k], final=k == len(ids))[0] for k in range(1, len(ids) + 1))
+    assert text == "Hello there" + special
+    kept = IncrementalDetokenizer(tok, [" the"], include_stop=True)
+    deltas, stopped_at = [], None
+    for k in range(1, len(ids) + 1):
+        delta, stopped = kept.update(ids[:k], final=k == len(ids))
+        deltas.append(delta)
+        if stopped:
+            stopped_at = k
+            break
+    assert stopped_at is not None and "".join(deltas) == "Hello the"
+    assert kept.stop_reason == " the"

@@ -28,9 +28,20 @@ class IncrementalDetokenizer:
     string, not by the output length.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str] | None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: list[str] | None,
+        *,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.include_stop = include_stop  # the text ends after the stop string, not before
+        self.skip_special_tokens = skip_special_tokens
+        #: the stop string that ended the text (vLLM's ``stop_reason``), once one did
+        self.stop_reason: str | None = None
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._chunks: list[str] = []  # the confirmed text, in pieces (joined on demand)
         self._length = 0  # characters in _chunks
@@ -41,6 +52,17 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of the text already returned as deltas
         self.stopped = False
 
+    @classmethod
+    def for_params(cls, tokenizer: Any, params: Any, stops: bool = True) -> IncrementalDetokenizer:
+        """The detokenizer of a sequence sampled with ``params`` (``stops``: apply its stop
+        strings; beam search does not)."""
+        return cls(
+            tokenizer,
+            params.stop_list if stops else None,
+            include_stop=bool(getattr(params, "include_stop_str_in_output", False)),
+            skip_special_tokens=bool(getattr(params, "skip_special_tokens", True)),
+        )
+
     @property
     def text(self) -> str:
         """The text so far (cut right before a stop string once one is found)."""
@@ -50,7 +72,11 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return str(
-            self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            self.tokenizer.decode(
+                ids,
+                skip_special_tokens=self.skip_special_tokens,
+                clean_up_tokenization_spaces=False,
+            )
         )
 
     def _append(self, new: str) -> None:
@@ -85,10 +111,14 @@ class IncrementalDetokenizer:
         if self.stop and self._length > length_before:
             tail_start = self._length - len(self._tail)
             search_from = max(0, self.emitted - self._hold) - tail_start
-            cuts = [self._tail.find(s, max(search_from, 0)) for s in self.stop]
-            cut = min((c for c in cuts if c >= 0), default=-1)
+            found = [
+                (c, s) for s in self.stop if (c := self._tail.find(s, max(search_from, 0))) >= 0
+            ]
+            cut, matched = min(found, default=(-1, ""))
             if cut >= 0:
-                self.stopped = True
+                self.stopped, self.stop_reason = True, matched
+                if self.include_stop:
+                    cut += len(matched)
                 self._chunks = [self.text[: tail_start + cut]]
                 self._length = tail_start + cut
                 self._tail = self._tail[:cut]

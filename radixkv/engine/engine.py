@@ -164,7 +164,7 @@ class Engine:
             params=params,
             salt=salt,
             arrival=now(),
-            detok=IncrementalDetokenizer(self.tokenizer, params.stop_list),
+            detok=IncrementalDetokenizer.for_params(self.tokenizer, params),
             generator=self._generator(params, 0),
             fork_children=0 if params.use_beam_search else params.n - 1,
         )
@@ -346,7 +346,7 @@ class Engine:
                 reason = self._finish_reason(seq, token)
                 delta, stopped = seq.detok.update(seq.output_ids, final=reason is not None)
                 if stopped:
-                    reason = "stop"
+                    reason, seq.stop_reason = "stop", seq.detok.stop_reason
                 if reason is not None:
                     self.lifecycle.finish(seq, reason)
             except Exception as exc:
@@ -366,6 +366,7 @@ class Engine:
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if p.stop_token_ids and token in p.stop_token_ids:
+            seq.stop_reason = token
             return "stop"
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -60,7 +60,7 @@ class SequenceLifecycle:
             params=parent.params,
             salt=parent.salt,
             arrival=parent.arrival,
-            detok=IncrementalDetokenizer(self.tokenizer, None if beam else parent.params.stop_list),
+            detok=IncrementalDetokenizer.for_params(self.tokenizer, parent.params, stops=not beam),
             generator=generator,
             cached_tokens=parent.cached_tokens,
             cached_by_tier=dict(parent.cached_by_tier),

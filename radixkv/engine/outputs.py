@@ -30,6 +30,7 @@ def step_output(
         new_text=delta,
         finished=seq.is_finished,
         finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
         prompt_tokens=len(seq.prompt_ids),
         cached_tokens=seq.cached_tokens or 0,
         cached_tokens_by_tier=dict(seq.cached_by_tier),
@@ -68,6 +69,7 @@ def request_output(
                 token_ids=s.output_ids,
                 text=s.detok.text,
                 finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
                 logprobs=s.output_logprobs or None,
                 top_logprobs=[top(t) or [] for t in s.output_top_logprobs]
                 if s.params.logprobs is not None

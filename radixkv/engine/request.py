@@ -63,6 +63,8 @@ class Sequence:
     cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
+    #: what stopped it (vLLM's): the stop string or stop token id; None for EOS or length
+    stop_reason: int | str | None = None
     generator: Any = None
     fork_children: int = 0  # siblings still to be forked from this sequence's prefill
     preemptions: int = 0
@@ -118,6 +120,8 @@ class StepOutput:
     #: set (with ``finished`` and ``finish_reason == "error"``) when the engine failed this
     #: request alone inside a step: the message says why; the other requests go on
     error: str | None = None
+    #: once finished: the stop string or stop token id that ended it (None: EOS or length)
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -132,6 +136,7 @@ class CompletionOutput:
     top_logprobs: list[list[Logprob]] | None = None
     cumulative_logprob: float | None = None
     score: float | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass

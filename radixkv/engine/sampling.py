@@ -48,6 +48,10 @@ class SamplingParams:
     best_of: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    #: keep the stop string that ended the text in it (vLLM's name)
+    include_stop_str_in_output: bool = False
+    #: leave special tokens (e.g. ``<|im_end|>``) out of the text
+    skip_special_tokens: bool = True
 
     def validate(self) -> SamplingParams:
         """Raise ``ValueError`` naming the first bad field; returns ``self`` when valid."""
@@ -110,6 +114,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+        for flag in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, "must be true or false")
         self._validate_beam_search(bad)
         return self
 
