@@ -151,6 +151,8 @@ class SamplingFields(RequestBody):
     length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
     early_stopping: bool | Literal["never"] = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @field_validator("best_of")
     @classmethod
@@ -202,6 +204,8 @@ class SamplingFields(RequestBody):
             "best_of": self.best_of,
             "length_penalty": self.length_penalty,
             "early_stopping": self.early_stopping,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
         }
         for name in (
             "top_p",
@@ -274,9 +278,9 @@ class CompletionRequest(SamplingFields, OpenAIAccepted):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo=true is not supported")
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo=true with logprobs is not supported (use prompt_logprobs)")
         return value
 
     def single_prompt(self) -> str | list[int]:

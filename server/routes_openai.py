@@ -40,6 +40,12 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
     guarded_stream, token_str = ctx.guarded_stream, ctx.token_str
     router = APIRouter()
 
+    async def echo_text(ids: list[int]) -> str:
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is None:
+            return ""
+        return str(await asyncio.to_thread(tokenizer.decode, ids))
+
     def prompt_logprobs(result: Collected, prompt_ids: list[int] | None) -> Any:
         if result.prompt_logprobs is None or prompt_ids is None:
             return None
@@ -70,6 +76,9 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         stream = await submit(rid, ids, params, body.cache_salt, arrival)
         want_logprobs = body.logprobs is not None
         prompt_ids = ids if body.prompt_logprobs is not None else None
+        echoed = ""  # echo: the prompt's text before each choice's
+        if body.echo:
+            echoed = prompt if isinstance(prompt, str) else await echo_text(ids)
 
         if not body.stream:
             result = await collect(request, stream, body.n)
@@ -77,13 +86,14 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             for i, seq in enumerate(result.seqs):
                 choice = {
                     "index": i,
-                    "text": seq.text,
+                    "text": echoed + seq.text,
                     "logprobs": completion_logprobs(
                         seq.token_ids, seq.logprobs, seq.top_logprobs, token_str, 0
                     )
                     if want_logprobs
                     else None,
                     "finish_reason": seq.finish_reason,
+                    "stop_reason": seq.stop_reason,
                 }
                 if prompt_ids is not None:
                     choice["prompt_logprobs"] = prompt_logprobs(result, prompt_ids)
@@ -102,8 +112,23 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created_at = now()
 
+        def text_chunk(index: int, text: str) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created_at,
+                "model": served_name,
+                "choices": [
+                    {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+                ],
+            }
+
         async def body_iter() -> AsyncIterator[str]:
             result = Collected(seqs=[Seq() for _ in range(body.n)])
+            for index in range(body.n) if echoed else ():
+                yield sse(
+                    {**text_chunk(index, echoed), **({"usage": None} if include_usage else {})}
+                )
             async for out in stream.outputs():
                 seq = result.seqs[int(getattr(out, "index", 0) or 0)]
                 offset = len(seq.text)
@@ -129,6 +154,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                             if want_logprobs
                             else None,
                             "finish_reason": out.finish_reason if out.finished else None,
+                            "stop_reason": getattr(out, "stop_reason", None),
                         }
                     ],
                 }
@@ -191,6 +217,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                         if body.logprobs
                         else None,
                         "finish_reason": seq.finish_reason,
+                        "stop_reason": seq.stop_reason,
                     }
                 )
             answer = {
@@ -208,15 +235,18 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created_at = now()
 
-        def chunk(index: int, delta: dict[str, Any], finish: str | None, lp: Any) -> str:
+        def chunk(
+            index: int, delta: dict[str, Any], finish: str | None, lp: Any, stop: Any = None
+        ) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop
             payload: dict[str, Any] = {
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created_at,
                 "model": served_name,
-                "choices": [
-                    {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-                ],
+                "choices": [choice],
             }
             if include_usage:
                 payload["usage"] = None
@@ -243,7 +273,9 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                 if out.new_text or lp is not None:
                     yield chunk(index, {"content": out.new_text or ""}, None, lp)
                 if out.finished:
-                    yield chunk(index, {}, out.finish_reason, None)
+                    yield chunk(
+                        index, {}, out.finish_reason, None, getattr(out, "stop_reason", None)
+                    )
             if include_usage:
                 yield sse(
                     {

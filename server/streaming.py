@@ -97,6 +97,7 @@ class Seq:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[Any] = field(default_factory=list)  # per token, its top-K alternatives
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     sent_role: bool = False
 
 
@@ -131,6 +132,7 @@ class Collected:
             self.prompt_top_logprobs = out.prompt_top_logprobs
         if out.finished:
             seq.finish_reason = out.finish_reason
+            seq.stop_reason = getattr(out, "stop_reason", None)
         return seq
 
     @property

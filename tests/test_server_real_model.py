@@ -160,3 +160,59 @@ def test_tokenize_gives_the_ids_the_engine_uses(
     assert chat.usage is not None and chat.usage.prompt_tokens == len(chat_ids)
     back = httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}).json()
     assert back == {"prompt": text}
+
+
+def test_stop_reason_include_stop_str_and_echo(
+    client: openai.OpenAI, real_server: ServerThread
+) -> None:
+    """vLLM's stop_reason (the stop string or stop token id; None at EOS or length),
+    include_stop_str_in_output (the text ends after the stop string) and echo (the prompt's
+    text first), with and without streaming, on SmolLM2."""
+    from radixkv import SamplingParams
+
+    name = model_name(real_server)
+    loop = real_server.app.state.engine_loop
+    prompt = "The capital of France is"
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    (free,) = loop.call_sync(lambda e: e.generate(prompt, params))
+    text, ids = free.text, free.token_ids
+    stop = text[3:6]
+    base: dict[str, Any] = dict(model=name, prompt=prompt, max_tokens=12, temperature=0)
+    out = client.completions.create(**base, stop=[stop], extra_body={"ignore_eos": True})
+    choice = out.choices[0].model_dump()
+    assert (choice["text"], choice["finish_reason"]) == (text[: text.find(stop)], "stop")
+    assert choice["stop_reason"] == stop
+    kept = client.completions.create(
+        **base, stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].text == text[: text.find(stop) + len(stop)]
+    chunks = list(
+        client.completions.create(
+            **base,
+            stop=[stop],
+            stream=True,
+            extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == kept.choices[0].text
+    assert chunks[-1].choices[0].model_dump()["stop_reason"] == stop
+    by_token = client.completions.create(
+        **base, extra_body={"ignore_eos": True, "stop_token_ids": [ids[4]]}
+    )
+    assert by_token.choices[0].model_dump()["stop_reason"] == ids[4]
+    assert client.completions.create(**base).choices[0].model_dump()["stop_reason"] is None
+    echoed = client.completions.create(**base, echo=True, extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == prompt + text
+    streamed = client.completions.create(
+        **base, echo=True, stream=True, extra_body={"ignore_eos": True}
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt + text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(**base, echo=True, logprobs=2)
+    chat = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        extra_body={"stop_token_ids": [int(ids[0])], "ignore_eos": True},
+    )
+    assert "stop_reason" in chat.choices[0].model_dump()
