@@ -180,30 +180,18 @@ def create_app(
 
     # ---------------------------------------------------------------- auth
 
-    async def require_auth(request: Request) -> None:
+    def authenticate(request: Request, admin: bool) -> None:
         REQUEST_TENANT_SALT.set(None)
         REQUEST_CALLER.set(None)
-        caller = keyring.identify(request.headers.get("authorization"))
-        if caller is None:
-            raise APIError(
-                401,
-                "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
+        caller = keyring.authorize(request.headers.get("authorization"), admin=admin)
         REQUEST_TENANT_SALT.set(caller.salt)
         REQUEST_CALLER.set(caller)
 
+    async def require_auth(request: Request) -> None:
+        authenticate(request, admin=False)
+
     async def require_admin(request: Request) -> None:
-        await require_auth(request)
-        caller = REQUEST_CALLER.get()
-        if caller is None or not caller.admin:
-            why = (
-                "this route needs the admin key"
-                if keyring.admin_key is not None
-                else "this server has no admin key (several API keys, or tenants, must not "
-                "flush or read each other's cache): restart it with --admin-key to use it"
-            )
-            raise APIError(403, why, type="permission_error", code="admin_key_required")
+        authenticate(request, admin=True)
 
     auth = [Depends(require_auth)]
     admin = [Depends(require_admin)]

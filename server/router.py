@@ -68,7 +68,7 @@ from prometheus_client import (
 )
 
 from radixkv.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, RequestGuard
-from radixkv.server.protocol import error_body
+from radixkv.server.protocol import APIError, error_body
 from radixkv.server.router_policy import (
     POLICIES,
     ReplicaPrefixIndex,
@@ -240,17 +240,12 @@ def create_router_app(
         return {k: v for k in _FORWARD_HEADERS if (v := request.headers.get(k)) is not None}
 
     def authorize(request: Request, admin: bool = False) -> Caller | JSONResponse:
-        """The caller, when it may go on; else the 401 (no or a wrong key) or the 403 (a key
-        that does not open the admin routes). The key itself is never logged or echoed."""
-        caller = ring.identify(request.headers.get("authorization"))
-        if caller is None:
-            msg = "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'"
-            return JSONResponse(error_body(msg, code="invalid_api_key"), status_code=401)
-        if admin and not caller.admin:
-            msg = "this route needs the admin key (radixkv router --admin-key)"
-            body = error_body(msg, type="permission_error", code="admin_key_required")
-            return JSONResponse(body, status_code=403)
-        return caller
+        """The caller, when it may go on; else the replicas' 401 or 403 answer
+        (:meth:`KeyRing.authorize`). The key itself is never logged or echoed."""
+        try:
+            return ring.authorize(request.headers.get("authorization"), admin=admin)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status_code)
 
     def answer_headers(resp: httpx.Response, url: str | None) -> dict[str, str]:
         out = {k: v for k, v in resp.headers.items() if k.lower() in _RETURN_HEADERS}

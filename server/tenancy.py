@@ -26,6 +26,8 @@ import secrets
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from .protocol import APIError
+
 __all__ = [
     "ADMIN_KEY_ENV",
     "REQUEST_CALLER",
@@ -180,6 +182,27 @@ class KeyRing:
             if secrets.compare_digest(given, k):
                 found = caller
         return found
+
+    def authorize(self, authorization: str | None, admin: bool = False) -> Caller:
+        """The caller of an ``Authorization`` header value, when it may go on: else
+        :class:`~radixkv.server.protocol.APIError` 401 (no or a wrong key) or, with ``admin``,
+        403 (a key that does not open the admin routes). No key is ever echoed."""
+        caller = self.identify(authorization)
+        if caller is None:
+            raise APIError(
+                401,
+                "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+        if admin and not caller.admin:
+            why = (
+                "this route needs the admin key"
+                if self.admin_key is not None
+                else "there is no admin key (several API keys, or tenants, must not flush or "
+                "read each other's cache): restart with --admin-key to use this route"
+            )
+            raise APIError(403, why, type="permission_error", code="admin_key_required")
+        return caller
 
     def identify(self, authorization: str | None) -> Caller | None:
         """The caller of an ``Authorization: Bearer KEY`` header value (None: missing/wrong)."""
