@@ -81,6 +81,14 @@ def admin_routes(ctx: ServerContext, pins: PinPolicy | None = None) -> APIRouter
     policy = pins or PinPolicy()
     router = APIRouter()
 
+    async def prompt_ids_of(body: UnpinRequest) -> list[int]:
+        """The token ids of a pin or unpin body's ``text`` or ``input_ids`` (400 when empty)."""
+        param = "text" if body.text is not None else "input_ids"
+        prompt = body.text if body.text is not None else list(body.input_ids or [])
+        ids = await prompt_token_ids(engine, prompt, param)
+        check_prompt_not_empty(ids, param)
+        return ids
+
     @router.get("/health")
     async def health() -> Response:
         if not engine_loop.alive:
@@ -128,7 +136,7 @@ def admin_routes(ctx: ServerContext, pins: PinPolicy | None = None) -> APIRouter
             raise APIError(400, "drop_pins must be true or false", param="drop_pins")
 
         def do_flush(e: Any) -> tuple[bool, int]:
-            ok = bool(e.flush_cache(drop_pins=True) if drop_pins else e.flush_cache())
+            ok = bool(e.flush_cache(drop_pins=drop_pins))
             return ok, 0 if ok else _in_flight(e)
 
         ok, in_flight = await engine_loop.call(do_flush)
@@ -148,9 +156,7 @@ def admin_routes(ctx: ServerContext, pins: PinPolicy | None = None) -> APIRouter
     async def pin(body: PinRequest) -> dict[str, Any]:
         arrival = time.monotonic()
         ttl = policy.ttl(body.ttl)
-        prompt = body.text if body.text is not None else list(body.input_ids or [])
-        ids = await prompt_token_ids(engine, prompt)
-        check_prompt_not_empty(ids, "text" if body.text is not None else "input_ids")
+        ids = await prompt_ids_of(body)
         busy = await engine_loop.call(lambda e: bool(e.has_unfinished()))
         if busy:
             # engine.pin_prefix computes an uncached prompt by stepping the engine itself, which
@@ -186,9 +192,7 @@ def admin_routes(ctx: ServerContext, pins: PinPolicy | None = None) -> APIRouter
 
     @router.post("/cache/unpin", dependencies=admin)
     async def unpin(body: UnpinRequest) -> dict[str, Any]:
-        prompt = body.text if body.text is not None else list(body.input_ids or [])
-        ids = await prompt_token_ids(engine, prompt)
-        check_prompt_not_empty(ids, "text" if body.text is not None else "input_ids")
+        ids = await prompt_ids_of(body)
         salt = effective_salt(body.salt)
         removed = await engine_loop.call(lambda e: int(e.unpin_prefix(ids, salt=salt)))
         return {"unpinned": removed}
