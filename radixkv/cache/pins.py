@@ -126,8 +126,9 @@ class Pins:
         ):
             if limit is None or start is None:
                 continue
-            held = _path_union_tokens(self._pinned_nodes(start), start)
-            after = _path_union_tokens([*self._pinned_nodes(start), node], start)
+            pinned = self._pinned_nodes(start)  # one walk of the subtree per budget
+            held = _path_union_tokens(pinned, start)
+            after = _path_union_tokens([*pinned, node], start)
             if after > limit:
                 raise PinBudgetError(
                     f"pinning this prefix would hold {after} tokens in pins for {where} (now "
