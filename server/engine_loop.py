@@ -425,7 +425,7 @@ class EngineLoop:
                     getattr(out, "cached_tokens_by_tier", None),
                 )
                 if tracked.owner is not None:
-                    usage = self._usage.setdefault(tracked.owner, Counter())
+                    usage = self._usage[tracked.owner]  # made by _do_add
                     usage["prompt_tokens"] += int(out.prompt_tokens or 0)
                     usage["cached_tokens"] += int(out.cached_tokens or 0)
             if new_tokens:

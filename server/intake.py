@@ -18,6 +18,7 @@ from .protocol import APIError
 __all__ = [
     "FinishReason",
     "apply_chat_template",
+    "chat_token_ids",
     "check_prompt_not_empty",
     "check_text_length",
     "make_sampling_params",
@@ -116,6 +117,14 @@ async def prompt_token_ids(
         return prompt
     check_text_length(engine, len(prompt), param)
     return await asyncio.to_thread(tokenize_text, engine, prompt)
+
+
+async def chat_token_ids(engine: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The conversation's token ids as the chat endpoint renders it (:func:`apply_chat_template`,
+    off the event loop), after the length check of its text (:func:`check_text_length`)."""
+    check_text_length(engine, sum(len(str(m.get("content") or "")) for m in messages), "messages")
+    tokenizer = getattr(engine, "tokenizer", None)
+    return await asyncio.to_thread(apply_chat_template, tokenizer, messages)
 
 
 def make_sampling_params(kwargs: dict[str, Any]) -> Any:

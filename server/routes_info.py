@@ -28,7 +28,7 @@ from pydantic import ConfigDict, Field, model_validator
 from radixkv import __version__
 
 from .context import ServerContext
-from .intake import apply_chat_template, check_text_length
+from .intake import chat_token_ids, check_text_length
 from .protocol import APIError, ChatMessage, RequestBody
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "info_routes"]
@@ -90,14 +90,10 @@ def info_routes(ctx: ServerContext) -> APIRouter:
 
     @router.post("/tokenize", dependencies=ctx.auth)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            ctx.check_model(body.model)
+        ctx.check_model(body.model)
         tok = tokenizer()
         if body.messages is not None:
-            messages = [m.template_dict() for m in body.messages]
-            chars = sum(len(str(m.get("content") or "")) for m in messages)
-            check_text_length(engine, chars, "messages")
-            ids = await asyncio.to_thread(apply_chat_template, tok, messages)
+            ids = await chat_token_ids(engine, [m.template_dict() for m in body.messages])
         else:
             text = str(body.prompt)
             check_text_length(engine, len(text), "prompt")
@@ -120,8 +116,7 @@ def info_routes(ctx: ServerContext) -> APIRouter:
 
     @router.post("/detokenize", dependencies=ctx.auth)
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        if body.model is not None:
-            ctx.check_model(body.model)
+        ctx.check_model(body.model)
         tok = tokenizer()
         if any(t < 0 for t in body.tokens):
             raise APIError(400, "tokens must be token ids (>= 0)", param="tokens")

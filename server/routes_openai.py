@@ -13,9 +13,8 @@ from fastapi.responses import JSONResponse, Response
 
 from .context import ServerContext
 from .intake import (
-    apply_chat_template,
+    chat_token_ids,
     check_prompt_not_empty,
-    check_text_length,
     make_sampling_params,
     new_id,
     now,
@@ -183,11 +182,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         arrival = time.monotonic()
         check_model(body.model)
         messages = [m.template_dict() for m in body.messages]
-        check_text_length(
-            engine, sum(len(str(m.get("content") or "")) for m in messages), "messages"
-        )
-        tokenizer = getattr(engine, "tokenizer", None)
-        prompt_ids = await asyncio.to_thread(apply_chat_template, tokenizer, messages)
+        prompt_ids = await chat_token_ids(engine, messages)
         check_prompt_not_empty(prompt_ids, "messages")
         max_tokens = resolve_max_tokens(
             len(prompt_ids), body.requested_max_tokens(), engine.max_model_len, default=None
