@@ -16,6 +16,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from .guards import LOOPBACK_HOSTS
 from .tenancy import ADMIN_KEY_ENV, load_admin_key, load_api_keys
 
 __all__ = ["API_KEY_ENV", "KeyArgs", "add_key_flags", "key_warnings", "keys_from_args"]
@@ -90,7 +91,7 @@ def keys_from_args(args: argparse.Namespace) -> KeyArgs:
 def key_warnings(keys: KeyArgs, host: str) -> list[str]:
     """What an operator should hear at start about the keys given and the bind address."""
     out = []
-    loopback = host in ("127.0.0.1", "localhost", "::1")
+    loopback = host.strip("[]").lower() in LOOPBACK_HOSTS
     if not keys.api_keys and keys.admin_key is None and not loopback:
         out.append(
             f"bound to {host} without --api-key: anyone who reaches the port may generate, read "
