@@ -137,7 +137,7 @@ class DiskStore:
         mac_key: the secret keying every file's MAC (at least 16 bytes); default:
             ``$RADIXKV_KV_MAC_KEY``, else the directory's ``kv_mac.key`` (created on first use).
 
-    Raises ``ValueError`` for a directory others may use (see :func:`~.kv_mac.secure_dir`).
+    Raises ``ValueError`` for a directory others may use (see :func:`~.private_files.secure_dir`).
 
     Thread safety: one engine thread calls everything; the writer thread only touches the index
     under ``_lock``.
