@@ -25,6 +25,7 @@
 // width (16 floats with AVX-512, 8 otherwise), so one source serves every ISA level.
 
 #include "cpu_attention.h"
+#include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -51,13 +52,7 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int VW = 16;
-#else
-constexpr int VW = 8;
-#endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
+using namespace radixkv_vec;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kKeyBlock = 64;   // keys per online-softmax step (a multiple of VW)
@@ -67,45 +62,6 @@ constexpr int kDChunk = 64;     // head-dim floats kept in registers by the P V 
 constexpr int kDV = kDChunk / VW;
 
 enum class KV { F32, BF16, F16 };
-
-// Broadcast. (Not `vf{} + x`: 0 + x is not x for x = -0, so the compiler must emit a scalar add
-// before every broadcast, one in the innermost loops.)
-inline vf splat(float x) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<vf>(_mm512_set1_ps(x));
-#elif defined(__AVX__)
-  return reinterpret_cast<vf>(_mm256_set1_ps(x));
-#else
-  return x - vf{};  // x - 0 == x for every x, so this folds to a broadcast
-#endif
-}
-
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-
-// 2^x for x <= 0 (clamped at -126): x = n + f, f in [-0.5, 0.5], 2^f = 1 + f P(f).
-inline vf exp2v(vf x0) {
-  const vf lo = splat(-126.f);
-  const vf x = x0 < lo ? lo : x0;
-  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (x + magic) - magic;
-  const vf f = x - n;
-  vf y = splat(1.535336188319500e-4f);  // minimax on [-0.5, 0.5] (Cephes exp2f), ~2e-8
-  y = y * f + 1.339887440266574e-3f;
-  y = y * f + 9.618437357674640e-3f;
-  y = y * f + 5.550332471162809e-2f;
-  y = y * f + 2.402264791363012e-1f;
-  y = y * f + 6.931472028550421e-1f;
-  y = y * f + 1.f;  // 2^f = 1 + f P(f)
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return x0 < lo ? vf{} : y * scale;  // masked keys (-inf) give exactly 0
-}
 
 inline float bf16_bits_to_float(uint16_t x) {
   const uint32_t u = static_cast<uint32_t>(x) << 16;
