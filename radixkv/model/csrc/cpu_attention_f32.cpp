@@ -686,31 +686,10 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
                   "paged_attention_f32: request ", b, " has a page id outside the pool");
     }
   }
-  // groups: members of group g are group_members[offsets[g] .. offsets[g + 1])
+  const std::vector<int64_t> shared_of =
+      check_prefix_groups("paged_attention_f32", group_members, group_offsets, group_shared,
+                          prefix_lens, tab, stride, page_size);
   const int64_t n_groups = static_cast<int64_t>(group_shared.size());
-  TORCH_CHECK(static_cast<int64_t>(group_offsets.size()) == (n_groups ? n_groups + 1 : 0) ||
-                  (n_groups == 0 && group_offsets.size() <= 1),
-              "paged_attention_f32: group_offsets must have one entry per group plus one");
-  std::vector<int64_t> shared_of(B, 0);
-  for (int64_t g = 0; g < n_groups; ++g) {
-    const int64_t g0 = group_offsets[g], g1 = group_offsets[g + 1];
-    TORCH_CHECK(0 <= g0 && g0 < g1 && g1 <= static_cast<int64_t>(group_members.size()),
-                "paged_attention_f32: group ", g, " has bad member offsets");
-    const int64_t S = group_shared[g];
-    const int64_t ref = group_members[g0];
-    for (int64_t mi = g0; mi < g1; ++mi) {
-      const int64_t b = group_members[mi];
-      TORCH_CHECK(b >= 0 && b < B && shared_of[b] == 0 && S >= 0 && S <= prefix_lens[b],
-                  "paged_attention_f32: group ", g, " member ", b,
-                  " is not a request, is in two groups, or its prefix is shorter than the "
-                  "shared part");
-      for (int64_t i = 0; i < (S + page_size - 1) / page_size; ++i) {
-        TORCH_CHECK(tab[b * stride + i] == tab[ref * stride + i], "paged_attention_f32: group ",
-                    g, " members do not share their first pages");
-      }
-      shared_of[b] = S;
-    }
-  }
   // Every row of a request is initialised by the first part that touches it (fill_rows); rows
   // of q that belong to no request (none in the engine's batches) are zero.
   int64_t covered = 0;
@@ -775,3 +754,36 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
 }
 
 const char* f32_kernel_isa() { return RADIXKV_STR(RADIXKV_ISA_NAME); }
+
+std::vector<int64_t> check_prefix_groups(const char* who, const std::vector<int64_t>& members,
+                                         const std::vector<int64_t>& offsets,
+                                         const std::vector<int64_t>& shared,
+                                         const std::vector<int64_t>& prefix_lens,
+                                         const int32_t* tab, int64_t stride, int64_t page_size) {
+  const int64_t B = static_cast<int64_t>(prefix_lens.size());
+  const int64_t n_groups = static_cast<int64_t>(shared.size());
+  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == (n_groups ? n_groups + 1 : 0) ||
+                  (n_groups == 0 && offsets.size() <= 1),
+              who, ": group_offsets must have one entry per group plus one");
+  std::vector<int64_t> shared_of(B, 0);
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t g0 = offsets[g], g1 = offsets[g + 1];
+    TORCH_CHECK(0 <= g0 && g0 < g1 && g1 <= static_cast<int64_t>(members.size()), who,
+                ": group ", g, " has bad member offsets");
+    const int64_t S = shared[g];
+    const int64_t ref = members[g0];
+    for (int64_t mi = g0; mi < g1; ++mi) {
+      const int64_t b = members[mi];
+      TORCH_CHECK(b >= 0 && b < B && shared_of[b] == 0 && S >= 0 && S <= prefix_lens[b], who,
+                  ": group ", g, " member ", b,
+                  " is not a request, is in two groups, or its prefix is shorter than the "
+                  "shared part");
+      for (int64_t i = 0; i < (S + page_size - 1) / page_size; ++i) {
+        TORCH_CHECK(tab[b * stride + i] == tab[ref * stride + i], who, ": group ", g,
+                    " members do not share their first pages");
+      }
+      shared_of[b] = S;
+    }
+  }
+  return shared_of;
+}
