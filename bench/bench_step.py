@@ -9,6 +9,9 @@ Start-up (``--startup``): ``Engine(smollm2, dtype="float32", kv_cache_tokens=655
 pool) timed in a fresh process each, after a small warm-up engine, with the pool in lazily zeroed
 anonymous memory (radixkv's) and with it zero-filled up front (round 2's), and their ratio.
 
+First touch (with ``--startup``): one prefill step's K/V stores into pool memory never written
+before vs committed ahead (``radixkv.model.prefault``), and their ratio.
+
 Run from the repository root: ``python -m bench.bench_step`` (``--startup`` for start-up only,
 ``--step-only`` for the step only, ``--runs N`` to repeat, ``--dtype`` to pick). The host's ISA is printed.
 """
@@ -53,6 +56,35 @@ def startup(runs: int) -> None:
     print(
         f"start-up, 3 GB fp32 pool: zero-filled {eager:.2f} s, lazy {lazy:.2f} s, "
         f"{eager / lazy:.1f}x (runs: {times})"
+    )
+
+
+def first_touch(runs: int) -> None:
+    """One prefill step's K/V stores (2,048 tokens, 30 layers x K and V, SmolLM2's shapes, bf16)
+    into lazily zeroed pool memory never written before, and into the same amount committed
+    ahead by ``hugepages.populate`` (what ``radixkv.model.prefault`` does in idle time)."""
+    import torch
+
+    from radixkv.model.hugepages import huge_zeros, populate
+
+    tokens, rows = 2048, 65536
+    src = torch.randn(tokens, 3, 64).to(torch.bfloat16)
+    idx = torch.arange(tokens)
+    times: dict[str, list[float]] = {"fresh": [], "committed": []}
+    for _ in range(runs):
+        for variant in times:
+            pools = [huge_zeros((rows, 3, 64), torch.bfloat16) for _ in range(60)]
+            if variant == "committed":
+                for pool in pools:
+                    populate(pool, 0, tokens * 3 * 64 * 2)
+            start = time.perf_counter()
+            for pool in pools:
+                pool.index_copy_(0, idx, src)
+            times[variant].append((time.perf_counter() - start) * 1e3)
+    fresh, done = (statistics.median(times[v]) for v in ("fresh", "committed"))
+    print(
+        f"first touch, one 2,048-token step's K/V stores: fresh pool memory {fresh:.1f} ms, "
+        f"committed ahead {done:.1f} ms ({fresh / done:.0f}x) (runs: {times})"
     )
 
 
@@ -109,6 +141,7 @@ def main() -> None:
     print(f"host ISA: {native.host_isa()}")
     if not args.step_only:
         startup(args.runs)
+        first_touch(args.runs)
     if not args.startup:
         decode_step(args.runs, args.dtype)
 
