@@ -1,10 +1,10 @@
 """Commit the KV pool's memory in the background while the server is idle.
 
 The pool is lazily zeroed (:func:`radixkv.model.hugepages.huge_zeros`): start-up costs nothing,
-and memory is committed where a step first writes it. On the VMs measured that first write is
-slow: a 2,048-token prefill step on a Zen 4 host spent ~0.3 s of its ~2 s faulting in fresh 2 MiB
-pages of the pool (60 K/V stores: 296 ms into fresh memory, 6 ms into committed memory), and a
-cold burst touches fresh pages for every prompt. vLLM pays this at start-up, by filling its
+and memory is committed where a step first writes it. In the VMs measured that first write is
+slow: one 2,048-token prefill step's K/V stores took 53 ms into pool memory never written
+before and 15 ms into memory committed ahead (``python -m bench.bench_step --startup``, Zen 4
+host), and a cold burst writes fresh pages for every prompt. vLLM pays this at start-up, by filling its
 cache. :class:`Prefaulter` pays it in idle time instead: a daemon thread walks the pool in
 rounds of ``chunk_bytes`` of every layer's K and V, page order first (the allocator hands out
 low page ids first, so the pages a burst takes first are committed first), and commits each
