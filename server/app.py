@@ -72,7 +72,7 @@ def create_app(
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
     pins: PinPolicy | None = None,
     log_stats_interval: float | None = 10.0,
-    prefault_kv: bool = True,
+    prefault_kv: bool = False,
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
     docs/security.md for what each guard protects).
@@ -99,7 +99,9 @@ def create_app(
     ``log_stats_interval``: seconds between stats lines in the log while busy (None: none;
     :mod:`.stats_log`).
     ``prefault_kv``: commit the KV pool's memory in a background thread while the engine is
-    idle (:class:`radixkv.model.prefault.Prefaulter`), so a burst's first writes do not fault.
+    idle (:class:`radixkv.model.prefault.Prefaulter`), so a burst's first writes do not fault
+    (off by default: it holds the whole pool's memory, which several servers on one host may
+    not have).
     """
     if dashboard_text not in DASHBOARD_TEXT:
         raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
@@ -122,7 +124,7 @@ def create_app(
     stats_line = StatsLine(log_stats_interval) if log_stats_interval else None
     pool = getattr(getattr(engine, "runner", None), "pool", None)
     pool_tensors = [*getattr(pool, "k", ()), *getattr(pool, "v", ())]
-    prefaulter = Prefaulter(pool_tensors, engine_loop.idle) if prefault_kv else None
+    prefaulter = Prefaulter(pool_tensors, lambda: engine_loop.idle) if prefault_kv else None
 
     async def sample() -> dict[str, Any]:
         got = await engine_loop.call(lambda e: collect_sample(e, metrics))
