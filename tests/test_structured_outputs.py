@@ -164,6 +164,25 @@ def test_beam_search_with_a_grammar_is_refused(engine: Engine) -> None:
         engine.generate("hi", params)
 
 
+def test_compile_cache_is_bounded_by_entries_and_bytes(engine: Engine) -> None:
+    from radixkv.engine.grammar import GrammarCompilerPool
+
+    specs = [StructuredOutputs(regex=f"[0-9]{{{i}}}") for i in range(1, 5)]
+    pool = GrammarCompilerPool(engine.tokenizer, engine.vocab_size, [2], cache_size=2)
+    futures = [pool.submit(s) for s in specs]
+    for f in futures:
+        f.result(10)
+    assert pool.submit(specs[-1]) is futures[-1]  # kept: the newest two
+    assert pool.submit(specs[0]) is not futures[0]  # dropped: compiled again
+    assert pool.misses == 5 and pool.hits == 1
+    small = GrammarCompilerPool(engine.tokenizer, engine.vocab_size, [2], cache_bytes=1)
+    for s in specs:
+        small.compile(s)
+    assert small.cached_bytes > 0 and len(small._cache) == 1  # only the newest fits
+    pool.close()
+    small.close()
+
+
 def test_compile_cache_and_a_failed_compile_in_the_engine_queue(engine: Engine) -> None:
     pool = engine.grammars.pool
     spec = StructuredOutputs(regex=r"[0-9]{4}")

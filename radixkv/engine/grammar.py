@@ -4,8 +4,9 @@ Three parts, each with its invariants:
 
 * :class:`GrammarCompilerPool` compiles a :class:`~radixkv.engine.structured.StructuredOutputs`
   on its own worker threads (never the engine's), one ``Future`` per constraint, kept in an LRU
-  of ``cache_size`` entries keyed by :meth:`StructuredOutputs.key` (the same schema twice
-  compiles once; a failure is cached too, compile errors being deterministic). Thread-safe.
+  of at most ``cache_size`` entries and ``cache_bytes`` of compiled grammars, keyed by
+  :meth:`StructuredOutputs.key` (the same schema twice compiles once; a failure is cached too,
+  compile errors being deterministic). Thread-safe.
 * :class:`GrammarState` is one sequence's grammar: the compile ``Future`` until it is ready,
   then an xgrammar ``GrammarMatcher`` that has accepted exactly the sequence's output tokens
   (``accepted == len(seq.output_ids)`` after every step). Recompute preemption keeps
@@ -51,8 +52,10 @@ __all__ = [
 
 #: A grammar not compiled within this many seconds fails its request (a 400 over HTTP).
 COMPILE_TIMEOUT_S = 10.0
-#: Compiled grammars kept (least recently used dropped first).
+#: Compiled grammars kept (least recently used dropped first), and their bytes at most (one
+#: JSON schema over SmolLM2's 49,152-token vocabulary takes 2 to 3 MB).
 CACHE_SIZE = 256
+CACHE_BYTES = 256 << 20
 #: Compile worker threads.
 WORKERS = 2
 _XGR_PREFIX = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
@@ -85,14 +88,17 @@ class GrammarCompilerPool:
         stop_token_ids: Iterable[int],
         *,
         cache_size: int = CACHE_SIZE,
+        cache_bytes: int = CACHE_BYTES,
         workers: int = WORKERS,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str, bool], cf.Future[Any]] = OrderedDict()
+        self._sizes: dict[tuple[str, str, bool], int] = {}  # compiled entries' bytes
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="radixkv-grammar")
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()
@@ -133,9 +139,23 @@ class GrammarCompilerPool:
             self.misses += 1
             fut = self._pool.submit(self._compile, spec)
             self._cache[key] = fut
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)  # waiters keep their own reference
+            self._evict()
             return fut
+
+    def _evict(self) -> None:
+        """Drop least recently used entries past either bound (the lock held); the newest
+        stays. Waiters keep their own reference to a dropped future."""
+        while len(self._cache) > 1 and (
+            len(self._cache) > self.cache_size or sum(self._sizes.values()) > self.cache_bytes
+        ):
+            key, _ = self._cache.popitem(last=False)
+            self._sizes.pop(key, None)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the compiled grammars in the cache."""
+        with self._lock:
+            return sum(self._sizes.values())
 
     def compile(self, spec: StructuredOutputs, timeout: float = COMPILE_TIMEOUT_S) -> Any:
         """The compiled grammar of ``spec``, waiting up to ``timeout`` seconds; ``ValueError``
@@ -145,8 +165,19 @@ class GrammarCompilerPool:
             return fut.result(timeout)
         except cf.TimeoutError:
             raise ValueError(timeout_message(spec, timeout)) from None
+        except cf.CancelledError:
+            raise ValueError(failure(fut) or "cancelled") from None
 
     def _compile(self, spec: StructuredOutputs) -> Any:
+        compiled = self._compile_uncached(spec)
+        key = spec.key()
+        with self._lock:
+            if key in self._cache:  # not dropped while compiling
+                self._sizes[key] = int(compiled.memory_size_bytes)
+                self._evict()
+        return compiled
+
+    def _compile_uncached(self, spec: StructuredOutputs) -> Any:
         compiler = self.compiler()
         kind, text, compact = spec.key()
         try:
@@ -169,6 +200,7 @@ class GrammarCompilerPool:
         """Forget every cached compile (the bench's cold start)."""
         with self._lock:
             self._cache.clear()
+            self._sizes.clear()
 
     def close(self) -> None:
         """Stop the worker threads (queued compiles are cancelled)."""
@@ -181,6 +213,14 @@ def timeout_message(spec: StructuredOutputs, timeout: float) -> str:
         f"the structured output constraint ({spec.describe()}) did not compile within "
         f"{timeout:g} s; simplify the schema, regex or grammar"
     )
+
+
+def failure(future: cf.Future[Any]) -> str | None:
+    """Why a finished compile failed (its message), or None when it succeeded."""
+    if future.cancelled():
+        return "the grammar compile was cancelled (the engine is closing)"
+    exc = future.exception()
+    return None if exc is None else str(exc)
 
 
 class GrammarState:
@@ -197,14 +237,13 @@ class GrammarState:
     @property
     def ready(self) -> bool:
         """Compiled successfully (the sequence may be scheduled)."""
-        return self.future.done() and self.future.exception() is None
+        return self.future.done() and failure(self.future) is None
 
     def error(self, now: float) -> str | None:
         """Why this grammar cannot be used (compile error, or still compiling past its
         deadline); None while it compiles in time or once it is ready."""
         if self.future.done():
-            exc = self.future.exception()
-            return None if exc is None else str(exc)
+            return failure(self.future)
         if now > self.deadline:
             return timeout_message(self.spec, COMPILE_TIMEOUT_S)
         return None
@@ -264,8 +303,8 @@ class StructuredRuntime:
         if spec is None:
             return None
         fut = self.pool.submit(spec)
-        if fut.done() and fut.exception() is not None:
-            raise ValueError(str(fut.exception()))
+        if fut.done() and (why := failure(fut)) is not None:
+            raise ValueError(why)
         return GrammarState(spec, fut, time.monotonic() + self.timeout_s)
 
     def wait_all(self, params: Iterable[Any]) -> None:
