@@ -235,6 +235,26 @@ def test_bad_constraints_are_400_and_the_server_keeps_serving(
     assert ok.status_code == 200
 
 
+def test_a_compile_over_the_bound_is_a_400(server: ServerThread) -> None:
+    import threading
+
+    grammars = server.app.state.engine.grammars
+    gate = threading.Event()
+    blockers = [grammars.pool._pool.submit(gate.wait) for _ in range(2)]  # both workers busy
+    grammars.timeout_s = 0.3
+    try:
+        body = {"messages": user("hi"), "max_tokens": 4, "guided_regex": "slow[0-9]"}
+        r = post(server, "/v1/chat/completions", body)
+    finally:
+        grammars.timeout_s = 10.0
+        gate.set()
+    assert r.status_code == 400 and "did not compile within 0.3 s" in r.text, r.text
+    for b in blockers:
+        b.result(5)
+    # compiled meanwhile: the same request now succeeds
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+
+
 def _validate_calls(calls: list[Any]) -> None:
     assert calls
     for call in calls:

@@ -173,6 +173,47 @@ def test_beam_search_with_a_grammar_is_refused(engine: Engine) -> None:
         engine.generate("hi", params)
 
 
+def test_a_compiling_grammar_holds_only_its_own_request(engine: Engine) -> None:
+    """Both compile workers busy: the constrained request waits unscheduled while a free one
+    runs to the end; released, it runs too. Past its deadline a compile fails its request."""
+    import threading
+
+    pool = engine.grammars.pool
+    gate = threading.Event()
+    blockers = [pool._pool.submit(gate.wait) for _ in range(2)]  # occupy both workers
+    try:
+        spec = StructuredOutputs(regex=r"held-[0-9]{2}")
+        engine.add_request("so-held", chat(engine, "A code."), greedy(spec, 12))
+        engine.add_request("so-free", chat(engine, "Hi."), greedy(None, 4, ignore_eos=True))
+        done: set[str] = set()
+        for _ in range(10):
+            done |= {o.request_id for o in engine.step() if o.finished}
+        assert done == {"so-free"}
+        (held,) = engine.scheduler.waiting
+        assert held.request_id == "so-held" and not held.grammar.ready
+    finally:
+        gate.set()
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(o.new_text for o in engine.step() if o.request_id == "so-held")
+    assert re.fullmatch(r"held-[0-9]{2}", text), text
+    gate.clear()
+    blockers = [pool._pool.submit(gate.wait) for _ in range(2)]
+    engine.grammars.timeout_s = 0.2
+    try:
+        engine.add_request("so-late", "hi", greedy(StructuredOutputs(regex=r"late[0-9]"), 4))
+        outs: list[Any] = []
+        while engine.has_unfinished():
+            outs.extend(engine.step())
+    finally:
+        engine.grammars.timeout_s = 10.0
+        gate.set()
+    assert outs[-1].finish_reason == "error" and "did not compile within 0.2 s" in outs[-1].error
+    for b in blockers:
+        b.result(5)
+    engine.check_integrity()
+
+
 def test_compile_cache_is_bounded_by_entries_and_bytes(engine: Engine) -> None:
     from radixkv.engine.grammar import GrammarCompilerPool
 

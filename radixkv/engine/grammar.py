@@ -227,9 +227,12 @@ class GrammarState:
     """One sequence's grammar (module docstring): compile future, then a matcher that has
     accepted exactly ``accepted`` tokens, the sequence's outputs."""
 
-    def __init__(self, spec: StructuredOutputs, future: cf.Future[Any], deadline: float) -> None:
+    def __init__(
+        self, spec: StructuredOutputs, future: cf.Future[Any], timeout: float, deadline: float
+    ) -> None:
         self.spec = spec
         self.future = future
+        self.timeout = timeout
         self.deadline = deadline
         self.matcher: Any = None
         self.accepted = 0
@@ -245,14 +248,14 @@ class GrammarState:
         if self.future.done():
             return failure(self.future)
         if now > self.deadline:
-            return timeout_message(self.spec, COMPILE_TIMEOUT_S)
+            return timeout_message(self.spec, self.timeout)
         return None
 
     def fork(self) -> GrammarState:
         """A fresh state on the same compile for a sibling (``n > 1``): forks are made after
         the prompt and before the first output, so the new matcher starts empty too."""
         assert self.accepted == 0, "a grammar is forked only before any output"
-        return GrammarState(self.spec, self.future, self.deadline)
+        return GrammarState(self.spec, self.future, self.timeout, self.deadline)
 
     def _matcher(self) -> Any:
         if self.matcher is None:
@@ -305,7 +308,7 @@ class StructuredRuntime:
         fut = self.pool.submit(spec)
         if fut.done() and (why := failure(fut)) is not None:
             raise ValueError(why)
-        return GrammarState(spec, fut, time.monotonic() + self.timeout_s)
+        return GrammarState(spec, fut, self.timeout_s, time.monotonic() + self.timeout_s)
 
     def wait_all(self, params: Iterable[Any]) -> None:
         """Compile every constraint of ``params`` (the offline API, before queueing anything):
