@@ -331,3 +331,12 @@ def test_unsupported_tool_choices_are_400(
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     none = post(server, "/v1/chat/completions", {**body, "tool_choice": "none"})
     assert none.status_code == 200 and "tool_calls" not in none.json()["choices"][0]["message"]
+
+
+def test_openapi_shows_the_constraint_fields(server: ServerThread) -> None:
+    schemas = httpx.get(f"{server.base_url}/openapi.json").json()["components"]["schemas"]
+    openai_fields = {"response_format", "structured_outputs", "guided_json", "guided_regex"}
+    assert openai_fields <= set(schemas["CompletionRequest"]["properties"])
+    chat = set(schemas["ChatCompletionRequest"]["properties"])
+    assert openai_fields | {"tools", "tool_choice"} <= chat
+    assert {"json_schema", "regex", "ebnf"} <= set(schemas["GenerateSamplingParams"]["properties"])
