@@ -25,7 +25,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "${PIP[@]}" torch==2.13.0
 fi
 
-# The package (editable) with its test extras; redone only when pyproject.toml changed.
+# The package (editable) with its test extras; redone only when pyproject.toml changed. Its
+# dependencies (xgrammar included: it asks only torch>=1.10) keep the torch installed above.
 stamp=$VENV/.radixkv-install-stamp
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import radixkv" 2>/dev/null; then

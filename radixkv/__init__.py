@@ -9,18 +9,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "__version__"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "SamplingParams",
+    "StructuredOutputs",
+    "RequestOutput",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from radixkv.config import EngineConfig
     from radixkv.engine.engine import Engine
     from radixkv.engine.request import RequestOutput
     from radixkv.engine.sampling import SamplingParams
+    from radixkv.engine.structured import StructuredOutputs
 
 _LAZY = {
     "Engine": "radixkv.engine.engine",
     "EngineConfig": "radixkv.config",
     "SamplingParams": "radixkv.engine.sampling",
+    "StructuredOutputs": "radixkv.engine.structured",
     "RequestOutput": "radixkv.engine.request",
 }
 

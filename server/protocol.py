@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from .structured_fields import ChatToolFields, GenerateStructuredFields, StructuredFields
+
 MAX_N = 16
 """Largest ``n`` (parallel samples of one prompt) a request may ask for."""
 MAX_LOGPROBS = 20
@@ -249,7 +251,7 @@ class OpenAIAccepted(BaseModel):
     parallel_tool_calls: bool | None = None
 
 
-class CompletionRequest(SamplingFields, OpenAIAccepted):
+class CompletionRequest(SamplingFields, OpenAIAccepted, StructuredFields):
     """``POST /v1/completions``."""
 
     model_config = ConfigDict(
@@ -326,7 +328,7 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ChatCompletionRequest(SamplingFields, OpenAIAccepted):
+class ChatCompletionRequest(SamplingFields, OpenAIAccepted, StructuredFields, ChatToolFields):
     """``POST /v1/chat/completions``."""
 
     model_config = ConfigDict(
@@ -358,17 +360,6 @@ class ChatCompletionRequest(SamplingFields, OpenAIAccepted):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     cache_salt: str | None = None
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError(
-                f"response_format type {value.get('type')!r} is not supported yet (structured "
-                "outputs are not implemented); only {'type': 'text'}"
-            )
-        return value
 
     @field_validator("stream")
     @classmethod
@@ -393,7 +384,7 @@ class ChatCompletionRequest(SamplingFields, OpenAIAccepted):
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
 
 
-class GenerateSamplingParams(SamplingFields):
+class GenerateSamplingParams(SamplingFields, GenerateStructuredFields):
     """``sampling_params`` of ``/generate``: ``max_new_tokens`` (SGLang) or ``max_tokens``."""
 
     max_new_tokens: int | None = Field(None, ge=1)

@@ -20,6 +20,7 @@ from .intake import (
 from .logprob_format import sglang_token_logprobs, sglang_top_logprobs
 from .protocol import APIError, GenerateRequest
 from .streaming import SSE_DONE, Collected, Seq, SSEResponse, sse
+from .structured_outputs import compile_constraint, structured_kwargs
 
 
 def native_routes(ctx: ServerContext) -> APIRouter:
@@ -55,7 +56,8 @@ def native_routes(ctx: ServerContext) -> APIRouter:
                     param="logprob_start_len",
                 )
             kwargs["prompt_logprobs"] = body.top_logprobs_num
-        params = make_sampling_params(kwargs)
+        params = make_sampling_params(kwargs | structured_kwargs(sp))
+        await compile_constraint(engine, params)
         token_str, with_text = ctx.token_str, body.return_text_in_logprobs
         prompt_ids = ids if body.return_logprob and start >= 0 else None
         rid = new_id("gen")

@@ -28,6 +28,8 @@ from .protocol import (
     CompletionRequest,
 )
 from .streaming import SSE_DONE, Collected, Seq, SSEResponse, sse
+from .structured_outputs import compile_constraint, structured_kwargs
+from .tool_calls import ToolCallStream, tool_plan
 
 
 def openai_routes(ctx: ServerContext) -> APIRouter:
@@ -70,7 +72,9 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             body.engine_kwargs(
                 max_tokens=max_tokens, default_temperature=1.0, logprobs=body.logprobs
             )
+            | structured_kwargs(body)
         )
+        await compile_constraint(engine, params)
         rid = new_id("cmpl")
         stream = await submit(rid, ids, params, body.cache_salt, arrival)
         want_logprobs = body.logprobs is not None
@@ -188,13 +192,16 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             len(prompt_ids), body.requested_max_tokens(), engine.max_model_len, default=None
         )
         top = body.top_logprobs or 0
+        tools = tool_plan(body)
         params = make_sampling_params(
             body.engine_kwargs(
                 max_tokens=max_tokens,
                 default_temperature=1.0,
                 logprobs=top if body.logprobs else None,
             )
+            | structured_kwargs(body, ("tools", tools.spec) if tools else None)
         )
+        await compile_constraint(engine, params)
         rid = new_id("chatcmpl")
         stream = await submit(rid, prompt_ids, params, body.cache_salt, arrival)
 
@@ -202,16 +209,21 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             result = await collect(request, stream, body.n)
             choices = []
             for i, seq in enumerate(result.seqs):
+                message, finish = (
+                    tools.message(seq.text, seq.finish_reason)
+                    if tools
+                    else ({"role": "assistant", "content": seq.text}, seq.finish_reason)
+                )
                 choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": seq.text},
+                        "message": message,
                         "logprobs": chat_logprobs(
                             seq.token_ids, seq.logprobs, seq.top_logprobs, token_str
                         )
                         if body.logprobs
                         else None,
-                        "finish_reason": seq.finish_reason,
+                        "finish_reason": finish,
                         "stop_reason": seq.stop_reason,
                     }
                 )
@@ -252,9 +264,17 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             for i in range(body.n):
                 result.seqs[i].sent_role = True
                 yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+            tool_stream = ToolCallStream(tools) if tools else None
             async for out in stream.outputs():
                 index = int(getattr(out, "index", 0) or 0)
                 result.add(out)
+                if tool_stream is not None:  # tool-call deltas instead of content
+                    stop = getattr(out, "stop_reason", None)
+                    for delta, end in tool_stream.deltas(
+                        index, out.new_text or "", out.finished, out.finish_reason
+                    ):
+                        yield chunk(index, delta, end, None, stop)
+                    continue
                 lp = (
                     chat_logprobs(
                         list(out.new_token_ids or ()),

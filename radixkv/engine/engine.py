@@ -19,6 +19,7 @@ from radixkv.engine.beam_runner import BeamRunner, beam_request_output
 from radixkv.engine.beam_search import BeamSearchParams
 from radixkv.engine.chat_template import render_chat
 from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.grammar import StructuredRuntime
 from radixkv.engine.lifecycle import SequenceLifecycle
 from radixkv.engine.lifetime import track, untrack
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
@@ -63,17 +64,12 @@ class Engine:
         cfg = self.config
         self.lifecycle = SequenceLifecycle(self.scheduler, self.kv, self.tokenizer)
         self.token_texts = TokenTexts(self.tokenizer)
+        self.grammars = StructuredRuntime(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._pending: list[StepOutput] = []
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(cfg.seed)
-        self.counters = {
-            "requests": 0,
-            "prompt_tokens": 0,
-            "cached_tokens": 0,
-            "generated_tokens": 0,
-            "steps": 0,
-            "forward_tokens": 0,
-        }
+        names = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens", "steps")
+        self.counters = dict.fromkeys((*names, "forward_tokens"), 0)
         self.beams = BeamRunner(
             self.lifecycle,
             self.eos_token_ids,
@@ -157,6 +153,7 @@ class Engine:
             self.beams.check_capacity(len(ids), params)
         if salt is not None and not isinstance(salt, str):
             raise ValueError("salt must be a string")
+        grammar = self.grammars.start(params)  # compiles off this thread; waits unscheduled
         seq = Sequence(
             request_id=request_id,
             index=0,
@@ -167,6 +164,7 @@ class Engine:
             detok=IncrementalDetokenizer.for_params(self.tokenizer, params),
             generator=self._generator(params, 0),
             fork_children=0 if params.use_beam_search else params.n - 1,
+            grammar=grammar,
         )
         if params.prompt_logprobs is not None:  # computed, not read from the cache
             seq.skip_cache_read = True
@@ -217,9 +215,12 @@ class Engine:
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one batch: schedule, forward, sample, publish. Returns what each sequence made."""
+        self.grammars.fail_broken(self.scheduler.waiting, self.fail_request)
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch.entries:
+            if self.grammars.wait_pending(self.scheduler.waiting):
+                return outputs  # only grammars still compiling: nothing is stuck
             stuck = self.scheduler.running or self.scheduler.waiting
             if stuck:
                 # Work exists but nothing could be scheduled: no page can be freed (pinned
@@ -307,7 +308,7 @@ class Engine:
     ) -> None:
         index = torch.tensor(rows, dtype=torch.long)
         identity = rows == list(range(logits.shape[0]))
-        picked = logits if identity else logits.index_select(0, index)
+        picked = self.grammars.mask(logits if identity else logits.index_select(0, index), seqs)
         states = [
             SequenceState(s.params, s.prompt_ids, s.output_ids, s.generator or self._rng)
             for s in seqs
@@ -363,6 +364,8 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        if seq.grammar is not None and seq.grammar.accept(token):
+            return "stop"  # the grammar is complete and its stop token was sampled
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if p.stop_token_ids and token in p.stop_token_ids:
@@ -394,6 +397,7 @@ class Engine:
             params_list = list(params)
             if len(params_list) != len(prompts):
                 raise ValueError("give one SamplingParams, or one per prompt")
+        self.grammars.wait_all(params_list)  # a constraint that does not compile: ValueError
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p, salt=salt)

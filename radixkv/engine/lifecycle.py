@@ -65,6 +65,7 @@ class SequenceLifecycle:
             cached_tokens=parent.cached_tokens,
             cached_by_tier=dict(parent.cached_by_tier),
             accounted=True,
+            grammar=None if parent.grammar is None else parent.grammar.fork(),
         )
         if beam:
             child.output_ids = list(parent.output_ids)

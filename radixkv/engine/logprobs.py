@@ -2,7 +2,9 @@
 
 Every logprob here is ``log_softmax`` of the model's *raw* float32 logits — before penalties,
 temperature and top-k/top-p filtering (vLLM's default ``raw_logprobs``), so it is the model's own
-distribution whatever sampling settings a request uses.
+distribution whatever sampling settings a request uses. The one exception, as in vLLM: a
+structured-output request's grammar mask is applied first (disallowed tokens are -inf, reported
+as ``MIN_LOGPROB``), so its logprobs are over the tokens its grammar allows.
 
 Shapes:
 
@@ -34,6 +36,9 @@ class Logprob:
 
 
 TopList = list[tuple[int, float]]
+#: Floor of a reported alternative's logprob (vLLM's): a token a grammar masked is -inf, which
+#: JSON cannot carry.
+MIN_LOGPROB = -9999.0
 
 
 def chosen_and_top(
@@ -54,6 +59,7 @@ def chosen_and_top(
     tops: list[TopList] = [[] for _ in chosen]
     if kmax > 0:
         vals, ids = lp.topk(min(kmax, lp.shape[-1]), dim=-1)
+        vals = vals.clamp_min(MIN_LOGPROB)  # a grammar-masked alternative is -inf
         vals_l, ids_l = vals.tolist(), ids.tolist()
         for i, k in enumerate(num_top):
             tops[i] = list(zip(ids_l[i][:k], vals_l[i][:k]))

@@ -71,6 +71,9 @@ class Sequence:
     accounted: bool = False  # prompt/cached tokens counted in the engine's totals
     first_token_time: float | None = None
     admit_order: int = 0
+    #: its output constraint (:class:`~radixkv.engine.grammar.GrammarState`); not scheduled
+    #: until ``grammar.ready``
+    grammar: Any = None
 
     @property
     def tokens(self) -> list[int]:

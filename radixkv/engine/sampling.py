@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.engine.structured import StructuredOutputs
+
 __all__ = ["SamplingParams"]
 
 MAX_LOGPROBS = 20
@@ -52,6 +54,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     #: leave special tokens (e.g. ``<|im_end|>``) out of the text
     skip_special_tokens: bool = True
+    #: constrain the output to a JSON schema, regex, choice or grammar (not with beam search)
+    structured_outputs: StructuredOutputs | None = None
 
     def validate(self) -> SamplingParams:
         """Raise ``ValueError`` naming the first bad field; returns ``self`` when valid."""
@@ -118,6 +122,8 @@ class SamplingParams:
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, "must be true or false")
         self._validate_beam_search(bad)
+        if self.structured_outputs is not None:
+            _validate_structured(self)
         return self
 
     def _validate_beam_search(self, bad: Any) -> None:
@@ -179,6 +185,14 @@ class SamplingParams:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def _validate_structured(params: SamplingParams) -> None:
+    if not isinstance(params.structured_outputs, StructuredOutputs):
+        raise ValueError("structured_outputs must be a StructuredOutputs or None")
+    params.structured_outputs.validate()
+    if params.use_beam_search:
+        raise ValueError("structured outputs are not supported with use_beam_search")
 
 
 def _is_number(x: object) -> bool:

@@ -145,6 +145,8 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.WAITING:
                 continue  # admitted with its gang
+            if seq.grammar is not None and not seq.grammar.ready:
+                continue  # its grammar is still compiling (off this thread)
             if seq.gang is not None and len(seq.gang) > 1:
                 budget = self._admit_gang(seq.gang, batch, scheduled, budget, prefilling)
                 if budget is None:

@@ -22,6 +22,11 @@ class LockedTokenizer:
     def wrapped(self) -> Any:
         return self._tokenizer
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every method call holds (for code that reads ``wrapped`` directly)."""
+        return self._lock  # type: ignore[no-any-return]
+
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._tokenizer, name)
         if not callable(value):

@@ -1,0 +1,368 @@
+"""Grammar-constrained decoding with xgrammar: compiling, caching, and masking a step's logits.
+
+Three parts, each with its invariants:
+
+* :class:`GrammarCompilerPool` compiles a :class:`~radixkv.engine.structured.StructuredOutputs`
+  on its own worker threads (never the engine's), one ``Future`` per constraint, kept in an LRU
+  of at most ``cache_size`` entries and ``cache_bytes`` of compiled grammars, keyed by
+  :meth:`StructuredOutputs.key` (the same schema twice compiles once; a failure is cached too,
+  compile errors being deterministic). Thread-safe.
+* :class:`GrammarState` is one sequence's grammar: the compile ``Future`` until it is ready,
+  then an xgrammar ``GrammarMatcher`` that has accepted exactly the sequence's output tokens
+  (``accepted == len(seq.output_ids)`` after every step). Recompute preemption keeps
+  ``output_ids`` and so the matcher stays valid; ``n > 1`` siblings each get their own matcher
+  (forked before any output exists). Engine thread only.
+* :class:`StructuredRuntime` is what the engine calls: it starts a request's grammar, holds it
+  out of the batch until compiled (the scheduler skips a sequence whose ``grammar`` is not
+  ready), fails it on a compile error or past ``timeout_s``, and per step fills the bitmasks of
+  the constrained rows into one tensor and applies them in one call (unconstrained rows are
+  never touched).
+
+Masked logits are what the sampler sees, so reported logprobs are those of the constrained
+distribution (vLLM's behaviour); :func:`~radixkv.engine.logprobs.chosen_and_top` clamps a
+masked ``-inf`` alternative to ``-9999.0`` as vLLM does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixkv.engine.structured import MAX_JSON_WHITESPACE, StructuredOutputs
+
+if TYPE_CHECKING:
+    from radixkv.engine.request import Sequence
+
+__all__ = [
+    "COMPILE_TIMEOUT_S",
+    "GrammarCompilerPool",
+    "GrammarState",
+    "StructuredRuntime",
+    "compile_error_message",
+]
+
+#: A grammar not compiled within this many seconds fails its request (a 400 over HTTP).
+COMPILE_TIMEOUT_S = 10.0
+#: Compiled grammars kept (least recently used dropped first), and their bytes at most (one
+#: JSON schema over SmolLM2's 49,152-token vocabulary takes 2 to 3 MB).
+CACHE_SIZE = 256
+CACHE_BYTES = 256 << 20
+#: Compile worker threads.
+WORKERS = 2
+_XGR_PREFIX = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+
+
+def compile_error_message(spec: StructuredOutputs, exc: BaseException) -> str:
+    """``exc`` (an xgrammar compile error) as a message for the client: the constraint's kind
+    and xgrammar's reason, without its source-file prefix."""
+    why = _XGR_PREFIX.sub("", str(exc)).strip() or type(exc).__name__
+    return f"invalid structured output constraint ({spec.kind}): {why}"
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar accepting exactly one of ``choices`` (JSON string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCompilerPool:
+    """Compiles constraints off the calling thread, caching the results (module docstring).
+
+    ``tokenizer`` is a Hugging Face tokenizer (or a :class:`LockedTokenizer` around one: its
+    lock is held while xgrammar reads the vocabulary); ``vocab_size`` is the model's (the
+    logits' width, which may exceed the tokenizer's); ``stop_token_ids`` end a finished grammar.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        *,
+        cache_size: int = CACHE_SIZE,
+        cache_bytes: int = CACHE_BYTES,
+        workers: int = WORKERS,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str, bool], cf.Future[Any]] = OrderedDict()
+        self._sizes: dict[tuple[str, str, bool], int] = {}  # compiled entries' bytes
+        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="radixkv-grammar")
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def compiler(self) -> Any:
+        """The xgrammar ``GrammarCompiler`` (built on first use: reads the whole vocabulary)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                hf = getattr(self.tokenizer, "wrapped", self.tokenizer)
+                lock = getattr(self.tokenizer, "lock", None)
+                with lock if lock is not None else contextlib.nullcontext():
+                    try:
+                        info = xgr.TokenizerInfo.from_huggingface(
+                            hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                        )
+                    except Exception as exc:
+                        raise ValueError(
+                            "structured outputs need a Hugging Face tokenizer; this model's "
+                            f"tokenizer ({type(hf).__name__}) could not be read: {exc}"
+                        ) from exc
+                # no xgrammar-side cache: this pool's LRU is the one bound
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def submit(self, spec: StructuredOutputs) -> cf.Future[Any]:
+        """The compile of ``spec`` (validated): a cached ``Future``, or a new one queued."""
+        key = spec.key()
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return fut
+            self.misses += 1
+            fut = self._pool.submit(self._compile, spec)
+            self._cache[key] = fut
+            self._evict()
+            return fut
+
+    def _evict(self) -> None:
+        """Drop least recently used entries past either bound (the lock held); the newest
+        stays. Waiters keep their own reference to a dropped future."""
+        while len(self._cache) > 1 and (
+            len(self._cache) > self.cache_size or sum(self._sizes.values()) > self.cache_bytes
+        ):
+            key, _ = self._cache.popitem(last=False)
+            self._sizes.pop(key, None)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the compiled grammars in the cache."""
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def compile(self, spec: StructuredOutputs, timeout: float = COMPILE_TIMEOUT_S) -> Any:
+        """The compiled grammar of ``spec``, waiting up to ``timeout`` seconds; ``ValueError``
+        naming the problem when it does not compile or takes longer."""
+        fut = self.submit(spec)
+        try:
+            return fut.result(timeout)
+        except cf.TimeoutError:
+            raise ValueError(timeout_message(spec, timeout)) from None
+        except cf.CancelledError:
+            raise ValueError(failure(fut) or "cancelled") from None
+
+    def _compile(self, spec: StructuredOutputs) -> Any:
+        compiled = self._compile_uncached(spec)
+        key = spec.key()
+        with self._lock:
+            if key in self._cache:  # not dropped while compiling
+                self._sizes[key] = int(compiled.memory_size_bytes)
+                self._evict()
+        return compiled
+
+    def _compile_uncached(self, spec: StructuredOutputs) -> Any:
+        compiler = self.compiler()
+        kind, text, compact = spec.key()
+        try:
+            if kind in ("json", "json_object"):
+                schema = text if kind == "json" else '{"type": "object"}'
+                return compiler.compile_json_schema(
+                    schema,
+                    any_whitespace=not compact,
+                    max_whitespace_cnt=None if compact else MAX_JSON_WHITESPACE,
+                )
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "choice":
+                return compiler.compile_grammar(_choice_grammar(list(spec.choice or [])))
+            return compiler.compile_grammar(text)
+        except Exception as exc:
+            raise ValueError(compile_error_message(spec, exc)) from exc
+
+    def clear(self) -> None:
+        """Forget every cached compile (the bench's cold start)."""
+        with self._lock:
+            self._cache.clear()
+            self._sizes.clear()
+
+    def close(self) -> None:
+        """Stop the worker threads (queued compiles are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def timeout_message(spec: StructuredOutputs, timeout: float) -> str:
+    """The error for a constraint that did not compile within ``timeout`` seconds."""
+    return (
+        f"the structured output constraint ({spec.describe()}) did not compile within "
+        f"{timeout:g} s; simplify the schema, regex or grammar"
+    )
+
+
+def failure(future: cf.Future[Any]) -> str | None:
+    """Why a finished compile failed (its message), or None when it succeeded."""
+    if future.cancelled():
+        return "the grammar compile was cancelled (the engine is closing)"
+    exc = future.exception()
+    return None if exc is None else str(exc)
+
+
+class GrammarState:
+    """One sequence's grammar (module docstring): compile future, then a matcher that has
+    accepted exactly ``accepted`` tokens, the sequence's outputs."""
+
+    def __init__(
+        self, spec: StructuredOutputs, future: cf.Future[Any], timeout: float, deadline: float
+    ) -> None:
+        self.spec = spec
+        self.future = future
+        self.timeout = timeout
+        self.deadline = deadline
+        self.matcher: Any = None
+        self.accepted = 0
+
+    @property
+    def ready(self) -> bool:
+        """Compiled successfully (the sequence may be scheduled)."""
+        return self.future.done() and failure(self.future) is None
+
+    def error(self, now: float) -> str | None:
+        """Why this grammar cannot be used (compile error, or still compiling past its
+        deadline); None while it compiles in time or once it is ready."""
+        if self.future.done():
+            return failure(self.future)
+        if now > self.deadline:
+            return timeout_message(self.spec, self.timeout)
+        return None
+
+    def fork(self) -> GrammarState:
+        """A fresh state on the same compile for a sibling (``n > 1``): forks are made after
+        the prompt and before the first output, so the new matcher starts empty too."""
+        assert self.accepted == 0, "a grammar is forked only before any output"
+        return GrammarState(self.spec, self.future, self.timeout, self.deadline)
+
+    def _matcher(self) -> Any:
+        if self.matcher is None:
+            import xgrammar as xgr
+
+            self.matcher = xgr.GrammarMatcher(self.future.result())
+        return self.matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]``."""
+        self._matcher().fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        """Advance the matcher by ``token``; True when the grammar has terminated (its stop
+        token accepted: the sequence is done). ``ValueError`` if the grammar rejects it."""
+        m = self._matcher()
+        if not m.accept_token(int(token)):
+            raise ValueError(f"token {token} was sampled but the grammar does not allow it")
+        self.accepted += 1
+        return bool(m.is_terminated())
+
+
+class StructuredRuntime:
+    """The engine's side of structured outputs (module docstring). The compiler pool is made on
+    the first constrained request, so an engine that never sees one never loads xgrammar."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.stop_token_ids = list(stop_token_ids)
+        self.timeout_s = COMPILE_TIMEOUT_S
+        self._pool: GrammarCompilerPool | None = None
+        self._bitmask: torch.Tensor | None = None
+
+    @property
+    def pool(self) -> GrammarCompilerPool:
+        """The compiler pool (``ValueError`` for a model without a tokenizer)."""
+        if self._pool is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer; it has none")
+            self._pool = GrammarCompilerPool(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._pool
+
+    def start(self, params: Any) -> GrammarState | None:
+        """The grammar of a new request (None when ``params`` has no constraint); its compile
+        is queued, and a constraint already known not to compile raises ``ValueError``."""
+        spec = getattr(params, "structured_outputs", None)
+        if spec is None:
+            return None
+        fut = self.pool.submit(spec)
+        if fut.done() and (why := failure(fut)) is not None:
+            raise ValueError(why)
+        return GrammarState(spec, fut, self.timeout_s, time.monotonic() + self.timeout_s)
+
+    def wait_all(self, params: Iterable[Any]) -> None:
+        """Compile every constraint of ``params`` (the offline API, before queueing anything):
+        ``ValueError`` naming the first that fails or times out."""
+        specs = [s for p in params if (s := getattr(p, "structured_outputs", None)) is not None]
+        for spec in specs:
+            if not isinstance(spec, StructuredOutputs):
+                raise ValueError("structured_outputs must be a StructuredOutputs or None")
+            self.pool.submit(spec.validate())
+        for spec in specs:
+            self.pool.compile(spec, self.timeout_s)
+
+    def fail_broken(self, waiting: Iterable[Sequence], fail: Callable[[str, str], Any]) -> None:
+        """``fail(request id, why)`` each request with a waiting sequence whose grammar failed
+        to compile or is still compiling past its deadline."""
+        now = time.monotonic()
+        out: dict[str, str] = {}
+        for seq in waiting:
+            if seq.grammar is not None and (why := seq.grammar.error(now)) is not None:
+                out.setdefault(seq.request_id, why)
+        for request_id, why in out.items():
+            fail(request_id, why)
+
+    def wait_pending(self, waiting: Iterable[Sequence], timeout: float = 0.05) -> bool:
+        """If some waiting sequence's grammar is still compiling, wait up to ``timeout``
+        seconds for one to finish and return True (the step had nothing else to run)."""
+        pending = [
+            s.grammar.future for s in waiting if s.grammar is not None and not s.grammar.ready
+        ]
+        if not pending:
+            return False
+        cf.wait(pending, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+        return True
+
+    def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """``logits [B, vocab]`` (row ``i`` is ``seqs[i]``'s) with every constrained row masked
+        to its grammar's allowed tokens, in place when float32 (one fill per row into one
+        bitmask, one apply for all rows); returned as is when no row is constrained."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return logits
+        import xgrammar as xgr
+
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        b = logits.shape[0]
+        if self._bitmask is None or self._bitmask.shape[0] < b:
+            self._bitmask = xgr.allocate_token_bitmask(max(b, 64), self.vocab_size)
+        bitmask = self._bitmask[:b]
+        for i in rows:
+            seqs[i].grammar.fill(bitmask, i)
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask, vocab_size=self.vocab_size, indices=None if len(rows) == b else rows
+        )
+        return logits
