@@ -64,7 +64,7 @@ from radixkv.cache.kv_mac import (
     seal,
     verify,
 )
-from radixkv.cache.private_files import read_capped, secure_dir, write_new_file
+from radixkv.cache.private_files import read_capped, secure_dir, write_new_file, writer_alive
 
 __all__ = ["DiskStore", "HEADER", "MAGIC", "MAX_FILE_BYTES", "chain_hashes"]
 
@@ -82,27 +82,6 @@ def _remove(path: str) -> None:
     """Remove ``path``; a file already gone is fine."""
     with contextlib.suppress(OSError):
         os.remove(path)
-
-
-def _writer_alive(name: str) -> bool:
-    """Whether the process that is writing temporary file ``name`` (``<page>.<pid>.<random>.tmp``,
-    see :meth:`DiskStore._write`) may still be running: its pid exists, or the name carries none
-    this store can read (then it is left alone too). Another live process's file is never ours
-    to remove; a dead one's is a leftover."""
-    parts = name[: -len(_TMP)].split(".")
-    try:
-        pid = int(parts[-2])
-    except (IndexError, ValueError):
-        return True
-    if pid == os.getpid():
-        return False  # this process has no write in flight while it scans
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def _salt_bytes(salt: Hashable) -> bytes:
@@ -228,7 +207,7 @@ class DiskStore:
         for name in os.listdir(self.path):
             full = os.path.join(self.path, name)
             if name.endswith(_TMP):
-                if not _writer_alive(name):
+                if not writer_alive(name[: -len(_TMP)]):
                     _remove(full)
                 continue
             if not name.endswith(SUFFIX) or len(name) != 64 + len(SUFFIX):

@@ -17,7 +17,7 @@ import errno
 import os
 import stat
 
-__all__ = ["read_capped", "secure_dir", "write_new_file"]
+__all__ = ["read_capped", "secure_dir", "write_new_file", "writer_alive"]
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO never blocks
@@ -109,3 +109,24 @@ def secure_dir(path: str) -> None:
             f"disk_cache_dir={path!r} has mode {st.st_mode & 0o777:o}: group or others may read "
             f"or plant cached KV there; run `chmod 700 {path}`"
         )
+
+
+def writer_alive(stem: str) -> bool:
+    """Whether the process writing the temporary file ``<name>.<pid>.<random>`` (``stem``: the
+    temporary file's name without its suffix) may still be running: its pid exists, or the name
+    carries none to read (then it is left alone too). Another live process's temporary file is
+    never ours to remove; a dead one's is a leftover. This process's own are leftovers too (it
+    has no write in flight while it scans its directory)."""
+    try:
+        pid = int(stem.split(".")[-2])
+    except (IndexError, ValueError):
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
