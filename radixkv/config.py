@@ -30,6 +30,8 @@ class EngineConfig:
     environment variable ``RADIXKV_KV_MAC_KEY``, else the disk tier's ``kv_mac.key`` (created in
     ``disk_cache_dir`` on first start), else a random key of the process (see
     radixkv/cache/kv_mac.py).
+    ``chat_template``: a Jinja chat template (a file's path or the text itself, as vLLM's
+    ``--chat-template``) replacing the model's own for chat requests.
     """
 
     model: str = "smollm2"
@@ -55,6 +57,7 @@ class EngineConfig:
     remote_cache_url: str | None = None
     kv_mac_key_file: str | None = None
     kv_layout: str = "paged"
+    chat_template: str | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad knob and what values it takes."""
@@ -103,6 +106,10 @@ class EngineConfig:
             isinstance(self.kv_mac_key_file, str) and self.kv_mac_key_file
         ):
             raise bad("kv_mac_key_file", "expected the path of a file holding the secret")
+        if self.chat_template is not None and not (
+            isinstance(self.chat_template, str) and self.chat_template
+        ):
+            raise bad("chat_template", "expected a template file's path or Jinja template text")
 
     @classmethod
     def knob_names(cls) -> list[str]:

@@ -21,6 +21,7 @@ import torch
 from radixkv.cache.allocator import BlockAllocator
 from radixkv.cache.radix_tree import RadixTree
 from radixkv.config import EngineConfig
+from radixkv.engine.chat_template import load_chat_template
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
@@ -55,10 +56,12 @@ class EngineParts:
     kv_capacity_tokens: int
     eos_token_ids: set[int]
     vocab_size: int
+    chat_template: str | None = None  # the --chat-template text (None: the model's own)
 
 
 def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
     """Load ``model`` (a name, or a loaded model) and build every part ``cfg`` asks for."""
+    template = load_chat_template(cfg.chat_template) if cfg.chat_template else None  # fail fast
     from radixkv.model.kv_pool import KVPool
     from radixkv.model.loader import load_model
     from radixkv.model.runner import ModelRunner, default_dtype
@@ -105,11 +108,12 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
     )
     context = getattr(loaded.config, "max_position_embeddings", None) or 2048
     tokenizer = loaded.tokenizer
+    eos_token_ids = _eos_token_ids(loaded)
     return EngineParts(
         model_name=loaded.name,
         tokenizer=LockedTokenizer(tokenizer) if tokenizer is not None else None,
         runner=runner,
-        sampler=Sampler(),
+        sampler=Sampler(eos_token_ids),
         page_size=cfg.page_size,
         allocator=allocator,
         tree=tree,
@@ -119,8 +123,9 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         scheduler=Scheduler(cfg, kv),
         max_model_len=min(cfg.max_model_len or context, context),
         kv_capacity_tokens=num_pages * cfg.page_size,
-        eos_token_ids=_eos_token_ids(loaded),
+        eos_token_ids=eos_token_ids,
         vocab_size=runner.vocab_size,
+        chat_template=template,
     )
 
 

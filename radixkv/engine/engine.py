@@ -21,6 +21,7 @@ from radixkv.engine.chat_template import render_chat
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.lifecycle import SequenceLifecycle
 from radixkv.engine.lifetime import track, untrack
+from radixkv.engine.logits_processors import check_token_ids
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
 from radixkv.engine.outputs import engine_stats, request_output, step_output, with_logprobs
 from radixkv.engine.pinning import compute_prompt
@@ -55,7 +56,7 @@ class Engine:
         self.config.validate()
         p = assemble(self.config, model)  # every collaborator, built and wired there
         self.model_name, self.tokenizer, self.runner = p.model_name, p.tokenizer, p.runner
-        self.sampler, self.page_size = p.sampler, p.page_size
+        self.sampler, self.page_size, self.chat_template = p.sampler, p.page_size, p.chat_template
         self.allocator, self.tree, self.kv = p.allocator, p.tree, p.kv
         self.virtual_layout, self.tiers, self.scheduler = p.virtual_layout, p.tiers, p.scheduler
         self.max_model_len, self.kv_capacity_tokens = p.max_model_len, p.kv_capacity_tokens
@@ -142,6 +143,7 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        check_token_ids(params, self.vocab_size)  # logit_bias keys
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -412,21 +414,23 @@ class Engine:
             for rid, prompt in zip(ids, prompts)
         ]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template, ready to answer
-        (:func:`radixkv.engine.chat_template.render_chat`)."""
-        return render_chat(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """Token ids of a conversation ready to answer; ``options``: :func:`~radixkv.engine.
+        chat_template.render_chat`'s (``chat_template`` defaults to the engine's knob)."""
+        options.setdefault("chat_template", self.chat_template)
+        return render_chat(self.tokenizer, messages, **options)
 
     def chat(
         self,
         conversations: list[dict[str, str]] | list[list[dict[str, str]]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         salt: str | None = None,
+        **options: Any,
     ) -> list[RequestOutput]:
-        """Like :meth:`generate` for conversations (lists of ``{"role", "content"}`` messages)."""
+        """:meth:`generate` for conversations; ``options``: :meth:`apply_chat_template`'s."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        prompts = [self.apply_chat_template(c, **options) for c in conversations]  # type: ignore
         return self.generate(prompts, params, salt=salt)
 
     # -- cache administration ----------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.engine.logits_processors import check_logits_fields
+
 __all__ = ["SamplingParams"]
 
 MAX_LOGPROBS = 20
@@ -52,6 +54,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     #: leave special tokens (e.g. ``<|im_end|>``) out of the text
     skip_special_tokens: bool = True
+    #: token id -> bias added to its logit before sampling, in [-100, 100] (OpenAI's)
+    logit_bias: dict[int, float] | None = None
+    #: EOS and ``stop_token_ids`` are masked, and stop strings not honoured, until this many
+    #: tokens are generated (vLLM's)
+    min_tokens: int = 0
 
     def validate(self) -> SamplingParams:
         """Raise ``ValueError`` naming the first bad field; returns ``self`` when valid."""
@@ -117,6 +124,7 @@ class SamplingParams:
         for flag in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, "must be true or false")
+        check_logits_fields(self)
         self._validate_beam_search(bad)
         return self
 
@@ -153,6 +161,9 @@ class SamplingParams:
             raise bad(
                 "stop", "stop strings are not supported with use_beam_search (use stop_token_ids)"
             )
+        if self.logit_bias or self.min_tokens:
+            name = "logit_bias" if self.logit_bias else "min_tokens"
+            raise bad(name, "is not supported with use_beam_search")
 
     @property
     def beam_width(self) -> int:
