@@ -71,6 +71,7 @@ def create_app(
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
     pins: PinPolicy | None = None,
     log_stats_interval: float | None = 10.0,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
     docs/security.md for what each guard protects).
@@ -96,6 +97,8 @@ def create_app(
     ``pins``: the pin budgets and maximum ttl (:class:`~radixkv.server.routes_admin.PinPolicy`).
     ``log_stats_interval``: seconds between stats lines in the log while busy (None: none;
     :mod:`.stats_log`).
+    ``trust_request_chat_template``: chat requests may carry their own ``chat_template`` (Jinja
+    rendered in transformers' sandbox; off by default, as vLLM).
     """
     if dashboard_text not in DASHBOARD_TEXT:
         raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
@@ -210,6 +213,7 @@ def create_app(
         admin=admin,
         history=history,
         keyed=not keyring.open,
+        trust_request_chat_template=trust_request_chat_template,
     )
     for router in (
         native_routes(ctx),

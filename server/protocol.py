@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from .protocol_fields import ChatTemplateFields, GenerateLogitsFields, LogitsFields
+
 MAX_N = 16
 """Largest ``n`` (parallel samples of one prompt) a request may ask for."""
 MAX_LOGPROBS = 20
@@ -123,7 +125,7 @@ class RequestBody(BaseModel):
 # --------------------------------------------------------------------------------------------
 
 
-class SamplingFields(RequestBody):
+class SamplingFields(RequestBody, LogitsFields):
     """Sampling knobs with vLLM's names and OpenAI's ranges.
 
     ``None`` means "the default": OpenAI's defaults for the OpenAI endpoints, SGLang's for
@@ -206,6 +208,7 @@ class SamplingFields(RequestBody):
             "early_stopping": self.early_stopping,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            **self.logits_kwargs(),
         }
         for name in (
             "top_p",
@@ -326,7 +329,7 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ChatCompletionRequest(SamplingFields, OpenAIAccepted):
+class ChatCompletionRequest(SamplingFields, OpenAIAccepted, ChatTemplateFields):
     """``POST /v1/chat/completions``."""
 
     model_config = ConfigDict(
@@ -393,7 +396,7 @@ class ChatCompletionRequest(SamplingFields, OpenAIAccepted):
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
 
 
-class GenerateSamplingParams(SamplingFields):
+class GenerateSamplingParams(SamplingFields, GenerateLogitsFields):
     """``sampling_params`` of ``/generate``: ``max_new_tokens`` (SGLang) or ``max_tokens``."""
 
     max_new_tokens: int | None = Field(None, ge=1)
