@@ -99,7 +99,7 @@ class ChatTemplateFields(BaseModel):
         options: dict[str, Any] = {
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
-            "template_kwargs": self.chat_template_kwargs,
+            "chat_template_kwargs": self.chat_template_kwargs,
         }
         if self.chat_template is not None:
             options["chat_template"] = self.chat_template

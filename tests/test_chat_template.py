@@ -60,11 +60,11 @@ def test_custom_template_and_kwargs(tok: Any) -> None:
     plain = text(tok, render_chat(tok, CHAT, chat_template=TEMPLATE))
     assert plain == "[user] What is the capital of France?\n[assistant]"
     thinking = render_chat(
-        tok, CHAT, chat_template=TEMPLATE, template_kwargs={"enable_thinking": True}
+        tok, CHAT, chat_template=TEMPLATE, chat_template_kwargs={"enable_thinking": True}
     )
     assert text(tok, thinking) == "[user] What is the capital of France?\n<think>[assistant]"
     with pytest.raises(ValueError, match="tokenize"):
-        render_chat(tok, CHAT, template_kwargs={"tokenize": False})
+        render_chat(tok, CHAT, chat_template_kwargs={"tokenize": False})
 
 
 def test_load_chat_template(tmp_path: Path) -> None:
@@ -80,9 +80,9 @@ def test_engine_knob_replaces_the_models_template(real_model: Any, tmp_path: Pat
     path.write_text(TEMPLATE)
     engine = Engine(real_model, dtype="float32", kv_cache_tokens=2048, chat_template=str(path))
     try:
-        ids = engine.apply_chat_template(CHAT, template_kwargs={"enable_thinking": True})
+        ids = engine.apply_chat_template(CHAT, chat_template_kwargs={"enable_thinking": True})
         assert text(real_model.tokenizer, ids).endswith("<think>[assistant]")
-        (out,) = engine.chat(CHAT, template_kwargs={"enable_thinking": True})
+        (out,) = engine.chat(CHAT, chat_template_kwargs={"enable_thinking": True})
         assert out.prompt_token_ids == ids
     finally:
         engine.close()

@@ -6,7 +6,8 @@ Used by :meth:`radixkv.engine.engine.Engine.apply_chat_template` and by the HTTP
 The controls are vLLM's: ``add_generation_prompt`` (end with the assistant's header, the
 default), ``continue_final_message`` (leave the last message open, so the model continues it;
 exclusive with ``add_generation_prompt``), ``chat_template`` (a Jinja template replacing the
-model's) and ``template_kwargs`` (extra variables for the template, e.g. ``enable_thinking``).
+model's) and ``chat_template_kwargs`` (extra variables for the template, e.g.
+``enable_thinking``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 __all__ = ["RESERVED_TEMPLATE_KWARGS", "load_chat_template", "render_chat"]
 
-#: Names ``template_kwargs`` may not set: they are ``apply_chat_template``'s own arguments.
+#: Names ``chat_template_kwargs`` may not set: they are ``apply_chat_template``'s own arguments.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
         "conversation",
@@ -61,7 +62,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template: str | None = None,
-    template_kwargs: Mapping[str, Any] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` rendered by ``tokenizer``'s chat template (or ``chat_template``,
     Jinja text), ending in the assistant's generation prompt unless told otherwise (see the
@@ -78,7 +79,7 @@ def render_chat(
             "continue_final_message and add_generation_prompt cannot both be true (set "
             "add_generation_prompt to false to continue the last message)"
         )
-    extra = dict(template_kwargs or {})
+    extra = dict(chat_template_kwargs or {})
     clash = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
