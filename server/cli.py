@@ -140,6 +140,10 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine and app, then run uvicorn until interrupted. Returns the exit code."""
+    from radixkv.model.triton_gate import skip_triton_without_gpu
+
+    # before anything imports torch._dynamo (loading the model does): no Triton on a CPU run
+    skip_triton_without_gpu(getattr(args, "device", None), getattr(args, "attention_backend", None))
     import uvicorn
 
     from radixkv import Engine

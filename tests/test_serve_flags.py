@@ -170,3 +170,29 @@ def test_tokenizer_knob_replaces_the_models(
     engine = Engine(tiny_model, page_size=4, dtype="float32", tokenizer=str(tmp_path / "tok"))
     assert engine.tokenizer.encode("Paris") == real_model.tokenizer.encode("Paris")
     assert tiny_model.tokenizer.encode("Paris") == list(b"Paris")  # the shared model untouched
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_a_cpu_serve_leaves_triton_unloaded(gate: bool) -> None:
+    """From the checkout's root (where transformers' probe for HF's ``kernels`` package finds
+    ``kernels/``), loading a transformers model imports Triton only without the gate."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed: nothing to keep unloaded")
+    code = (
+        "import sys\n"
+        "from radixkv.model.triton_gate import skip_triton_without_gpu\n"
+        f"assert skip_triton_without_gpu('cpu') if {gate} else True\n"
+        "import transformers.models.llama.modeling_llama\n"
+        "import radixkv.kernels\n"
+        "print('triton' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == str(not gate)
