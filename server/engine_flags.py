@@ -146,6 +146,9 @@ def _knob_type(knob: str) -> Any:
     return hint
 
 
+_METAVARS: dict[Any, str] = {int: "N", float: "X"}
+
+
 def _defaults() -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -155,19 +158,18 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     defaults = _defaults()
     group = parser.add_argument_group("engine (vLLM / SGLang spellings accepted)")
     for entry in ENGINE_FLAGS:
-        default = defaults[entry.knob]
+        default, kind = defaults[entry.knob], _knob_type(entry.knob)
         text = entry.help
-        if "default" not in text:
-            text += f" (default {'auto' if default is None else default})"
-        if entry.choices:
-            text += f"; one of {', '.join(entry.choices)}"
+        if default is not None and "default" not in text:
+            text += f" (default {default})"
+        metavar = None if entry.choices else _METAVARS.get(kind, entry.knob.upper())
         group.add_argument(
             *entry.flags,
             dest=entry.knob,
-            type=_knob_type(entry.knob),
+            type=kind,
             default=None,
             choices=entry.choices,
-            metavar=entry.knob.upper(),
+            metavar=metavar,
             help=text,
         )
     group.add_argument(

@@ -97,9 +97,9 @@ def test_types_defaults_and_knobs_come_from_engine_config() -> None:
         action = actions[entry.knob]
         assert set(entry.flags) <= set(action.option_strings)
         assert action.type in typing.get_args(hints[entry.knob]) or action.type is hints[entry.knob]
-        if "default" not in entry.help:
-            shown = "auto" if defaults[entry.knob] is None else defaults[entry.knob]
-            assert f"(default {shown})" in action.help
+        if "default" not in entry.help and defaults[entry.knob] is not None:
+            assert f"(default {defaults[entry.knob]})" in action.help
+        assert action.choices == entry.choices
     assert {e.knob for e in ENGINE_FLAGS} <= set(EngineConfig.knob_names())
 
 

@@ -27,6 +27,7 @@ import torch
 
 __all__ = [
     "MAX_LOGIT_BIAS",
+    "MAX_LOGIT_BIAS_ENTRIES",
     "apply_logits_processors",
     "check_logits_fields",
     "check_token_ids",
@@ -35,8 +36,7 @@ __all__ = [
 
 #: ``logit_bias`` values lie in ``[-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]`` (OpenAI's range).
 MAX_LOGIT_BIAS = 100.0
-#: Largest ``logit_bias`` map accepted (OpenAI documents no bound; 300 is what its tokenizers'
-#: examples use; this keeps one request's per-step work bounded).
+#: Largest ``logit_bias`` map accepted: a bound on one request's work per step.
 MAX_LOGIT_BIAS_ENTRIES = 1024
 _CACHE = "_logit_bias_tensors"
 
