@@ -266,6 +266,54 @@ def bench_cpu(iters: int) -> None:
     for backend in load_cpu_backends():
         bench_cpu_backend(iters, *backend)
     print("ratio = paged backend time / naive contiguous time (lower is better; 1.0 = parity)")
+    bench_cpu_groups(iters)
+
+
+def bench_cpu_groups(iters: int) -> None:
+    """The shared-prefix decode burst (issue 31's shape, SmolLM2's heads): 64 decodes on 4
+    prefixes of 768 shared tokens + 80 own each, one layer, with and without the step's
+    shared-prefix groups, for the bf16 kernel (AVX512-BF16 path where the build has it) and the
+    float32-math kernel over the same bf16 pages."""
+    from radixkv.model import native
+
+    module = native.load()
+    if module is None:
+        return
+    hq, hkv, d, page, batch, shared, own = 9, 3, 64, 16, 64, 768, 80
+    shared_pages, own_pages = shared // page, -(-own // page)
+    gen = torch.Generator().manual_seed(0)
+    num_pages = 4 * shared_pages + batch * own_pages
+    k = torch.randn(num_pages, page, hkv, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_pages, page, hkv, d, generator=gen).to(torch.bfloat16)
+    table = torch.zeros(batch, shared_pages + own_pages, dtype=torch.int32)
+    for b in range(batch):
+        g = b % 4
+        table[b, :shared_pages] = torch.arange(g * shared_pages, (g + 1) * shared_pages)
+        first = 4 * shared_pages + b * own_pages
+        table[b, shared_pages:] = torch.arange(first, first + own_pages)
+    q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16)
+    lens = ([shared + own - 1] * batch, [1] * batch, list(range(batch)), d**-0.5)
+    members = [b for g in range(4) for b in range(g, batch, 4)]
+    groups = (members, [0, 16, 32, 48, 64], [shared] * 4)
+    none: tuple[list[int], list[int], list[int]] = ([], [], [])
+    print()
+    print(
+        f"shared-prefix decode burst, one layer: {batch} decodes, 4 x {shared} shared + {own} own "
+        f"tokens, Hq={hq}, Hkv={hkv}, D={d}, bf16 pages, kernel ISA {module.kernel_isa()}"
+    )
+    qf = q.float()
+    cases = [
+        ("bf16 kernel", lambda gr: module.paged_attention(q, k, v, table, *lens, *gr)),
+        ("float32-math kernel", lambda gr: module.paged_attention_f32(qf, k, v, table, *lens, *gr)),
+    ]
+    for name, run in cases:
+        plain = cpu_time_ms(lambda run=run: run(none), iters)
+        grouped = cpu_time_ms(lambda run=run: run(groups), iters)
+        err = (run(groups).float() - run(none).float()).abs().max().item()
+        print(
+            f"{name:>20}: no groups {plain:.3f} ms, groups {grouped:.3f} ms, "
+            f"{plain / grouped:.2f}x (max |diff| {err:.1e})"
+        )
 
 
 def bench_cpu_backend(

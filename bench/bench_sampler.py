@@ -4,7 +4,9 @@ For batch sizes 1, 8 and 64 over SmolLM2's vocabulary (49,152), and several sett
 default temperature 1.0 that vLLM's client sends, temperature + top-p, top-k, min-p, penalties
 over a 800-token history, a mix of all with greedy rows), prints the median time of one
 ``Sampler.sample`` call for the whole batch, the same rows sampled one at a time (the shape of
-round 2's per-row loop), the ratio, and the greedy argmax floor. ``--baseline-rev REV`` also
+round 2's per-row loop), the ratio, the greedy argmax floor, and the batch with the plain rows
+(temperature only) drawn by torch ops instead of the native ``sample_rows`` ("torch draw";
+the same where every row filters or is penalised past the native path). ``--baseline-rev REV`` also
 times the sampler of an earlier commit (its ``radixkv/engine/sampling.py``, read with ``git
 show``; round 2's is ``d3fe5cf``) on the same logits, and prints its time and the ratio. The
 host's ISA is printed.
@@ -108,9 +110,14 @@ def main() -> None:
     old = baseline_module(args.baseline_rev) if args.baseline_rev else None
     print(f"host ISA: {native.host_isa()}, torch threads: {torch.get_num_threads()}")
     g = torch.Generator().manual_seed(0)
-    sampler = Sampler()
+    sampler, torch_draw = Sampler(), Sampler(kernels=None)
+    print(
+        f"native draw: {'yes' if native.load() is not None else 'no (' + str(native.build_error()) + ')'}"
+    )
     header = f"{'setting':18} {'batch':>5} {'batched ms':>11} {'per-row ms':>11} {'ratio':>6}"
-    header += f" {'argmax':>7}" + (f" {args.baseline_rev + ' ms':>12} {'ratio':>6}" if old else "")
+    header += f" {'argmax':>7} {'torch draw':>10}" + (
+        f" {args.baseline_rev + ' ms':>12} {'ratio':>6}" if old else ""
+    )
     print(header)
     for batch in (1, 8, 64):
         logits = torch.randn(batch, VOCAB, generator=g) * 4
@@ -121,9 +128,10 @@ def main() -> None:
                 SequenceState(make(i), history[i][:700], history[i][700:]) for i in range(batch)
             ]
             batched, per_row = time_case(sampler, logits, states, args.iters)
+            slow = median_ms(lambda x=logits, st=states: torch_draw.sample(x, st), args.iters)
             line = (
                 f"{name:18} {batch:5d} {batched:11.2f} {per_row:11.2f} "
-                f"{per_row / batched:6.1f} {floor:7.2f}"
+                f"{per_row / batched:6.1f} {floor:7.2f} {slow:10.2f}"
             )
             if old is not None:
                 then = median_ms(

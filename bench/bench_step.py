@@ -1,15 +1,19 @@
 """The batch-64 decode step with greedy vs default sampling, and engine start-up, side by side.
 
-Step: SmolLM2 in float32, 64 requests of 4 shared 768-token prefixes + 64 own tokens, 32 output
-tokens, EOS ignored (issue 31's shape); the median decode step (all 64 running) with greedy
-requests and with the default temperature 1.0, run one after the other, and their ratio.
+Step: SmolLM2 in the host's default dtype (bf16 with native bf16, else float32; ``--dtype`` to
+choose), 64 requests of 4 shared 768-token prefixes + 64 own tokens, 32 output tokens, EOS
+ignored (issue 31's shape); the median decode step (all 64 running) with greedy requests and with
+the default temperature 1.0, run one after the other, and their ratio.
 
 Start-up (``--startup``): ``Engine(smollm2, dtype="float32", kv_cache_tokens=65536)`` (a 3 GB KV
 pool) timed in a fresh process each, after a small warm-up engine, with the pool in lazily zeroed
 anonymous memory (radixkv's) and with it zero-filled up front (round 2's), and their ratio.
 
+First touch (with ``--startup``): one prefill step's K/V stores into pool memory never written
+before vs committed ahead (``radixkv.model.prefault``), and their ratio.
+
 Run from the repository root: ``python -m bench.bench_step`` (``--startup`` for start-up only,
-``--runs N`` to repeat). The host's ISA is printed.
+``--step-only`` for the step only, ``--runs N`` to repeat, ``--dtype`` to pick). The host's ISA is printed.
 """
 
 from __future__ import annotations
@@ -55,13 +59,47 @@ def startup(runs: int) -> None:
     )
 
 
-def decode_step(runs: int) -> None:
+def first_touch(runs: int) -> None:
+    """One prefill step's K/V stores (2,048 tokens, 30 layers x K and V, SmolLM2's shapes, bf16)
+    into lazily zeroed pool memory never written before, and into the same amount committed
+    ahead by ``hugepages.populate`` (what ``radixkv.model.prefault`` does in idle time)."""
+    import torch
+
+    from radixkv.model.hugepages import huge_zeros, populate
+
+    tokens, rows = 2048, 65536
+    src = torch.randn(tokens, 3, 64).to(torch.bfloat16)
+    idx = torch.arange(tokens)
+    times: dict[str, list[float]] = {"fresh": [], "committed": []}
+    for _ in range(runs):
+        for variant in times:
+            pools = [huge_zeros((rows, 3, 64), torch.bfloat16) for _ in range(60)]
+            if variant == "committed":
+                for pool in pools:
+                    populate(pool, 0, tokens * 3 * 64 * 2)
+            start = time.perf_counter()
+            for pool in pools:
+                pool.index_copy_(0, idx, src)
+            times[variant].append((time.perf_counter() - start) * 1e3)
+    fresh, done = (statistics.median(times[v]) for v in ("fresh", "committed"))
+    print(
+        f"first touch, one 2,048-token step's K/V stores: fresh pool memory {fresh:.1f} ms, "
+        f"committed ahead {done:.1f} ms ({fresh / done:.0f}x) (runs: {times})"
+    )
+
+
+def decode_step(runs: int, dtype_name: str | None) -> None:
     import torch
 
     from radixkv import Engine, SamplingParams
+    from radixkv.model import native
     from radixkv.model.loader import load_model
+    from radixkv.model.runner import default_dtype
 
-    model = load_model("smollm2", dtype=torch.float32)
+    dtype = getattr(torch, dtype_name) if dtype_name else default_dtype("cpu")
+    dtype_name = str(dtype).removeprefix("torch.")
+    print(f"host ISA: {native.host_isa()}, dtype: {dtype_name}, threads: {torch.get_num_threads()}")
+    model = load_model("smollm2", dtype=dtype)
     rng = random.Random(0)
     prefixes = [[rng.randrange(100, 40000) for _ in range(768)] for _ in range(4)]
     prompts = [prefixes[i % 4] + [rng.randrange(100, 40000) for _ in range(64)] for i in range(64)]
@@ -72,7 +110,7 @@ def decode_step(runs: int) -> None:
     medians: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(runs):
         for name, params in cases.items():
-            engine = Engine(model, dtype="float32", max_running_requests=64)
+            engine = Engine(model, dtype=dtype_name, max_running_requests=64)
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"r{i}", prompt, params)
             steps = []
@@ -94,14 +132,18 @@ def decode_step(runs: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--startup", action="store_true", help="start-up only")
+    parser.add_argument("--step-only", action="store_true", help="the decode step only")
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     args = parser.parse_args()
     from radixkv.model import native
 
     print(f"host ISA: {native.host_isa()}")
-    startup(args.runs)
+    if not args.step_only:
+        startup(args.runs)
+        first_touch(args.runs)
     if not args.startup:
-        decode_step(args.runs)
+        decode_step(args.runs, args.dtype)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv import __version__
+from radixkv.model.prefault import Prefaulter
 
 from .context import ServerContext
 from .engine_loop import EngineLoop
@@ -72,6 +73,7 @@ def create_app(
     pins: PinPolicy | None = None,
     log_stats_interval: float | None = 10.0,
     trust_request_chat_template: bool = False,
+    prefault_kv: bool = True,
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
     docs/security.md for what each guard protects).
@@ -99,6 +101,8 @@ def create_app(
     :mod:`.stats_log`).
     ``trust_request_chat_template``: chat requests may carry their own ``chat_template`` (Jinja
     rendered in transformers' sandbox; off by default, as vLLM).
+    ``prefault_kv``: commit the KV pool's memory in a background thread while the engine is
+    idle (:class:`radixkv.model.prefault.Prefaulter`), so a burst's first writes do not fault.
     """
     if dashboard_text not in DASHBOARD_TEXT:
         raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
@@ -119,6 +123,9 @@ def create_app(
     created = now()
     history = StatsHistory()
     stats_line = StatsLine(log_stats_interval) if log_stats_interval else None
+    pool = getattr(getattr(engine, "runner", None), "pool", None)
+    pool_tensors = [*getattr(pool, "k", ()), *getattr(pool, "v", ())]
+    prefaulter = Prefaulter(pool_tensors, engine_loop.idle) if prefault_kv else None
 
     async def sample() -> dict[str, Any]:
         got = await engine_loop.call(lambda e: collect_sample(e, metrics))
@@ -130,9 +137,13 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine_loop.start(asyncio.get_running_loop())
         history.start(sample)
+        if prefaulter is not None:
+            prefaulter.start()
         try:
             yield
         finally:
+            if prefaulter is not None:
+                await asyncio.to_thread(prefaulter.stop)
             await history.stop()
             await asyncio.to_thread(engine_loop.stop)
             # graceful shutdown (uvicorn's lifespan end: SIGTERM, SIGINT): make the disk tier
@@ -144,6 +155,7 @@ def create_app(
     app = FastAPI(title="radixkv", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.engine_loop = engine_loop
+    app.state.prefaulter = prefaulter
     app.state.metrics = metrics
     app.state.model_name = served_name
     hosts = None

@@ -99,6 +99,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "0 = none (default 10)",
     )
     p.add_argument(
+        "--no-prefault-kv",
+        dest="prefault_kv",
+        action="store_false",
+        help="do not commit the KV pool's memory in idle time (by default a background thread "
+        "does, so a burst's first writes to the pool do not fault; radixkv.model.prefault)",
+    )
+    p.add_argument(
         "--dashboard-text",
         choices=["show", "hide"],
         default="show",
@@ -195,6 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
             pins=pins,
             log_stats_interval=args.log_stats_interval or None,
             trust_request_chat_template=args.trust_request_chat_template,
+            prefault_kv=args.prefault_kv,
         )
     except ValueError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)

@@ -129,6 +129,12 @@ class EngineLoop:
         self._thread = None
 
     @property
+    def idle(self) -> bool:
+        """Whether the engine has nothing in flight and no command queued (any thread; a
+        snapshot, for background work that must not compete with steps)."""
+        return not self._tracked and not self._commands
+
+    @property
     def alive(self) -> bool:
         """Whether the engine thread is running."""
         return self._thread is not None and self._thread.is_alive()

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixkv.model import linear
 from radixkv.model.linear import PackedLinear, packed_linear_supported, prepack_linears
 from radixkv.model.llama import LlamaModel, ModelConfig
 
@@ -83,11 +84,26 @@ def test_llama_packs_every_linear_and_keeps_ties(tie: bool) -> None:
     torch.testing.assert_close(model.lm_head(x), F.linear(x, model.lm_head.weight))
 
 
-def test_prepack_is_off_for_bf16_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_is_packed_only_with_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 linears are packed where the CPU has native bf16 (the packed path's products equal
+    F.linear's up to bf16 rounding), and left plain where bf16 is emulated (each host kind is
+    checked through the host probe, so both branches run on every host)."""
     config = _tiny_config(False)
     sd = _state_dict(config, False)
-    bf16 = LlamaModel.from_hf_state_dict(config, sd, dtype=torch.bfloat16)
-    assert type(bf16.lm_head) is nn.Linear
+    for native_bf16 in (True, False):
+        monkeypatch.setattr(linear, "has_native_bf16", lambda v=native_bf16: v)
+        bf16 = LlamaModel.from_hf_state_dict(config, sd, dtype=torch.bfloat16)
+        packed = torch.backends.mkldnn.is_available() and native_bf16
+        assert isinstance(bf16.lm_head, PackedLinear) is packed
+        x = torch.randn(6, config.hidden_size).to(torch.bfloat16)
+        ref = F.linear(x.double(), bf16.lm_head.weight.double())
+        err = (bf16.lm_head(x).double() - ref).abs().max().item()
+        assert err <= 2**-7 * ref.abs().max().item(), err  # bf16 output rounding, no more
+
+
+def test_prepack_is_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _tiny_config(False)
+    sd = _state_dict(config, False)
     monkeypatch.setenv("RADIXKV_PACKED_LINEAR", "0")
     assert not packed_linear_supported(torch.float32, "cpu")
     fp32 = LlamaModel.from_hf_state_dict(config, sd)

@@ -9,8 +9,22 @@ import torch
 
 from radixkv.engine.sampler import Sampler, SequenceState
 from radixkv.engine.sampling import SamplingParams
+from radixkv.model import native
 
 VOCAB = 50
+
+#: How the sampler draws its plain rows: the torch ops, and the native ``sample_rows`` of every
+#: ISA level this host runs (levels it lacks are not collected).
+DRAW_PATHS = ["torch", *(f"native-{isa}" for isa in native.runnable_isas())]
+
+
+def _sampler(path: str) -> Sampler:
+    if path == "torch":
+        return Sampler(kernels=None)
+    module = native.load(path.removeprefix("native-"))
+    if module is None:
+        pytest.skip(f"the native build of {path} failed here: {native.build_error()}")
+    return Sampler(kernels=module)
 
 
 @pytest.mark.parametrize(
@@ -57,29 +71,35 @@ def test_greedy_is_argmax_for_the_whole_batch():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
-def _draw(params: SamplingParams, logits: torch.Tensor, n: int) -> list[int]:
-    sampler = Sampler()
+def _draw(
+    params: SamplingParams, logits: torch.Tensor, n: int, sampler: Sampler | None = None
+) -> list[int]:
+    sampler = sampler or Sampler()
     state = SequenceState(params, generator=Sampler.make_generator(params.seed))
     return [sampler.sample(logits[None], [state]).token_ids[0] for _ in range(n)]
 
 
-def test_same_seed_same_tokens_and_different_seed_differs():
+@pytest.mark.parametrize("path", DRAW_PATHS)
+def test_same_seed_same_tokens_and_different_seed_differs(path):
     logits = _logits(1)[0] / 3  # flatter, so draws vary
-    a = _draw(SamplingParams(temperature=1.0, seed=7), logits, 40)
-    b = _draw(SamplingParams(temperature=1.0, seed=7), logits, 40)
-    c = _draw(SamplingParams(temperature=1.0, seed=8), logits, 40)
+    sampler = _sampler(path)
+    a = _draw(SamplingParams(temperature=1.0, seed=7), logits, 40, sampler)
+    b = _draw(SamplingParams(temperature=1.0, seed=7), logits, 40, sampler)
+    c = _draw(SamplingParams(temperature=1.0, seed=8), logits, 40, sampler)
     assert a == b
     assert a != c
     assert len(set(a)) > 5
 
 
-def test_seeded_rows_are_independent_of_batch_neighbours():
+@pytest.mark.parametrize("path", DRAW_PATHS)
+def test_seeded_rows_are_independent_of_batch_neighbours(path):
     logits = _logits(3) / 3
     p = SamplingParams(temperature=1.0, seed=11)
-    alone = Sampler().sample(logits[1:2], [SequenceState(p)]).token_ids[0]
+    sampler = _sampler(path)
+    alone = sampler.sample(logits[1:2], [SequenceState(p)]).token_ids[0]
     batch = [SequenceState(SamplingParams(temperature=0.7, seed=i)) for i in (1, 2)]
     mixed = [batch[0], SequenceState(p), batch[1]]
-    assert Sampler().sample(logits, mixed).token_ids[1] == alone
+    assert sampler.sample(logits, mixed).token_ids[1] == alone
 
 
 def test_top_k_restricts_support():
@@ -132,14 +152,15 @@ def _within_binomial(counts: list[int], probs: list[float], n: int, z: float = 5
     return all(abs(c - n * p) <= z * (n * p * (1 - p)) ** 0.5 for c, p in zip(counts, probs))
 
 
+@pytest.mark.parametrize("path", DRAW_PATHS)
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-def test_temperature_samples_softmax_of_logits_over_t(temperature):
+def test_temperature_samples_softmax_of_logits_over_t(temperature, path):
     """The draws at temperature T follow softmax(logits / T) (every class count within 5 sigma
     of it, 4000 seeded draws) and are rejected by the distribution of each other temperature,
-    so a sampler that ignored or misapplied T would fail."""
+    so a sampler that ignored or misapplied T would fail; on every draw path."""
     logits, tokens = _temperature_case()
     n = 4000
-    draws = _draw(SamplingParams(temperature=temperature, seed=5), logits, n)
+    draws = _draw(SamplingParams(temperature=temperature, seed=5), logits, n, _sampler(path))
     counts = [draws.count(t) for t in tokens]
     counts.append(n - sum(counts))
     assert _within_binomial(counts, _class_probs(logits, tokens, temperature), n), counts

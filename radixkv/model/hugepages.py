@@ -10,6 +10,12 @@ guarantees reads as zeros and backs with memory only where it is first written, 
 several GB costs nothing at start-up (``torch.zeros`` wrote all of it: ~1 s per 3 GB here) and
 still never holds garbage that a masked read could turn into NaN.
 
+The price of lazy zeros is paid on first write instead: in this VM a step writing a fresh 2 MiB
+page of the pool stalls for milliseconds (the guest's fault, compaction, the host backing the
+memory). :func:`populate` commits a range ahead of use without changing its contents
+(``MADV_POPULATE_WRITE``, Linux 5.14+), which :mod:`radixkv.model.prefault` does for the KV pool
+while the server is idle.
+
 Elsewhere (other OSes, THP ``never``, CUDA tensors) they just allocate normally.
 """
 
@@ -23,11 +29,13 @@ import sys
 
 import torch
 
-__all__ = ["huge_zeros", "huge_copy", "advise_huge"]
+__all__ = ["huge_zeros", "huge_copy", "advise_huge", "populate"]
 
 log = logging.getLogger(__name__)
 
 _MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23
+_PAGE = 4096
 _HUGE = 2 << 20
 _MIN_BYTES = 4 * _HUGE  # smaller tensors are not worth it
 _libc: ctypes.CDLL | None = None
@@ -39,7 +47,6 @@ def advise_huge(t: torch.Tensor) -> bool:
     Returns whether the call was made and succeeded. Pages already touched are not converted
     (the kernel's khugepaged may do it later), so call this before writing to ``t``.
     """
-    global _libc
     if t.device.type != "cpu" or not sys.platform.startswith("linux"):
         return False
     nbytes = t.untyped_storage().nbytes()
@@ -50,14 +57,39 @@ def advise_huge(t: torch.Tensor) -> bool:
     hi = (start + nbytes) // _HUGE * _HUGE
     if hi <= lo:
         return False
+    return _madvise(lo, hi - lo, _MADV_HUGEPAGE)
+
+
+def _madvise(start: int, length: int, advice: int) -> bool:
+    global _libc
     try:
         if _libc is None:
             _libc = ctypes.CDLL(None, use_errno=True)
-        rc = _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
+        rc = _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)
     except (OSError, AttributeError) as exc:  # no libc symbol: nothing to do
         log.debug("madvise unavailable: %s", exc)
         return False
     return rc == 0
+
+
+def populate(t: torch.Tensor, offset: int, nbytes: int) -> bool:
+    """Commit bytes ``[offset, offset + nbytes)`` of ``t``'s storage as if written, leaving
+    their contents as they are (``MADV_POPULATE_WRITE``), so a later first write does not fault.
+
+    Safe while other threads read and write the range (no byte changes). Returns False where
+    unsupported (not Linux, an older kernel, a CUDA tensor) or for an empty range.
+    """
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    storage = t.untyped_storage()
+    start = storage.data_ptr() + max(0, offset)
+    end = storage.data_ptr() + min(storage.nbytes(), offset + nbytes)
+    lo = (
+        start // _PAGE * _PAGE
+    )  # populating changes no byte, so a page shared with a neighbour is fine
+    if end <= lo:
+        return False
+    return _madvise(lo, end - lo, _MADV_POPULATE_WRITE)
 
 
 def huge_zeros(

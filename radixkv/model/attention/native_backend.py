@@ -7,15 +7,16 @@ extends after a cached prefix and fresh prompts in the same call, with flash-sty
 and float32 accumulation.
 
 - :class:`NativeAttentionBackend` (``csrc/cpu_attention.cpp``): bfloat16 pools, AVX512-BF16 dot
-  products; only on hosts with AVX512-BF16 and a fast head dim. Requests that share tree pages
-  read the same memory, so a shared prompt stays hot in the CPU caches across a step's requests.
+  products; only on hosts with AVX512-BF16 and a fast head dim.
 - :class:`NativeCascadeBackend` (``csrc/cpu_attention_f32.cpp``): float32 math over float32,
   bfloat16 or float16 pools (converted in registers), any head dim, built for AVX-512, AVX2+FMA
-  or the portable baseline. It takes the step's shared-prefix groups
-  (:mod:`radixkv.model.attention.prefix_groups`): each group's shared K/V is read once per KV head
-  for the query rows of all its members stacked (a GEMM-like tile), and each request then
-  continues the same online softmax over its own keys, which is the exact log-sum-exp merge.
-  A burst of 64 requests on one system prompt reads the prompt's KV once per step, not 64 times.
+  or the portable baseline.
+
+Both take the step's shared-prefix groups (:mod:`radixkv.model.attention.prefix_groups`): each
+group's shared K/V is read once per KV head for the query rows of all its members stacked (a
+GEMM-like tile), and each request then continues the same online softmax over its own keys,
+which is the exact log-sum-exp merge. A burst of 64 requests on one system prompt reads the
+prompt's KV once per step, not 64 times.
 """
 
 from __future__ import annotations
@@ -60,6 +61,20 @@ def _module(module: Any | None) -> Any:
     return module
 
 
+def _group_lists(groups: list[PrefixGroup] | None) -> tuple[list[int], list[int], list[int]]:
+    """``groups`` as the kernels take them: members, offsets (one per group plus one), shared."""
+    members: list[int] = []
+    offsets: list[int] = []
+    shared: list[int] = []
+    for group in groups or ():
+        offsets.append(len(members))
+        members.extend(group.members)
+        shared.append(group.shared)
+    if shared:
+        offsets.append(len(members))
+    return members, offsets, shared
+
+
 def native_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -70,13 +85,17 @@ def native_paged_attention(
     extend_starts: list[int],
     sm_scale: float,
     module: Any | None = None,
+    groups: list[PrefixGroup] | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D] -> o [T, Hq, D]`` (bf16) over the pages; new K/V must already be stored.
 
     Same contract as :func:`radixkv.model.attention.base.torch_extend_attention` (causal over each
     request's new tokens, full over its cached prefix), with plain lists for the lengths.
-    ``module`` is the native build to call (default :func:`radixkv.model.native.load`).
-    Raises ``RuntimeError`` if the native module is unavailable.
+    ``groups`` (see :func:`radixkv.model.attention.prefix_groups.shared_prefix_groups`) name
+    requests whose first ``shared`` tokens are the same pages, read once for all members; the
+    kernel checks that members really share those page ids and raises ``RuntimeError``
+    otherwise. ``module`` is the native build to call (default
+    :func:`radixkv.model.native.load`). Raises ``RuntimeError`` if it is unavailable.
     """
     module = _module(module)
     table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
@@ -89,18 +108,20 @@ def native_paged_attention(
         extend_lens,
         extend_starts,
         float(sm_scale),
+        *_group_lists(groups),
     )
 
 
 @dataclass
 class NativeAttnMeta:
-    """Per-forward arguments of the native kernel (built once, used by every layer)."""
+    """Per-forward arguments of the native kernels (built once, used by every layer)."""
 
     out_slots: torch.Tensor
     page_table: torch.Tensor
     prefix_lens: list[int]
     extend_lens: list[int]
     extend_starts: list[int]
+    groups: list[PrefixGroup]
 
 
 class NativeAttentionBackend(AttentionBackend):
@@ -122,12 +143,19 @@ class NativeAttentionBackend(AttentionBackend):
         if batch.page_size <= 0:
             raise ValueError("ForwardBatch.page_size must be set for the torch backend")
         slots = batch.out_slots if batch.out_slots.dtype == torch.long else batch.out_slots.long()
+        table = batch.page_table.to(torch.int32).contiguous()
+        prefix = [int(x) for x in batch.prefix_lens]
+        ext = [int(x) for x in batch.extend_lens]
+        P = batch.page_size
+        lead = max((n // P for n in prefix), default=0)
+        pages = table[:, :lead].tolist() if lead else [[] for _ in prefix]
         return NativeAttnMeta(
             out_slots=slots,
-            page_table=batch.page_table.to(torch.int32).contiguous(),
-            prefix_lens=[int(x) for x in batch.prefix_lens],
-            extend_lens=[int(x) for x in batch.extend_lens],
+            page_table=table,
+            prefix_lens=prefix,
+            extend_lens=ext,
             extend_starts=batch.extend_starts,
+            groups=shared_prefix_groups(pages, prefix, ext, P, NATIVE_MIN_SHARED_TOKENS),
         )
 
     def forward(
@@ -151,6 +179,7 @@ class NativeAttentionBackend(AttentionBackend):
             meta.extend_starts,
             sm_scale,
             self.module,
+            meta.groups,
         )
 
 
@@ -182,15 +211,6 @@ def native_paged_attention_f32(
     that members really share those page ids and raises ``RuntimeError`` otherwise.
     """
     module = _module(module)
-    members: list[int] = []
-    offsets: list[int] = []
-    shared: list[int] = []
-    for group in groups or ():
-        offsets.append(len(members))
-        members.extend(group.members)
-        shared.append(group.shared)
-    if shared:
-        offsets.append(len(members))
     table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
     return module.paged_attention_f32(
         q.to(torch.float32).contiguous(),
@@ -201,30 +221,12 @@ def native_paged_attention_f32(
         extend_lens,
         extend_starts,
         float(sm_scale),
-        members,
-        offsets,
-        shared,
+        *_group_lists(groups),
     )
 
 
-@dataclass
-class NativeCascadeMeta(NativeAttnMeta):
-    """:class:`NativeAttnMeta` plus the step's shared-prefix groups."""
-
-    groups: list[PrefixGroup]
-
-
 class NativeCascadeBackend(NativeAttentionBackend):
-    """CPU backend over the float32-math kernel with in-kernel shared-prefix groups (any ISA)."""
-
-    def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> NativeCascadeMeta:
-        meta = super().prepare(batch, dtype)
-        P = batch.page_size
-        prefix, ext = meta.prefix_lens, meta.extend_lens
-        lead = max((p // P for p in prefix), default=0)
-        pages = meta.page_table[:, :lead].tolist() if lead else [[] for _ in prefix]
-        groups = shared_prefix_groups(pages, prefix, ext, P, NATIVE_MIN_SHARED_TOKENS)
-        return NativeCascadeMeta(**vars(meta), groups=groups)
+    """CPU backend over the float32-math kernel (any ISA), with the same shared-prefix groups."""
 
     def forward(
         self,

@@ -3,6 +3,7 @@
 
 #include "cpu_attention.h"
 #include "cpu_fused.h"
+#include "cpu_sample.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
@@ -15,5 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows (float32 math)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of the residual");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [rows, 2 * n] bf16 tensor");
+  m.def("sample_rows", &sample_rows,
+        "Inverse-CDF draw per row of float32 logits at a temperature (the sampler's plain rows)");
   m.def("rope_", &rope_, "In-place rotate-half RoPE on the first heads of each bf16 row");
 }

@@ -15,6 +15,16 @@
 // and the output is O / l in bf16. Items run on torch's intra-op threads, longest first, taken
 // from a shared counter so causal prefills (whose later blocks cost more) balance.
 //
+// Shared prefixes (the AVX512-BF16 path): a group is a list of requests whose page tables start
+// with the same page ids over their first `shared` tokens (shared <= every member's prefix, so
+// every new token of a member sees all of it, unmasked; see check_prefix_groups). Phase A walks
+// each group's shared keys once per KV head for the stacked query rows of all its members, so a
+// burst of requests on one system prompt reads and packs the prompt's K/V once per step instead
+// of once per request, and leaves each row's running (m, l, O) in a float32 buffer. Phase B
+// continues every request over its own keys (shared .. prefix + t, causal) from that state: the
+// exact log-sum-exp merge of the two parts. The portable path ignores the groups (it reads every
+// request's whole prefix), which computes the same attention.
+//
 // A portable scalar path (any CPU, any head dim) computes the same thing; the AVX512 path needs a
 // head dim that is a multiple of 32 and at most 256.
 
@@ -69,16 +79,31 @@ struct Problem {
   int64_t page_size;
   int64_t hq, hkv, group, d;
   float scale_log2;  // sm_scale * log2(e)
-  const std::vector<int64_t>* prefix;
-  const std::vector<int64_t>* start;
+  // Rows (token * hq + head) after their group's shared part: running max, sum and output
+  // (float32, output lanes in the P V loop's order). Written by phase A, read by phase B.
+  float* gm;
+  float* gl;
+  float* go;
 };
 
+// Query rows are listed as entries: a q token and the last key it sees (absolute position),
+// each standing for the G query heads of every KV head of its item. An item's entries see
+// nondecreasing limits.
+struct Entries {
+  std::vector<int64_t> tok;
+  std::vector<int64_t> limit;
+};
+
+// Every key of a shared part is visible to every row of it.
+constexpr int64_t kSeesAll = INT64_MAX / 4;
+
 struct Item {
-  int32_t req;
-  int32_t t0;  // first query token (relative to the request's new tokens)
-  int32_t nt;  // query tokens in this item
-  int32_t h0;  // first KV head
-  int32_t nh;  // KV heads in this item
+  int32_t e0, ne;  // entries [e0, e0 + ne)
+  int32_t h0, nh;  // KV heads [h0, h0 + nh)
+  int32_t req;     // the request whose page table maps the keys
+  bool shared;     // phase A: save the rows' state; else finish them into the output
+  bool resume;     // start from the state phase A left (the request's own part of a group)
+  int64_t k0, k1;  // keys [k0, k1)
   int64_t cost;
 };
 
@@ -92,14 +117,13 @@ inline int64_t key_offset(const Problem& p, int64_t b, int64_t pos, int64_t h) {
 // Portable path
 // ------------------------------------------------------------------------------------------
 
-void run_item_scalar(const Problem& p, const Item& it) {
+// One own-part item (k0 = 0, no groups) over every key of each entry.
+void run_item_scalar(const Problem& p, const Item& it, const Entries& en) {
   const int64_t d = p.d, G = p.group;
-  const int64_t prefix = (*p.prefix)[it.req];
-  const int64_t qstart = (*p.start)[it.req];
   std::vector<float> qrow(d), acc(d), scores;
-  for (int64_t ti = 0; ti < it.nt; ++ti) {
-    const int64_t tok = qstart + it.t0 + ti;
-    const int64_t nkeys = prefix + it.t0 + ti + 1;
+  for (int64_t e = it.e0; e < it.e0 + it.ne; ++e) {
+    const int64_t tok = en.tok[e];
+    const int64_t nkeys = en.limit[e] + 1;
     scores.resize(nkeys);
     for (int64_t g = 0; g < it.nh * G; ++g) {
       const int64_t kvh = it.h0 + g / G;
@@ -183,11 +207,10 @@ struct Scratch {
   std::vector<int64_t> knext;  // [kKeyBlock] those of the next block
 };
 
-// Element offsets of the token rows kb .. kb + nk - 1 of request `req` (padded to nk16 by
-// repeating the last), walking its page table without a division per key.
-inline void fill_token_offsets(const Problem& p, int64_t req, int64_t kb, int nk, int nk16,
+// Element offsets of the token rows kb .. kb + nk - 1 under the page-table row `row` (padded
+// to nk16 by repeating the last), walking it without a division per key.
+inline void fill_token_offsets(const Problem& p, const int32_t* row, int64_t kb, int nk, int nk16,
                                int64_t token_stride, int64_t* dst) {
-  const int32_t* row = p.page_table + req * p.table_stride;
   int64_t pi = kb / p.page_size, slot = kb % p.page_size;
   for (int j = 0; j < nk; ++j) {
     dst[j] = (row[pi] * p.page_size + slot) * token_stride;
@@ -200,46 +223,66 @@ inline void fill_token_offsets(const Problem& p, int64_t req, int64_t kb, int nk
 }
 
 template <int D>
-void run_item_avx512(const Problem& p, const Item& it, Scratch& sc) {
+void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratch& sc) {
   constexpr int QV = D / 32;        // bf16 vectors per row
   constexpr int OV = D / 16;        // float32 vectors per row
   constexpr int PV_ROWS = 24 / OV;  // rows per P.V register tile
   const int64_t G = p.group;
-  const int64_t head_rows = it.nt * G;  // rows of one KV head: (token, g), token-major
+  const int64_t head_rows = it.ne * G;  // rows of one KV head: (entry, g), entry-major
   const int64_t rows = it.nh * head_rows;
-  const int64_t prefix = (*p.prefix)[it.req];
-  const int64_t qstart = (*p.start)[it.req];
-  const int64_t kv_end = prefix + it.t0 + it.nt;  // keys seen by the last row
+  const int64_t* tok = en.tok.data() + it.e0;
+  const int64_t* lim = en.limit.data() + it.e0;
+  const int32_t* table = p.page_table + it.req * p.table_stride;
   sc.qbuf.resize(rows * D);
   sc.s.resize(rows * kKeyBlock);
   sc.pbuf.resize(rows * kKeyBlock);
   sc.vpack.resize(kKeyBlock * D);
-  sc.o.assign(rows * D, 0.f);
-  sc.m.assign(rows, -INFINITY);
-  sc.l.assign(rows, 0.f);
+  sc.o.resize(rows * D);
+  sc.m.resize(rows);
+  sc.l.resize(rows);
   sc.koff.resize(kKeyBlock);
   sc.knext.resize(kKeyBlock);
+  // Row r of the scratch is q row (tok[e] * hq + (h0 + hh) * G + g) for r = hh * head_rows +
+  // e * G + g; its running state starts empty or where the group's shared part left it.
+  auto qrow = [&](int64_t r) {
+    const int64_t hh = r / head_rows, e = (r % head_rows) / G, g = r % G;
+    return tok[e] * p.hq + (it.h0 + hh) * G + g;
+  };
   for (int64_t hh = 0; hh < it.nh; ++hh) {
-    for (int64_t ti = 0; ti < it.nt; ++ti) {
-      const bf16* src = p.q + ((qstart + it.t0 + ti) * p.hq + (it.h0 + hh) * G) * D;
-      std::memcpy(&sc.qbuf[(hh * head_rows + ti * G) * D], src, G * D * sizeof(bf16));
+    for (int64_t e = 0; e < it.ne; ++e) {
+      const bf16* src = p.q + (tok[e] * p.hq + (it.h0 + hh) * G) * D;
+      std::memcpy(&sc.qbuf[(hh * head_rows + e * G) * D], src, G * D * sizeof(bf16));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (it.resume) {
+      const int64_t qr = qrow(r);
+      sc.m[r] = p.gm[qr];
+      sc.l[r] = p.gl[qr];
+      std::memcpy(&sc.o[r * D], p.go + qr * D, D * sizeof(float));
+    } else {
+      sc.m[r] = -INFINITY;
+      sc.l[r] = 0.f;
+      std::memset(&sc.o[r * D], 0, D * sizeof(float));
     }
   }
   const __m512 scale = _mm512_set1_ps(p.scale_log2);
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   const int64_t token_stride = p.hkv * D;
-  for (int64_t kb = 0; kb < kv_end; kb += kKeyBlock) {
+  const int64_t kv_end = it.k1;
+  int64_t first_entry = 0;
+  for (int64_t kb = it.k0; kb < kv_end; kb += kKeyBlock) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, kv_end - kb));
     const int nk16 = (nk + 15) & ~15;
     const int npairs = nk16 / 2;
-    if (kb == 0) fill_token_offsets(p, it.req, 0, nk, nk16, token_stride, sc.koff.data());
+    if (kb == it.k0) fill_token_offsets(p, table, kb, nk, nk16, token_stride, sc.koff.data());
     if (kb + kKeyBlock < kv_end) {
       // Offsets of the next block, and a software prefetch of its K/V rows (the heads of this
       // item), whose pages are scattered over the pool (neutral on the 2-core reference host,
       // where this loop is bound by its reductions rather than by memory).
       const int nk_next = static_cast<int>(std::min<int64_t>(kKeyBlock, kv_end - kb - kKeyBlock));
       const int nk16_next = (nk_next + 15) & ~15;
-      fill_token_offsets(p, it.req, kb + kKeyBlock, nk_next, nk16_next, token_stride,
+      fill_token_offsets(p, table, kb + kKeyBlock, nk_next, nk16_next, token_stride,
                          sc.knext.data());
       const int64_t first = it.h0 * D * 2, bytes = it.nh * D * 2;  // byte range of a row
       for (int j = 0; j < nk_next; ++j) {
@@ -251,20 +294,19 @@ void run_item_avx512(const Problem& p, const Item& it, Scratch& sc) {
         }
       }
     }
-    // Tokens whose last visible key precedes this block see none of it.
-    const int64_t first_tok = std::max<int64_t>(0, kb - prefix - it.t0);
+    // Entries whose last visible key precedes this block see none of it.
+    while (first_entry < it.ne && lim[first_entry] < kb) ++first_entry;
     for (int64_t hh = 0; hh < it.nh; ++hh) {
       const int64_t head_off = (it.h0 + hh) * D;
       const bf16* kbase = p.k_cache + head_off;
       const bf16* vbase = p.v_cache + head_off;
-      const int64_t r_begin = hh * head_rows + first_tok * G;
+      const int64_t r_begin = hh * head_rows + first_entry * G;
       const int64_t r_end = (hh + 1) * head_rows;
       // ---- S = Q K^T, scaled, masked; online softmax; P in bf16 -------------------------
       for (int64_t r = r_begin; r < r_end; ++r) {
         __m512i qv[QV];
         for (int c = 0; c < QV; ++c) qv[c] = _mm512_loadu_si512(&sc.qbuf[r * D + 32 * c]);
-        const int64_t ti = (r - hh * head_rows) / G;
-        const int64_t limit = prefix + it.t0 + ti - kb;  // last visible key in this block
+        const int64_t limit = lim[(r - hh * head_rows) / G] - kb;  // last visible key here
         float* srow = &sc.s[r * kKeyBlock];
         __m512 bmax = neg_inf;
         for (int j0 = 0; j0 < nk16; j0 += 16) {
@@ -362,12 +404,20 @@ void run_item_avx512(const Problem& p, const Item& it, Scratch& sc) {
     }
     std::swap(sc.koff, sc.knext);
   }
+  if (it.shared) {  // phase A: hand the rows' state to their own parts
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t qr = qrow(r);
+      p.gm[qr] = sc.m[r];
+      p.gl[qr] = sc.l[r];
+      std::memcpy(p.go + qr * D, &sc.o[r * D], D * sizeof(float));
+    }
+    return;
+  }
   // ---- out = O / l, lanes back in head-dim order ------------------------------------------
   // Vector c covers the 32-dim chunk c / 2; its lane L holds dim 8 * (L / 4) + L % 4, plus 4
   // for the odd (unpackhi) vector.
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t hh = r / head_rows, ti = (r % head_rows) / G, g = r % G;
-    bf16* dst = p.out + ((qstart + it.t0 + ti) * p.hq + (it.h0 + hh) * G + g) * D;
+    bf16* dst = p.out + qrow(r) * D;
     const float inv = 1.f / sc.l[r];
     const float* orow = &sc.o[r * D];
     for (int c = 0; c < OV; ++c) {
@@ -390,13 +440,44 @@ bool fast_path_for(int64_t d) {
 #endif
 }
 
+// Runs `items` on torch's intra-op threads, longest first, from a shared counter.
+void run_items(const Problem& p, const Entries& en, std::vector<Item>& items, bool fast) {
+  if (items.empty()) return;
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+#if RADIXKV_AVX512BF16
+    Scratch sc;
+#endif
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+#if RADIXKV_AVX512BF16
+      if (fast) {
+        if (p.d == 64) {
+          run_item_avx512<64>(p, it, en, sc);
+        } else {
+          run_item_avx512<128>(p, it, en, sc);
+        }
+        continue;
+      }
+#endif
+      (void)fast;
+      run_item_scalar(p, it, en);
+    }
+  });
+}
+
 }  // namespace
 
 // Attention of every new token of a step over the paged KV pool (see the file comment).
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                              at::Tensor page_table, std::vector<int64_t> prefix_lens,
-                              std::vector<int64_t> extend_lens,
-                              std::vector<int64_t> extend_starts, double sm_scale) {
+                           at::Tensor page_table, std::vector<int64_t> prefix_lens,
+                           std::vector<int64_t> extend_lens, std::vector<int64_t> extend_starts,
+                           double sm_scale, std::vector<int64_t> group_members,
+                           std::vector<int64_t> group_offsets, std::vector<int64_t> group_shared) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: tensors must be on the CPU");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
@@ -415,76 +496,106 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "paged_attention: head shapes disagree");
   const int64_t page_size = k_cache.size(1);
+  const int64_t num_pages = k_cache.size(0);
+  const int32_t* tab = page_table.data_ptr<int32_t>();
+  const int64_t stride = page_table.size(1);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t total = prefix_lens[b] + extend_lens[b];
-    TORCH_CHECK(extend_lens[b] >= 0 && prefix_lens[b] >= 0 &&
+    TORCH_CHECK(extend_lens[b] >= 0 && prefix_lens[b] >= 0 && extend_starts[b] >= 0 &&
                     extend_starts[b] + extend_lens[b] <= q.size(0) &&
-                    (total + page_size - 1) / page_size <= page_table.size(1),
+                    (total + page_size - 1) / page_size <= stride,
                 "paged_attention: request ", b, " does not fit q or its page table");
+    for (int64_t i = 0; i < (total + page_size - 1) / page_size; ++i) {
+      TORCH_CHECK(tab[b * stride + i] >= 0 && tab[b * stride + i] < num_pages,
+                  "paged_attention: request ", b, " has a page id outside the pool");
+    }
   }
+  const bool fast = fast_path_for(d);
+  std::vector<int64_t> shared_of =
+      check_prefix_groups("paged_attention", group_members, group_offsets, group_shared,
+                          prefix_lens, tab, stride, page_size);
+  if (!fast) std::fill(shared_of.begin(), shared_of.end(), 0);  // the portable path: no groups
   auto out = at::empty_like(q);
   Problem p{};
   p.q = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   p.k_cache = reinterpret_cast<const bf16*>(k_cache.data_ptr<at::BFloat16>());
   p.v_cache = reinterpret_cast<const bf16*>(v_cache.data_ptr<at::BFloat16>());
-  p.page_table = page_table.data_ptr<int32_t>();
+  p.page_table = tab;
   p.out = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
-  p.table_stride = page_table.size(1);
+  p.table_stride = stride;
   p.page_size = page_size;
   p.hq = hq;
   p.hkv = hkv;
   p.group = hq / hkv;
   p.d = d;
   p.scale_log2 = static_cast<float>(sm_scale) * kLog2e;
-  p.prefix = &prefix_lens;
-  p.start = &extend_starts;
-
-  // Short extends and decodes: one item covers every KV head of the request, so each token's
-  // K/V row (all heads, contiguous) is read once, in order. Longer ones: one item per KV head and
-  // block of query tokens.
-  const int64_t tok_per_item = std::max<int64_t>(1, kRowsPerItem / p.group);
-  std::vector<Item> items;
   auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
+  const int64_t tok_per_item = std::max<int64_t>(1, kRowsPerItem / p.group);
+  Entries en;
+  std::vector<Item> items;
+  auto add_entries = [&](int64_t b, int64_t t0, int64_t nt, bool sees_all) {
+    const int64_t e0 = static_cast<int64_t>(en.tok.size());
+    for (int64_t t = t0; t < t0 + nt; ++t) {
+      en.tok.push_back(extend_starts[b] + t);
+      en.limit.push_back(sees_all ? kSeesAll : prefix_lens[b] + t);
+    }
+    return e0;
+  };
+  // Phase A: each group's shared keys, once per KV head for blocks of its members' stacked rows.
+  std::vector<float> gm, gl, go;
+  const bool any_group = std::any_of(shared_of.begin(), shared_of.end(),
+                                     [](int64_t s) { return s > 0; });
+  if (any_group) {
+    gm.resize(q.size(0) * hq);
+    gl.resize(q.size(0) * hq);
+    go.resize(q.size(0) * hq * d);
+    p.gm = gm.data();
+    p.gl = gl.data();
+    p.go = go.data();
+    for (size_t g = 0; g < group_shared.size(); ++g) {
+      const int64_t S = group_shared[g];
+      if (S == 0) continue;
+      const int64_t first = static_cast<int64_t>(en.tok.size());
+      for (int64_t mi = group_offsets[g]; mi < group_offsets[g + 1]; ++mi) {
+        const int64_t b = group_members[mi];
+        add_entries(b, 0, extend_lens[b], true);
+      }
+      const int64_t last = static_cast<int64_t>(en.tok.size());
+      const int64_t ref = group_members[group_offsets[g]];
+      for (int64_t e0 = first; e0 < last; e0 += tok_per_item) {
+        const int64_t ne = std::min(tok_per_item, last - e0);
+        for (int64_t h = 0; h < hkv; ++h) {
+          items.push_back(Item{i32(e0), i32(ne), i32(h), 1, i32(ref), true, false, 0, S,
+                               S * (ne * p.group + 8)});
+        }
+      }
+    }
+    run_items(p, en, items, fast);
+    items.clear();
+  }
+  // Phase B: every request's own keys (shared .. prefix + t, causal). Short extends and decodes:
+  // one item covers every KV head of the request, so each token's K/V row (all heads,
+  // contiguous) is read once, in order. Longer ones: one item per KV head and block of tokens.
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = extend_lens[b];
+    const int64_t n = extend_lens[b], k0 = shared_of[b];
+    const bool resume = k0 > 0;
     if (n > 0 && n * hq <= kRowsPerItem) {
-      items.push_back(Item{i32(b), 0, i32(n), 0, i32(hkv), (prefix_lens[b] + n) * (n + 4) * hkv});
+      const int64_t e0 = add_entries(b, 0, n, false);
+      items.push_back(Item{i32(e0), i32(n), 0, i32(hkv), i32(b), false, resume, k0,
+                           prefix_lens[b] + n, (prefix_lens[b] + n - k0) * (n + 4) * hkv});
       continue;
     }
     for (int64_t t0 = 0; t0 < n; t0 += tok_per_item) {
       const int64_t nt = std::min(tok_per_item, n - t0);
       const int64_t keys = prefix_lens[b] + t0 + nt;
+      const int64_t e0 = add_entries(b, t0, nt, false);
       for (int64_t h = 0; h < hkv; ++h) {
-        items.push_back(Item{i32(b), i32(t0), i32(nt), i32(h), 1, keys * (nt + 4)});
+        items.push_back(Item{i32(e0), i32(nt), i32(h), 1, i32(b), false, resume, k0, keys,
+                             (keys - k0) * (nt + 4)});
       }
     }
   }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const bool fast = fast_path_for(d);
-  std::atomic<int64_t> next{0};
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-#if RADIXKV_AVX512BF16
-    Scratch sc;
-#endif
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-      const Item& it = items[i];
-#if RADIXKV_AVX512BF16
-      if (fast) {
-        if (d == 64) {
-          run_item_avx512<64>(p, it, sc);
-        } else {
-          run_item_avx512<128>(p, it, sc);
-        }
-        continue;
-      }
-#endif
-      (void)fast;
-      run_item_scalar(p, it);
-    }
-  });
+  run_items(p, en, items, fast);
   return out;
 }
 

@@ -9,10 +9,12 @@
 #include <cstdint>
 #include <vector>
 
+// bf16 pools, AVX512-BF16 dot products, with shared-prefix groups (cpu_attention.cpp)
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            at::Tensor page_table, std::vector<int64_t> prefix_lens,
                            std::vector<int64_t> extend_lens, std::vector<int64_t> extend_starts,
-                           double sm_scale);
+                           double sm_scale, std::vector<int64_t> group_members,
+                           std::vector<int64_t> group_offsets, std::vector<int64_t> group_shared);
 bool has_fast_path(int64_t head_dim);
 // float32 math over float32 / bf16 / fp16 pools, with shared-prefix groups (cpu_attention_f32.cpp)
 at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -23,3 +25,13 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
                                std::vector<int64_t> group_offsets,
                                std::vector<int64_t> group_shared);
 const char* f32_kernel_isa();
+// Checks a step's shared-prefix groups (members of group g are group_members[offsets[g] ..
+// offsets[g + 1]), each request in one group at most, group_shared[g] <= every member's
+// prefix, members' first pages the same ids) and returns each request's shared length (0
+// outside groups). `who` prefixes the error messages.
+std::vector<int64_t> check_prefix_groups(const char* who, const std::vector<int64_t>& members,
+                                         const std::vector<int64_t>& offsets,
+                                         const std::vector<int64_t>& shared,
+                                         const std::vector<int64_t>& prefix_lens,
+                                         const int32_t* page_table, int64_t table_stride,
+                                         int64_t page_size);

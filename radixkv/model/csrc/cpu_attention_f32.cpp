@@ -25,6 +25,7 @@
 // width (16 floats with AVX-512, 8 otherwise), so one source serves every ISA level.
 
 #include "cpu_attention.h"
+#include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -51,13 +52,7 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int VW = 16;
-#else
-constexpr int VW = 8;
-#endif
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
+using namespace radixkv_vec;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kKeyBlock = 64;   // keys per online-softmax step (a multiple of VW)
@@ -67,45 +62,6 @@ constexpr int kDChunk = 64;     // head-dim floats kept in registers by the P V 
 constexpr int kDV = kDChunk / VW;
 
 enum class KV { F32, BF16, F16 };
-
-// Broadcast. (Not `vf{} + x`: 0 + x is not x for x = -0, so the compiler must emit a scalar add
-// before every broadcast, one in the innermost loops.)
-inline vf splat(float x) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<vf>(_mm512_set1_ps(x));
-#elif defined(__AVX__)
-  return reinterpret_cast<vf>(_mm256_set1_ps(x));
-#else
-  return x - vf{};  // x - 0 == x for every x, so this folds to a broadcast
-#endif
-}
-
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-
-// 2^x for x <= 0 (clamped at -126): x = n + f, f in [-0.5, 0.5], 2^f = 1 + f P(f).
-inline vf exp2v(vf x0) {
-  const vf lo = splat(-126.f);
-  const vf x = x0 < lo ? lo : x0;
-  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (x + magic) - magic;
-  const vf f = x - n;
-  vf y = splat(1.535336188319500e-4f);  // minimax on [-0.5, 0.5] (Cephes exp2f), ~2e-8
-  y = y * f + 1.339887440266574e-3f;
-  y = y * f + 9.618437357674640e-3f;
-  y = y * f + 5.550332471162809e-2f;
-  y = y * f + 2.402264791363012e-1f;
-  y = y * f + 6.931472028550421e-1f;
-  y = y * f + 1.f;  // 2^f = 1 + f P(f)
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return x0 < lo ? vf{} : y * scale;  // masked keys (-inf) give exactly 0
-}
 
 inline float bf16_bits_to_float(uint16_t x) {
   const uint32_t u = static_cast<uint32_t>(x) << 16;
@@ -730,31 +686,10 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
                   "paged_attention_f32: request ", b, " has a page id outside the pool");
     }
   }
-  // groups: members of group g are group_members[offsets[g] .. offsets[g + 1])
+  const std::vector<int64_t> shared_of =
+      check_prefix_groups("paged_attention_f32", group_members, group_offsets, group_shared,
+                          prefix_lens, tab, stride, page_size);
   const int64_t n_groups = static_cast<int64_t>(group_shared.size());
-  TORCH_CHECK(static_cast<int64_t>(group_offsets.size()) == (n_groups ? n_groups + 1 : 0) ||
-                  (n_groups == 0 && group_offsets.size() <= 1),
-              "paged_attention_f32: group_offsets must have one entry per group plus one");
-  std::vector<int64_t> shared_of(B, 0);
-  for (int64_t g = 0; g < n_groups; ++g) {
-    const int64_t g0 = group_offsets[g], g1 = group_offsets[g + 1];
-    TORCH_CHECK(0 <= g0 && g0 < g1 && g1 <= static_cast<int64_t>(group_members.size()),
-                "paged_attention_f32: group ", g, " has bad member offsets");
-    const int64_t S = group_shared[g];
-    const int64_t ref = group_members[g0];
-    for (int64_t mi = g0; mi < g1; ++mi) {
-      const int64_t b = group_members[mi];
-      TORCH_CHECK(b >= 0 && b < B && shared_of[b] == 0 && S >= 0 && S <= prefix_lens[b],
-                  "paged_attention_f32: group ", g, " member ", b,
-                  " is not a request, is in two groups, or its prefix is shorter than the "
-                  "shared part");
-      for (int64_t i = 0; i < (S + page_size - 1) / page_size; ++i) {
-        TORCH_CHECK(tab[b * stride + i] == tab[ref * stride + i], "paged_attention_f32: group ",
-                    g, " members do not share their first pages");
-      }
-      shared_of[b] = S;
-    }
-  }
   // Every row of a request is initialised by the first part that touches it (fill_rows); rows
   // of q that belong to no request (none in the engine's batches) are zero.
   int64_t covered = 0;
@@ -819,3 +754,36 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
 }
 
 const char* f32_kernel_isa() { return RADIXKV_STR(RADIXKV_ISA_NAME); }
+
+std::vector<int64_t> check_prefix_groups(const char* who, const std::vector<int64_t>& members,
+                                         const std::vector<int64_t>& offsets,
+                                         const std::vector<int64_t>& shared,
+                                         const std::vector<int64_t>& prefix_lens,
+                                         const int32_t* tab, int64_t stride, int64_t page_size) {
+  const int64_t B = static_cast<int64_t>(prefix_lens.size());
+  const int64_t n_groups = static_cast<int64_t>(shared.size());
+  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == (n_groups ? n_groups + 1 : 0) ||
+                  (n_groups == 0 && offsets.size() <= 1),
+              who, ": group_offsets must have one entry per group plus one");
+  std::vector<int64_t> shared_of(B, 0);
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t g0 = offsets[g], g1 = offsets[g + 1];
+    TORCH_CHECK(0 <= g0 && g0 < g1 && g1 <= static_cast<int64_t>(members.size()), who,
+                ": group ", g, " has bad member offsets");
+    const int64_t S = shared[g];
+    const int64_t ref = members[g0];
+    for (int64_t mi = g0; mi < g1; ++mi) {
+      const int64_t b = members[mi];
+      TORCH_CHECK(b >= 0 && b < B && shared_of[b] == 0 && S >= 0 && S <= prefix_lens[b], who,
+                  ": group ", g, " member ", b,
+                  " is not a request, is in two groups, or its prefix is shorter than the "
+                  "shared part");
+      for (int64_t i = 0; i < (S + page_size - 1) / page_size; ++i) {
+        TORCH_CHECK(tab[b * stride + i] == tab[ref * stride + i], who, ": group ", g,
+                    " members do not share their first pages");
+      }
+      shared_of[b] = S;
+    }
+  }
+  return shared_of;
+}

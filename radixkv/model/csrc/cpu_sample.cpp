@@ -1,0 +1,124 @@
+// The sampler's draw for rows that filter nothing (temperature only): one pass over each row's
+// logits instead of the five full-width torch ops (subtract, scale, exp, cumsum, search) and
+// their temporaries.
+//
+//   sample_rows(logits [B, V] f32, inv_temperature [B] f32, uniforms [B] f64) -> int64 [B]
+//
+// Row i: w_j = exp((x_j - max_i) * inv_temperature_i) (2^x by the float32 polynomial of
+// cpu_vec.h; -inf logits weigh exactly 0), total = sum_j w_j, and the token is the first j whose
+// cumulative weight exceeds uniforms_i * total: the same inverse-CDF rule as
+// radixkv.engine.sampler.Sampler.draw, so it picks the same token for the same uniform except
+// where uniforms_i * total falls within float rounding of a CDF boundary. Sums are float64 (per
+// block of kBlock weights, then over blocks), so the search visits one block, not the row.
+// Preconditions (the caller's): every row's largest logit is finite, no logit is NaN or +inf.
+
+#include "cpu_sample.h"
+
+#include "cpu_vec.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using namespace radixkv_vec;
+
+constexpr int64_t kBlock = 256;  // weights per partial sum (a multiple of VW)
+constexpr float kLog2e = 1.4426950408889634f;
+
+float row_max(const float* x, int64_t n) {
+  int64_t j = 0;
+  vf mv = splat(-INFINITY);
+  for (; j + VW <= n; j += VW) {
+    const vf v = loadv(x + j);
+    mv = v > mv ? v : mv;
+  }
+  float m = -INFINITY;
+  for (int i = 0; i < VW; ++i) m = std::max(m, mv[i]);
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+// Weights of x[0 .. n) into w, and the float64 sum of each block of kBlock into sums.
+void weights(const float* x, int64_t n, float m, float c, float* w, double* sums) {
+  const vf mv = splat(m), cv = splat(c);
+  for (int64_t b0 = 0, k = 0; b0 < n; b0 += kBlock, ++k) {
+    const int64_t b1 = std::min(n, b0 + kBlock);
+    int64_t j = b0;
+    vf acc = splat(0.f);
+    for (; j + VW <= b1; j += VW) {
+      const vf e = exp2v((loadv(x + j) - mv) * cv);
+      storev(w + j, e);
+      acc += e;
+    }
+    double s = 0.0;
+    for (int i = 0; i < VW; ++i) s += acc[i];
+    for (; j < b1; ++j) {  // the row's tail, one at a time
+      float arg = (x[j] - m) * c;
+      w[j] = arg < -126.f ? 0.f : std::exp2(arg);
+      s += w[j];
+    }
+    sums[k] = s;
+  }
+}
+
+int64_t draw(const float* w, const double* sums, int64_t n, double u) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  double total = 0.0;
+  for (int64_t k = 0; k < blocks; ++k) total += sums[k];
+  const double target = u * total;
+  double acc = 0.0;
+  for (int64_t k = 0; k < blocks; ++k) {
+    if (acc + sums[k] <= target) {
+      acc += sums[k];
+      continue;
+    }
+    for (int64_t j = k * kBlock; j < std::min(n, (k + 1) * kBlock); ++j) {
+      acc += w[j];
+      if (acc > target) return j;
+    }
+  }
+  // u * total rounded up to the total (or the block sums' order lost it): the last kept token
+  for (int64_t j = n - 1; j > 0; --j) {
+    if (w[j] > 0.f) return j;
+  }
+  return 0;
+}
+
+}  // namespace
+
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temperature,
+                       const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.is_contiguous(),
+              "sample_rows: logits must be a contiguous CPU float32 [B, V] tensor");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(inv_temperature.scalar_type() == at::kFloat && inv_temperature.numel() == B &&
+                  inv_temperature.is_contiguous(),
+              "sample_rows: inv_temperature must be a contiguous float32 [B] tensor");
+  TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.numel() == B &&
+                  uniforms.is_contiguous(),
+              "sample_rows: uniforms must be a contiguous float64 [B] tensor");
+  TORCH_CHECK(V > 0, "sample_rows: empty vocabulary");
+  auto out = at::empty({B}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  const float* inv_t = inv_temperature.data_ptr<float>();
+  const double* u = uniforms.data_ptr<double>();
+  int64_t* tok = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(V);
+    std::vector<double> sums((V + kBlock - 1) / kBlock);
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = x + i * V;
+      const float m = row_max(row, V);
+      weights(row, V, m, inv_t[i] * kLog2e, w.data(), sums.data());
+      tok[i] = draw(w.data(), sums.data(), V, u[i]);
+    }
+  });
+  return out;
+}

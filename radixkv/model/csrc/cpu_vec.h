@@ -1,0 +1,63 @@
+// Float vectors of the build's width for radixkv's native CPU kernels: GCC vector extensions of
+// 16 floats with AVX-512, 8 otherwise (AVX2, or the portable baseline, where the compiler splits
+// them), so one source serves every ISA level. Shared by the float32 attention kernel and the
+// sampler's draw.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__F16C__) || defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace radixkv_vec {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+// Broadcast. (Not `vf{} + x`: 0 + x is not x for x = -0, so the compiler must emit a scalar add
+// before every broadcast, one in the innermost loops.)
+inline vf splat(float x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_set1_ps(x));
+#elif defined(__AVX__)
+  return reinterpret_cast<vf>(_mm256_set1_ps(x));
+#else
+  return x - vf{};  // x - 0 == x for every x, so this folds to a broadcast
+#endif
+}
+
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// 2^x for x <= 0 (clamped at -126): x = n + f, f in [-0.5, 0.5], 2^f = 1 + f P(f).
+inline vf exp2v(vf x0) {
+  const vf lo = splat(-126.f);
+  const vf x = x0 < lo ? lo : x0;
+  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x + magic) - magic;
+  const vf f = x - n;
+  vf y = splat(1.535336188319500e-4f);  // minimax on [-0.5, 0.5] (Cephes exp2f), ~2e-8
+  y = y * f + 1.339887440266574e-3f;
+  y = y * f + 9.618437357674640e-3f;
+  y = y * f + 5.550332471162809e-2f;
+  y = y * f + 2.402264791363012e-1f;
+  y = y * f + 6.931472028550421e-1f;
+  y = y * f + 1.f;  // 2^f = 1 + f P(f)
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return x0 < lo ? vf{} : y * scale;  // masked keys (-inf) give exactly 0
+}
+
+}  // namespace radixkv_vec

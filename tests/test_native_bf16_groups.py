@@ -1,0 +1,109 @@
+"""Shared-prefix groups in the bf16 native kernel (radixkv/model/csrc/cpu_attention.cpp): phase A
+reads each group's shared keys once for its members' stacked rows, phase B continues each request
+over its own keys. Checked against the float64 oracle and against the same call without groups.
+On a build without the AVX512-BF16 path the kernel ignores the groups (the portable path), which
+these tests check too (the answers must not change)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_native_f32 import Case
+
+from radixkv.model import native
+from radixkv.model.attention.native_backend import native_paged_attention
+from radixkv.model.attention.prefix_groups import PrefixGroup
+
+# bf16 output rounding is ~4e-3 at |o| ~ 1, and P is rounded to bf16 as in flash kernels: the
+# same bounds as the kernel's ungrouped tests (tests/test_native.py)
+MAX_ERR, MEAN_ERR = 2.5e-2, 2e-3
+
+
+@pytest.fixture(scope="module")
+def module():
+    m = native.load()
+    assert m is not None, f"native kernels failed to build: {native.build_error()}"
+    return m
+
+
+def bf16_case(page, hq, hkv, d, reqs, groups, seed):
+    case = Case(page, hq, hkv, d, reqs, groups=groups, dtype=torch.bfloat16, seed=seed)
+    case.q = case.q.to(torch.bfloat16)
+    return case
+
+
+def run(case, module, groups=None):
+    return native_paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.table,
+        case.prefix,
+        case.ext,
+        case.starts,
+        case.scale,
+        module,
+        case.groups if groups is None else groups,
+    )
+
+
+def errors(out, case):
+    err = (out.double() - case.reference()).abs()
+    return err.max().item(), err.mean().item()
+
+
+@pytest.mark.parametrize("size", [2, 5, 48])
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("d", [64, 128, 80])  # 80: the portable path (groups ignored)
+def test_grouped_decodes_and_extends_match_the_oracle(module, size, page, d):
+    shared = 130  # mid-page for 16 and 64, not a multiple of the 64-key block
+    reqs = [(shared + 7 * b % 23, 1 + (b % 3) * 4) for b in range(size)]
+    case = bf16_case(page, 9, 3, d, reqs, [(range(size), shared)], seed=size + page + d)
+    grouped, plain = run(case, module), run(case, module, groups=[])
+    g_max, g_mean = errors(grouped, case)
+    p_max, _ = errors(plain, case)
+    assert g_max < MAX_ERR and g_mean < MEAN_ERR, (g_max, g_mean)
+    assert g_max <= 1.5 * p_max + 1e-3, (g_max, p_max)
+
+
+def test_block_aligned_shared_part_is_bitwise_the_ungrouped_answer(module):
+    """With the shared part a multiple of the kernel's 64-key block, phase A + B visit the same
+    key blocks in the same order as one pass per request: the outputs are equal bit for bit."""
+    reqs = [(1024 + 20 + b, 1) for b in range(48)] + [(1024, 7), (1100, 30)]
+    case = bf16_case(16, 9, 3, 64, reqs, [(range(50), 1024)], seed=5)
+    grouped, plain = run(case, module), run(case, module, groups=[])
+    assert torch.equal(grouped, plain)
+    assert errors(grouped, case)[0] < MAX_ERR
+
+
+def test_two_groups_ungrouped_requests_and_a_prefix_that_is_all_shared(module):
+    reqs = [(96, 1), (96, 4), (50, 1), (200, 1), (210, 12), (0, 9), (33, 2), (300, 120)]
+    groups = [([0, 1], 96), ([3, 4, 6, 7], 33)]
+    case = bf16_case(16, 9, 3, 64, reqs, groups, seed=8)
+    g_max, g_mean = errors(run(case, module), case)
+    assert g_max < MAX_ERR and g_mean < MEAN_ERR, (g_max, g_mean)
+
+
+def test_peaked_scores_stay_finite_across_the_merge(module):
+    """The shared part's running max must carry into the own part (a key there may dominate)."""
+    case = bf16_case(16, 4, 4, 64, [(300, 2), (300, 1)], [([0, 1], 288)], seed=1)
+    case.q = (case.q.float() * 40).to(torch.bfloat16)
+    out = run(case, module)
+    assert torch.isfinite(out).all()
+    assert errors(out, case)[0] < 3e-2
+
+
+def test_bad_groups_raise_clear_errors(module):
+    case = bf16_case(16, 4, 4, 64, [(40, 1), (40, 1), (20, 1)], [([0, 1], 32)], seed=2)
+    with pytest.raises(RuntimeError, match="paged_attention: group 0 members do not share"):
+        run(case, module, groups=[PrefixGroup([0, 2], 16)])
+    with pytest.raises(RuntimeError, match="two groups"):
+        run(case, module, groups=[PrefixGroup([0, 1], 32), PrefixGroup([1], 16)])
+    with pytest.raises(RuntimeError, match="shorter than the shared part"):
+        run(case, module, groups=[PrefixGroup([0, 1], 48)])
+    bad = case.table.clone()
+    bad[0, 0] = 10_000
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        native_paged_attention(
+            case.q, case.k_cache, case.v_cache, bad, case.prefix, case.ext, case.starts, 0.1
+        )

@@ -1,0 +1,80 @@
+"""The native draw of the sampler's plain rows (``csrc/cpu_sample.cpp``) against a float64
+inverse CDF, at every ISA level this host runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv.engine.sampler import Sampler, SequenceState
+from radixkv.engine.sampling import SamplingParams
+from radixkv.model import native
+
+ISAS = native.runnable_isas()
+
+
+def _module(isa: str):  # noqa: ANN202
+    module = native.load(isa)
+    if module is None:
+        pytest.skip(f"the native {isa} build failed here: {native.build_error()}")
+    return module
+
+
+def _oracle(logits: torch.Tensor, inv_t: torch.Tensor, u: torch.Tensor):  # noqa: ANN202
+    """Float64 weights' CDF per row, the target ``u * total`` and the inverse-CDF token."""
+    x = logits.double()
+    w = torch.exp((x - x.amax(-1, keepdim=True)) * inv_t.double()[:, None])
+    cdf = w.cumsum(-1)
+    target = u * cdf[:, -1]
+    return cdf, target, torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_draw_is_the_float64_inverse_cdf(isa):
+    """Every row's token is the float64 oracle's, unless the target lies within float32 rounding
+    (1e-5 of the total) of the CDF boundary between the two tokens; rows with -inf logits, a vocab
+    that is no multiple of the vector width, hot and cold temperatures, u = 0 and u near 1."""
+    module = _module(isa)
+    gen = torch.Generator().manual_seed(3)
+    b, vocab = 96, 5003
+    logits = torch.randn(b, vocab, generator=gen) * 4
+    logits[0, 40:] = float("-inf")  # a row whose support is a prefix
+    logits[1, :-1] = float("-inf")  # only the last token is possible
+    logits[2, ::2] = float("-inf")
+    inv_t = torch.empty(b).uniform_(0.3, 5.0, generator=gen)
+    u = torch.rand(b, dtype=torch.float64, generator=gen)
+    u[3], u[4] = 0.0, 1.0 - 2**-53
+    got = module.sample_rows(logits, inv_t, u)
+    cdf, target, want = _oracle(logits, inv_t, u)
+    assert got[1] == vocab - 1 and got[0] < 40 and got[2] % 2 == 1
+    assert bool(torch.isfinite(logits.gather(1, got[:, None])).all()), "drew a -inf logit"
+    for row in (got != want).nonzero()[:, 0].tolist():
+        lo, hi = sorted((int(got[row]), int(want[row])))
+        boundary = cdf[row, lo:hi]
+        gap = float((boundary - target[row]).abs().min())
+        assert gap <= 1e-5 * float(cdf[row, -1]), (row, int(got[row]), int(want[row]), gap)
+    assert int((got != want).sum()) <= 2  # boundary hits are rare, not the rule
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_and_torch_draws_pick_the_same_tokens_for_the_same_seeds(isa):
+    """Sampler(kernels=native) and Sampler(kernels=None) on 64 seeded rows of a real-sized
+    vocabulary: the same tokens (both are the inverse CDF of the same uniforms), bar a float
+    rounding at a CDF boundary, which a row at most may show."""
+    module = _module(isa)
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(9)) * 3
+    params = [SamplingParams(temperature=0.5 + (i % 4) * 0.5, seed=i) for i in range(64)]
+    fast = Sampler(kernels=module).sample(logits, [SequenceState(p) for p in params]).token_ids
+    slow = Sampler(kernels=None).sample(logits, [SequenceState(p) for p in params]).token_ids
+    assert sum(a != b for a, b in zip(fast, slow)) <= 1, (fast, slow)
+    assert len(set(fast)) > 32  # the rows really sample
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_draw_rejects_bad_inputs_with_a_message(isa):
+    module = _module(isa)
+    x = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="float32"):
+        module.sample_rows(x.double(), torch.ones(2), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="uniforms"):
+        module.sample_rows(x, torch.ones(2), torch.zeros(3, dtype=torch.float64))
