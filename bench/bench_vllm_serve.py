@@ -10,7 +10,9 @@ lookup; the custom dataset needs ``pandas`` in the vLLM venv) with ``--backend o
 --endpoint /v1/completions``, every request at once (``--max-concurrency`` = the request
 count), EOS ignored, no temperature sent (each server
 samples at its default, 1.0). Each server runs in its fastest dtype for the host (float32 on
-AVX2, bfloat16 with AVX512-BF16), vLLM with prefix caching on and OpenMP bound to both cores.
+AVX2, bfloat16 with AVX512-BF16), vLLM with prefix caching on and OpenMP bound to both cores,
+radixkv with ``--prefault-kv`` (its pool committed in idle time, as vLLM fills its cache at
+start-up; otherwise the defaults).
 
 Workloads, each measured cold and warm after a warm-up of other prompts:
 
@@ -160,8 +162,9 @@ def server_specs(
     radixkv = ServerSpec(
         "radixkv",
         [str(ROOT / ".venv/bin/radixkv"), "serve", "--model", "smollm2",
-         "--served-model-name", SERVED_NAME, "--dtype", dtype, *args.radixkv_args.split()],
-        notes=f"radixkv serve, {dtype}, defaults",
+         "--served-model-name", SERVED_NAME, "--dtype", dtype, "--prefault-kv",
+         *args.radixkv_args.split()],
+        notes=f"radixkv serve, {dtype}, --prefault-kv (vLLM fills its cache at start-up)",
     )  # fmt: skip
     vllm = ServerSpec(
         "vllm",

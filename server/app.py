@@ -73,7 +73,7 @@ def create_app(
     pins: PinPolicy | None = None,
     log_stats_interval: float | None = 10.0,
     trust_request_chat_template: bool = False,
-    prefault_kv: bool = True,
+    prefault_kv: bool = False,
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
     docs/security.md for what each guard protects).
@@ -102,7 +102,9 @@ def create_app(
     ``trust_request_chat_template``: chat requests may carry their own ``chat_template`` (Jinja
     rendered in transformers' sandbox; off by default, as vLLM).
     ``prefault_kv``: commit the KV pool's memory in a background thread while the engine is
-    idle (:class:`radixkv.model.prefault.Prefaulter`), so a burst's first writes do not fault.
+    idle (:class:`radixkv.model.prefault.Prefaulter`), so a burst's first writes do not fault
+    (off by default: it holds the whole pool's memory, which several servers on one host may
+    not have).
     """
     if dashboard_text not in DASHBOARD_TEXT:
         raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
@@ -125,7 +127,7 @@ def create_app(
     stats_line = StatsLine(log_stats_interval) if log_stats_interval else None
     pool = getattr(getattr(engine, "runner", None), "pool", None)
     pool_tensors = [*getattr(pool, "k", ()), *getattr(pool, "v", ())]
-    prefaulter = Prefaulter(pool_tensors, engine_loop.idle) if prefault_kv else None
+    prefaulter = Prefaulter(pool_tensors, lambda: engine_loop.idle) if prefault_kv else None
 
     async def sample() -> dict[str, Any]:
         got = await engine_loop.call(lambda e: collect_sample(e, metrics))

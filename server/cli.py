@@ -99,11 +99,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "0 = none (default 10)",
     )
     p.add_argument(
-        "--no-prefault-kv",
-        dest="prefault_kv",
-        action="store_false",
-        help="do not commit the KV pool's memory in idle time (by default a background thread "
-        "does, so a burst's first writes to the pool do not fault; radixkv.model.prefault)",
+        "--prefault-kv",
+        action="store_true",
+        help="commit the KV pool's memory in a background thread while the server is idle, so a "
+        "burst's first writes to the pool do not fault (radixkv.model.prefault); for a host that "
+        "serves only this: it holds the whole pool's memory (default: committed as it is used)",
     )
     p.add_argument(
         "--dashboard-text",

@@ -74,3 +74,29 @@ def test_prefaulter_stops_while_waiting_for_idle(monkeypatch):
     assert time.monotonic() - start < 1.0
     assert pf._thread is not None and not pf._thread.is_alive()
     assert not calls and pf.committed == 0
+
+
+@linux
+def test_a_server_with_prefault_commits_its_pool_while_idle_and_keeps_serving():
+    """``create_app(prefault_kv=True)`` on the real engine (tiny Llama): the pool is committed in
+    idle time, and a request served afterwards answers as one served before."""
+    import httpx
+    from fake_engine import ServerThread
+    from test_server import build_tiny_engine
+
+    from radixkv.server.app import create_app
+
+    engine = build_tiny_engine()
+    app = create_app(engine, model_name="tiny", prefault_kv=True)
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
+    with ServerThread(app) as srv:
+        first = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=30).json()
+        pf = app.state.prefaulter
+        deadline = time.monotonic() + 30
+        while not pf.done and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pf.supported, "MADV_POPULATE_WRITE failed on this host"
+        assert pf.committed == pf.total > 0
+        again = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=30).json()
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert create_app(engine, model_name="tiny").state.prefaulter is None  # off by default

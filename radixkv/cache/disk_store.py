@@ -84,6 +84,27 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
+def _writer_alive(name: str) -> bool:
+    """Whether the process that is writing temporary file ``name`` (``<page>.<pid>.<random>.tmp``,
+    see :meth:`DiskStore._write`) may still be running: its pid exists, or the name carries none
+    this store can read (then it is left alone too). Another live process's file is never ours
+    to remove; a dead one's is a leftover."""
+    parts = name[: -len(_TMP)].split(".")
+    try:
+        pid = int(parts[-2])
+    except (IndexError, ValueError):
+        return True
+    if pid == os.getpid():
+        return False  # this process has no write in flight while it scans
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def _salt_bytes(salt: Hashable) -> bytes:
     if salt is None:
         return b""
@@ -200,13 +221,15 @@ class DiskStore:
         return os.path.join(self.path, key.hex() + SUFFIX)
 
     def _scan(self) -> None:
-        """Rebuild the index from the directory (oldest first); remove temporary leftovers."""
+        """Rebuild the index from the directory (oldest first); remove temporary leftovers of
+        writers that are gone (another live process writing the same directory keeps its own)."""
         assert self.path is not None
         entries: list[tuple[float, bytes, int]] = []
         for name in os.listdir(self.path):
             full = os.path.join(self.path, name)
             if name.endswith(_TMP):
-                _remove(full)
+                if not _writer_alive(name):
+                    _remove(full)
                 continue
             if not name.endswith(SUFFIX) or len(name) != 64 + len(SUFFIX):
                 continue
