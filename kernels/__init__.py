@@ -7,14 +7,43 @@ Hkv, D]``; a token lives at slot ``page * page_size + offset``. See ``docs/desig
 - :func:`decode_attention` one query token per request, split-K over the sequence;
 - :func:`extend_attention` new tokens over a cached prefix plus themselves (causal);
 - ``*_ref``: plain torch implementations, the oracles the kernels are tested against.
+
+Triton is imported on first use of a kernel, not with the package (PEP 562 ``__getattr__``): a
+CPU host never loads it for radixkv, even when something imports this package without using it
+(transformers probes for Hugging Face's ``kernels`` package by importing a top-level
+``kernels``, which from a radixkv checkout's root is this folder).
 """
 
 from __future__ import annotations
 
-from .decode_attention import choose_num_kv_splits, decode_attention
-from .extend_attention import extend_attention
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .reference import decode_attention_ref, extend_attention_ref, store_kvcache_ref
-from .store_kv import store_kvcache
+
+if TYPE_CHECKING:
+    from .decode_attention import choose_num_kv_splits, decode_attention
+    from .extend_attention import extend_attention
+    from .store_kv import store_kvcache
+
+#: The Triton kernels: exported name -> submodule.
+_TRITON = {
+    "choose_num_kv_splits": "decode_attention",
+    "decode_attention": "decode_attention",
+    "extend_attention": "extend_attention",
+    "store_kvcache": "store_kv",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the Triton kernels on first use and bind every one of them (a submodule named
+    like its kernel, ``decode_attention``, is replaced by the kernel as an eager import did)."""
+    if name not in _TRITON:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    for export, module in _TRITON.items():
+        globals()[export] = getattr(importlib.import_module(f".{module}", __name__), export)
+    return globals()[name]
+
 
 __all__ = [
     "choose_num_kv_splits",

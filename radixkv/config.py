@@ -17,7 +17,11 @@ class EngineConfig:
     """What an :class:`~radixkv.engine.engine.Engine` is built from.
 
     ``kv_cache_tokens`` sizes the device KV pool (rounded down to whole pages);
-    ``kv_cache_memory_gb``, when given, sizes it from a memory budget instead.
+    ``kv_cache_memory_gb``, when given, sizes it from a memory budget instead, and
+    ``kv_cache_memory_fraction`` from a share of the memory: on CUDA, of the GPU's total memory,
+    less the weights (what vLLM's ``gpu_memory_utilization`` and SGLang's
+    ``mem_fraction_static`` bound); on CPU, of the memory available (``MemAvailable``) once the
+    model is loaded.
     ``None`` for ``attention_backend`` / ``dtype`` / ``device`` picks the measured default of the
     machine (triton + bfloat16 on CUDA; torch on CPU, in bfloat16 where the CPU has native bf16,
     AVX512-BF16 or AMX, else float32).
@@ -30,12 +34,16 @@ class EngineConfig:
     environment variable ``RADIXKV_KV_MAC_KEY``, else the disk tier's ``kv_mac.key`` (created in
     ``disk_cache_dir`` on first start), else a random key of the process (see
     radixkv/cache/kv_mac.py).
+    ``chat_template``: a Jinja chat template (a file's path or the text itself, as vLLM's
+    ``--chat-template``) replacing the model's own for chat requests. ``tokenizer``: a
+    tokenizer (local directory or Hugging Face id in the local cache) replacing the model's.
     """
 
     model: str = "smollm2"
     page_size: int = 16
     kv_cache_tokens: int | None = 65536
     kv_cache_memory_gb: float | None = None
+    kv_cache_memory_fraction: float | None = None
     enable_prefix_cache: bool = True
     schedule_policy: str = "lpm"
     eviction_policy: str = "lru"
@@ -55,6 +63,8 @@ class EngineConfig:
     remote_cache_url: str | None = None
     kv_mac_key_file: str | None = None
     kv_layout: str = "paged"
+    chat_template: str | None = None
+    tokenizer: str | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad knob and what values it takes."""
@@ -64,7 +74,12 @@ class EngineConfig:
 
         if not isinstance(self.page_size, int) or not 1 <= self.page_size <= 1024:
             raise bad("page_size", "must be an integer in [1, 1024]")
-        if self.kv_cache_memory_gb is not None:
+        if self.kv_cache_memory_fraction is not None:
+            if not 0 < self.kv_cache_memory_fraction <= 1:
+                raise bad("kv_cache_memory_fraction", "must be in (0, 1]")
+            if self.kv_cache_memory_gb is not None:
+                raise bad("kv_cache_memory_fraction", "give it or kv_cache_memory_gb, not both")
+        elif self.kv_cache_memory_gb is not None:
             if not self.kv_cache_memory_gb > 0:
                 raise bad("kv_cache_memory_gb", "must be > 0")
         elif not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < self.page_size:
@@ -103,6 +118,12 @@ class EngineConfig:
             isinstance(self.kv_mac_key_file, str) and self.kv_mac_key_file
         ):
             raise bad("kv_mac_key_file", "expected the path of a file holding the secret")
+        if self.chat_template is not None and not (
+            isinstance(self.chat_template, str) and self.chat_template
+        ):
+            raise bad("chat_template", "expected a template file's path or Jinja template text")
+        if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and self.tokenizer):
+            raise bad("tokenizer", "expected a tokenizer directory or Hugging Face id")
 
     @classmethod
     def knob_names(cls) -> list[str]:

@@ -72,6 +72,7 @@ def create_app(
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
     pins: PinPolicy | None = None,
     log_stats_interval: float | None = 10.0,
+    trust_request_chat_template: bool = False,
     prefault_kv: bool = False,
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
@@ -98,6 +99,8 @@ def create_app(
     ``pins``: the pin budgets and maximum ttl (:class:`~radixkv.server.routes_admin.PinPolicy`).
     ``log_stats_interval``: seconds between stats lines in the log while busy (None: none;
     :mod:`.stats_log`).
+    ``trust_request_chat_template``: chat requests may carry their own ``chat_template`` (Jinja
+    rendered in transformers' sandbox; off by default, as vLLM).
     ``prefault_kv``: commit the KV pool's memory in a background thread while the engine is
     idle (:class:`radixkv.model.prefault.Prefaulter`), so a burst's first writes do not fault
     (off by default: it holds the whole pool's memory, which several servers on one host may
@@ -224,6 +227,7 @@ def create_app(
         admin=admin,
         history=history,
         keyed=not keyring.open,
+        trust_request_chat_template=trust_request_chat_template,
     )
     for router in (
         native_routes(ctx),

@@ -2,7 +2,8 @@
 
 ``add_serve_parser(subparsers)`` registers the subcommand (``radixkv/cli.py`` wires it in) and
 ``run_serve(args)`` runs it. Engine knobs are flags named after them (``--page-size`` ->
-``page_size``); a flag left out keeps the engine's default.
+``page_size``), with the vLLM / SGLang spellings as aliases (:mod:`.engine_flags`); a flag left
+out keeps the engine's default.
 """
 
 from __future__ import annotations
@@ -10,61 +11,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+
+from radixkv.server.engine_flags import ENGINE_FLAGS, add_engine_flags, engine_kwargs
+
+__all__ = ["ENGINE_FLAGS", "add_serve_parser", "engine_kwargs", "resolve_model", "run_serve"]
 
 logger = logging.getLogger(__name__)
-
-#: (flag, engine knob, type, help) for every engine knob exposed on the command line.
-ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--kv-cache-tokens", "kv_cache_tokens", int, "device KV pool size in tokens"),
-    ("--kv-cache-memory-gb", "kv_cache_memory_gb", float, "size the KV pool from a budget"),
-    ("--page-size", "page_size", int, "tokens per KV page"),
-    ("--schedule-policy", "schedule_policy", str, "fcfs | lpm | dfs-weight"),
-    ("--eviction-policy", "eviction_policy", str, "lru | lfu | fifo"),
-    ("--chunked-prefill-tokens", "chunked_prefill_tokens", int, "prefill chunk size"),
-    (
-        "--mixed-prefill-tokens",
-        "mixed_prefill_tokens",
-        int,
-        "prefill tokens a step may carry beside decodes (default 2048: the whole budget)",
-    ),
-    ("--max-running-requests", "max_running_requests", int, "batch size cap"),
-    ("--max-model-len", "max_model_len", int, "context length cap (default: the model's)"),
-    ("--attention-backend", "attention_backend", str, "torch | triton (default: by device)"),
-    ("--dtype", "dtype", str, "float32 | bfloat16 | float16 (default: by device)"),
-    ("--device", "device", str, "cpu | cuda (default: cuda when available)"),
-    ("--seed", "seed", int, "engine RNG seed"),
-    ("--host-cache-tokens", "host_cache_tokens", int, "host (CPU RAM) tier size; 0 = off"),
-    ("--host-write-policy", "host_write_policy", str, "write_back | write_through"),
-    ("--disk-cache-dir", "disk_cache_dir", str, "directory of the disk tier (off if unset)"),
-    ("--disk-cache-bytes", "disk_cache_bytes", int, "disk tier size in bytes"),
-    (
-        "--disk-write-policy",
-        "disk_write_policy",
-        str,
-        "write_back (to disk on eviction and at shutdown) | write_through (at once)",
-    ),
-    (
-        "--remote-cache",
-        "remote_cache_url",
-        str,
-        "shared remote tier, redis://HOST:PORT[/DB] (off if unset)",
-    ),
-    (
-        "--kv-mac-key-file",
-        "kv_mac_key_file",
-        str,
-        "secret (file, mode 0600) keying the MAC of disk and Redis KV pages; replicas sharing "
-        "a Redis share it (default: $RADIXKV_KV_MAC_KEY, else DISK_DIR/kv_mac.key)",
-    ),
-    (
-        "--kv-layout",
-        "kv_layout",
-        str,
-        "paged (page table, default) | virtual (contiguous per-request K/V mapped over shared "
-        "pages; Linux CPU)",
-    ),
-]
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -166,25 +118,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help=f"requests waiting for their first token before 503s (default {DEFAULT_MAX_WAITING})",
     )
     p.add_argument(
-        "--disable-prefix-cache", action="store_true", help="turn the radix prefix cache off"
+        "--trust-request-chat-template",
+        action="store_true",
+        help="chat requests may bring their own chat_template (Jinja, rendered in "
+        "transformers' sandbox); refused by default, as vLLM",
     )
-    for flag, knob, kind, help_text in ENGINE_FLAGS:
-        p.add_argument(flag, dest=knob, type=kind, default=None, help=help_text)
+    add_engine_flags(p)
     p.add_argument("--log-level", default="info", help="uvicorn/log level (default info)")
     p.set_defaults(func=run_serve)
     return p
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The Engine knobs set on the command line (unset flags keep the engine's defaults)."""
-    kwargs: dict[str, Any] = {}
-    for _flag, knob, _kind, _help in ENGINE_FLAGS:
-        value = getattr(args, knob, None)
-        if value is not None:
-            kwargs[knob] = value
-    if getattr(args, "disable_prefix_cache", False):
-        kwargs["enable_prefix_cache"] = False
-    return kwargs
 
 
 def _bind_names(host: str) -> list[str]:
@@ -205,6 +147,10 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine and app, then run uvicorn until interrupted. Returns the exit code."""
+    from radixkv.model.triton_gate import skip_triton_without_gpu
+
+    # before anything imports torch._dynamo (loading the model does): no Triton on a CPU run
+    skip_triton_without_gpu(getattr(args, "device", None), getattr(args, "attention_backend", None))
     import uvicorn
 
     from radixkv import Engine
@@ -255,6 +201,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             pins=pins,
             log_stats_interval=args.log_stats_interval or None,
+            trust_request_chat_template=args.trust_request_chat_template,
             prefault_kv=args.prefault_kv,
         )
     except ValueError as exc:

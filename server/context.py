@@ -16,6 +16,7 @@ from .engine_loop import (
     QueueFullError,
     RequestStream,
 )
+from .intake import named_field
 from .metrics import ServerMetrics
 from .protocol import APIError, error_body
 from .streaming import SSE_DONE, ClientDisconnected, Collected, Seq, sse, unless_disconnected
@@ -45,6 +46,8 @@ class ServerContext:
     #: The dashboard's ring buffer of cache samples (:class:`.stats_history.StatsHistory`).
     history: Any = None
     keyed: bool = False
+    #: chat requests may bring their own ``chat_template`` (``--trust-request-chat-template``)
+    trust_request_chat_template: bool = False
 
     def check_model(self, name: str | None) -> None:
         """A request's ``model``: None (the served model) or one of ``accepted_names``."""
@@ -56,6 +59,18 @@ class ServerContext:
                 param="model",
                 code="model_not_found",
             )
+
+    def template_options(self, body: Any) -> dict[str, Any]:
+        """A chat body's template options (``ChatTemplateFields``); its own ``chat_template``
+        is a 400 unless the server trusts request templates."""
+        if body.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                400,
+                "a chat_template in the request is refused: this server was not started with "
+                "--trust-request-chat-template",
+                param="chat_template",
+            )
+        return dict(body.template_options())
 
     async def submit(
         self,
@@ -74,7 +89,7 @@ class ServerContext:
             )
         except ValueError as exc:
             self.metrics.rejected.labels(reason="invalid").inc()
-            raise APIError(400, str(exc)) from exc
+            raise APIError(400, str(exc), param=named_field(str(exc))) from exc
         except OwnerLimitError as exc:
             self.metrics.rejected.labels(reason="key_limit").inc()
             raise APIError(429, str(exc), type="rate_limit_error", code="key_limit") from exc

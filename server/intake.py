@@ -6,6 +6,7 @@ field)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ __all__ = [
     "check_prompt_not_empty",
     "check_text_length",
     "make_sampling_params",
+    "named_field",
     "new_id",
     "prompt_token_ids",
     "now",
@@ -78,11 +80,14 @@ def tokenize_text(engine: Any, text: str) -> list[int]:
     return [int(t) for t in engine.tokenizer.encode(text)]
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def apply_chat_template(
+    tokenizer: Any, messages: list[dict[str, Any]], **options: Any
+) -> list[int]:
     """Token ids of the rendered conversation (:func:`radixkv.engine.chat_template.render_chat`,
-    the engine's own path); a model without a template or a template error is a 400."""
+    the engine's own path, with its ``options``); a model without a template or a template
+    error is a 400."""
     try:
-        return render_chat(tokenizer, messages)
+        return render_chat(tokenizer, messages, **options)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from exc
 
@@ -119,12 +124,15 @@ async def prompt_token_ids(
     return await asyncio.to_thread(tokenize_text, engine, prompt)
 
 
-async def chat_token_ids(engine: Any, messages: list[dict[str, Any]]) -> list[int]:
+async def chat_token_ids(engine: Any, messages: list[dict[str, Any]], **options: Any) -> list[int]:
     """The conversation's token ids as the chat endpoint renders it (:func:`apply_chat_template`,
-    off the event loop), after the length check of its text (:func:`check_text_length`)."""
+    off the event loop), after the length check of its text (:func:`check_text_length`).
+    ``options``: ``render_chat``'s; the template defaults to the engine's ``chat_template``
+    (``--chat-template``), else the model's."""
     check_text_length(engine, sum(len(str(m.get("content") or "")) for m in messages), "messages")
     tokenizer = getattr(engine, "tokenizer", None)
-    return await asyncio.to_thread(apply_chat_template, tokenizer, messages)
+    options.setdefault("chat_template", getattr(engine, "chat_template", None))
+    return await asyncio.to_thread(apply_chat_template, tokenizer, messages, **options)
 
 
 def make_sampling_params(kwargs: dict[str, Any]) -> Any:
@@ -137,8 +145,15 @@ def make_sampling_params(kwargs: dict[str, Any]) -> Any:
         if callable(validate):
             validate()
     except (ValueError, TypeError) as exc:
-        raise APIError(400, str(exc)) from exc
+        raise APIError(400, str(exc), param=named_field(str(exc))) from exc
     return params
+
+
+def named_field(message: str) -> str | None:
+    """The field an engine validation message names (``"invalid NAME=…"`` or ``"invalid
+    NAME: …"``), or None."""
+    match = re.match(r"invalid (\w+)[=:]", message)
+    return match.group(1) if match else None
 
 
 def new_id(prefix: str) -> str:

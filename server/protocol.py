@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from .protocol_fields import ChatTemplateFields, GenerateLogitsFields, LogitsFields
 from .structured_fields import ChatToolFields, GenerateStructuredFields, StructuredFields
 
 MAX_N = 16
@@ -125,7 +126,7 @@ class RequestBody(BaseModel):
 # --------------------------------------------------------------------------------------------
 
 
-class SamplingFields(RequestBody):
+class SamplingFields(RequestBody, LogitsFields):
     """Sampling knobs with vLLM's names and OpenAI's ranges.
 
     ``None`` means "the default": OpenAI's defaults for the OpenAI endpoints, SGLang's for
@@ -208,6 +209,7 @@ class SamplingFields(RequestBody):
             "early_stopping": self.early_stopping,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            **self.logits_kwargs(),
         }
         for name in (
             "top_p",
@@ -328,7 +330,9 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ChatCompletionRequest(SamplingFields, OpenAIAccepted, StructuredFields, ChatToolFields):
+class ChatCompletionRequest(
+    SamplingFields, OpenAIAccepted, StructuredFields, ChatToolFields, ChatTemplateFields
+):
     """``POST /v1/chat/completions``."""
 
     model_config = ConfigDict(
@@ -384,7 +388,7 @@ class ChatCompletionRequest(SamplingFields, OpenAIAccepted, StructuredFields, Ch
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
 
 
-class GenerateSamplingParams(SamplingFields, GenerateStructuredFields):
+class GenerateSamplingParams(SamplingFields, GenerateStructuredFields, GenerateLogitsFields):
     """``sampling_params`` of ``/generate``: ``max_new_tokens`` (SGLang) or ``max_tokens``."""
 
     max_new_tokens: int | None = Field(None, ge=1)

@@ -3,7 +3,8 @@
 * ``GET /version`` and ``GET|POST /ping`` (vLLM), open like ``/health``: ``{"version"}`` and an
   empty 200.
 * ``POST /tokenize`` (vLLM's shape): ``{"prompt": TEXT, "add_special_tokens": true}`` or
-  ``{"messages": [...]}`` (rendered by the chat template, ending in the generation prompt) ->
+  ``{"messages": [...]}`` (rendered by the chat template as the chat endpoint renders it, with
+  the same template fields) ->
   ``{"count", "max_model_len", "tokens"}`` (``"token_strs"`` too with ``return_token_strs``).
   Without ``add_special_tokens`` (``false``) the ids are exactly those the engine computes for
   the prompt.
@@ -30,12 +31,15 @@ from radixkv import __version__
 from .context import ServerContext
 from .intake import chat_token_ids, check_text_length
 from .protocol import APIError, ChatMessage, RequestBody
+from .protocol_fields import ChatTemplateFields
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "info_routes"]
 
 
-class TokenizeRequest(RequestBody):
-    """``POST /tokenize``: exactly one of ``prompt`` (text) or ``messages``."""
+class TokenizeRequest(RequestBody, ChatTemplateFields):
+    """``POST /tokenize``: exactly one of ``prompt`` (text) or ``messages`` (rendered with the
+    chat endpoint's template controls: ``add_generation_prompt``, ``continue_final_message``,
+    ``chat_template_kwargs``, ``chat_template``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -43,18 +47,12 @@ class TokenizeRequest(RequestBody):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of `prompt` or `messages`")
-        if self.messages is not None and not self.add_generation_prompt:
-            raise ValueError(
-                "add_generation_prompt=false is not supported: the chat template is rendered "
-                "as the chat endpoint renders it, ending in the assistant's generation prompt"
-            )
         return self
 
 
@@ -93,7 +91,8 @@ def info_routes(ctx: ServerContext) -> APIRouter:
         ctx.check_model(body.model)
         tok = tokenizer()
         if body.messages is not None:
-            ids = await chat_token_ids(engine, [m.template_dict() for m in body.messages])
+            messages = [m.template_dict() for m in body.messages]
+            ids = await chat_token_ids(engine, messages, **ctx.template_options(body))
         else:
             text = str(body.prompt)
             check_text_length(engine, len(text), "prompt")

@@ -186,7 +186,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         arrival = time.monotonic()
         check_model(body.model)
         messages = [m.template_dict() for m in body.messages]
-        prompt_ids = await chat_token_ids(engine, messages)
+        prompt_ids = await chat_token_ids(engine, messages, **ctx.template_options(body))
         check_prompt_not_empty(prompt_ids, "messages")
         max_tokens = resolve_max_tokens(
             len(prompt_ids), body.requested_max_tokens(), engine.max_model_len, default=None

@@ -11,8 +11,11 @@ scheduler. The engine then adds what is its own (the lifecycle owner, beam searc
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +24,7 @@ import torch
 from radixkv.cache.allocator import BlockAllocator
 from radixkv.cache.radix_tree import RadixTree
 from radixkv.config import EngineConfig
+from radixkv.engine.chat_template import load_chat_template
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
     from radixkv.model.kv_pool import KVPool
     from radixkv.model.runner import ModelRunner
 
+logger = logging.getLogger(__name__)
 __all__ = ["EngineParts", "assemble", "build_tiers", "engine_fingerprint"]
 
 
@@ -55,19 +60,26 @@ class EngineParts:
     kv_capacity_tokens: int
     eos_token_ids: set[int]
     vocab_size: int
+    chat_template: str | None = None  # the --chat-template text (None: the model's own)
 
 
 def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
     """Load ``model`` (a name, or a loaded model) and build every part ``cfg`` asks for."""
+    template = load_chat_template(cfg.chat_template) if cfg.chat_template else None  # fail fast
     from radixkv.model.kv_pool import KVPool
-    from radixkv.model.loader import load_model
+    from radixkv.model.loader import load_model, load_tokenizer
     from radixkv.model.runner import ModelRunner, default_dtype
 
     loaded = load_model(model) if isinstance(model, str) else model
+    if cfg.tokenizer:  # a tokenizer of its own (the loaded model is shared: not mutated)
+        loaded = dataclasses.replace(loaded, tokenizer=load_tokenizer(cfg.tokenizer))
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
     kv_tokens = cfg.kv_cache_tokens
-    if cfg.kv_cache_memory_gb is not None:
+    budget_gb = cfg.kv_cache_memory_gb
+    if cfg.kv_cache_memory_fraction is not None:
+        budget_gb = fraction_budget_gb(cfg.kv_cache_memory_fraction, device, loaded, dtype)
+    if budget_gb is not None:
         hf = loaded.config
         per_page = KVPool.bytes_per_page_for(
             hf.num_hidden_layers,
@@ -76,9 +88,10 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
             getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
             dtype,
         )
-        kv_tokens = int(cfg.kv_cache_memory_gb * (1 << 30)) // per_page * cfg.page_size
+        kv_tokens = int(budget_gb * (1 << 30)) // per_page * cfg.page_size
         if kv_tokens < cfg.page_size:
-            raise ValueError(f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds no page")
+            knob = "kv_cache_memory_gb" if cfg.kv_cache_memory_fraction is None else "fraction"
+            raise ValueError(f"the KV budget ({knob}: {budget_gb:.3g} GiB) holds no page")
     runner = ModelRunner(
         loaded,
         num_pages=kv_tokens // cfg.page_size,
@@ -105,11 +118,12 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
     )
     context = getattr(loaded.config, "max_position_embeddings", None) or 2048
     tokenizer = loaded.tokenizer
+    eos_token_ids = _eos_token_ids(loaded)
     return EngineParts(
         model_name=loaded.name,
         tokenizer=LockedTokenizer(tokenizer) if tokenizer is not None else None,
         runner=runner,
-        sampler=Sampler(),
+        sampler=Sampler(eos_token_ids),
         page_size=cfg.page_size,
         allocator=allocator,
         tree=tree,
@@ -119,9 +133,45 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         scheduler=Scheduler(cfg, kv),
         max_model_len=min(cfg.max_model_len or context, context),
         kv_capacity_tokens=num_pages * cfg.page_size,
-        eos_token_ids=_eos_token_ids(loaded),
+        eos_token_ids=eos_token_ids,
         vocab_size=runner.vocab_size,
+        chat_template=template,
     )
+
+
+def available_memory_bytes() -> int:
+    """Host memory available to new allocations (Linux ``MemAvailable``; else free pages)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def fraction_budget_gb(
+    fraction: float, device: torch.device, loaded: Any, dtype: torch.dtype
+) -> float:
+    """The KV pool's budget in GiB for ``kv_cache_memory_fraction``: on CUDA, ``fraction`` of
+    the GPU's total memory less the weights (in ``dtype``) and what this process already holds
+    there (vLLM's ``gpu_memory_utilization``); on CPU, ``fraction`` of the memory available
+    now, the model being loaded. Raises ``ValueError`` when nothing is left for the pool."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        weights = sum(p.numel() for p in loaded.hf_model.parameters()) * dtype.itemsize
+        held = torch.cuda.memory_reserved(device)
+        budget = fraction * total - weights - held
+        where = f"{fraction} of the GPU's {total / 2**30:.1f} GiB less {weights / 2**30:.2f} GiB of weights"
+    else:
+        available = available_memory_bytes()
+        budget = fraction * available
+        where = f"{fraction} of the {available / 2**30:.1f} GiB of memory available"
+    if budget <= 0:
+        raise ValueError(f"kv_cache_memory_fraction leaves no room for the KV pool ({where})")
+    logger.info("KV pool budget %.2f GiB (%s)", budget / 2**30, where)
+    return budget / 2**30
 
 
 def build_tiers(

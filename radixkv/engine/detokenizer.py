@@ -35,8 +35,12 @@ class IncrementalDetokenizer:
         *,
         include_stop: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        #: stop strings are not honoured until more than this many tokens are out (vLLM's)
+        self.min_tokens = min_tokens
+        self._stops_from = 0  # no stop string may end at or before this character
         self.stop = [s for s in (stop or []) if s]
         self.include_stop = include_stop  # the text ends after the stop string, not before
         self.skip_special_tokens = skip_special_tokens
@@ -61,6 +65,7 @@ class IncrementalDetokenizer:
             params.stop_list if stops else None,
             include_stop=bool(getattr(params, "include_stop_str_in_output", False)),
             skip_special_tokens=bool(getattr(params, "skip_special_tokens", True)),
+            min_tokens=int(getattr(params, "min_tokens", 0) or 0),
         )
 
     @property
@@ -108,11 +113,17 @@ class IncrementalDetokenizer:
             self._append(new[self._provisional :])
             self._provisional = 0
             self._prefix_offset, self._read_offset = self._read_offset, len(output_ids)
-        if self.stop and self._length > length_before:
+        if self.stop and self._length > length_before and len(output_ids) <= self.min_tokens:
+            self._stops_from = self._length  # text of the first min_tokens tokens: no stop
+        elif self.stop and self._length > length_before:
             tail_start = self._length - len(self._tail)
             search_from = max(0, self.emitted - self._hold) - tail_start
+            # a stop string must end past the text of the first min_tokens tokens
+            floor = self._stops_from - tail_start + 1
             found = [
-                (c, s) for s in self.stop if (c := self._tail.find(s, max(search_from, 0))) >= 0
+                (c, s)
+                for s in self.stop
+                if (c := self._tail.find(s, max(search_from, floor - len(s), 0))) >= 0
             ]
             cut, matched = min(found, default=(-1, ""))
             if cut >= 0:

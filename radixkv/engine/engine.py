@@ -22,9 +22,10 @@ from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.grammar import StructuredRuntime
 from radixkv.engine.lifecycle import SequenceLifecycle
 from radixkv.engine.lifetime import track, untrack
+from radixkv.engine.logits_processors import check_token_ids
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
 from radixkv.engine.outputs import engine_stats, request_output, step_output, with_logprobs
-from radixkv.engine.pinning import compute_prompt
+from radixkv.engine.pinning import pin_prompt
 from radixkv.engine.request import Prompt, RequestOutput, Sequence, StepOutput, now
 from radixkv.engine.sampler import SequenceState
 from radixkv.engine.sampling import SamplingParams
@@ -56,7 +57,7 @@ class Engine:
         self.config.validate()
         p = assemble(self.config, model)  # every collaborator, built and wired there
         self.model_name, self.tokenizer, self.runner = p.model_name, p.tokenizer, p.runner
-        self.sampler, self.page_size = p.sampler, p.page_size
+        self.sampler, self.page_size, self.chat_template = p.sampler, p.page_size, p.chat_template
         self.allocator, self.tree, self.kv = p.allocator, p.tree, p.kv
         self.virtual_layout, self.tiers, self.scheduler = p.virtual_layout, p.tiers, p.scheduler
         self.max_model_len, self.kv_capacity_tokens = p.max_model_len, p.kv_capacity_tokens
@@ -138,6 +139,7 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        check_token_ids(params, self.vocab_size)  # logit_bias keys
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -416,21 +418,23 @@ class Engine:
             for rid, prompt in zip(ids, prompts)
         ]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template, ready to answer
-        (:func:`radixkv.engine.chat_template.render_chat`)."""
-        return render_chat(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """Token ids of a conversation ready to answer; ``options``: :func:`~radixkv.engine.
+        chat_template.render_chat`'s (``chat_template`` defaults to the engine's knob)."""
+        options.setdefault("chat_template", self.chat_template)
+        return render_chat(self.tokenizer, messages, **options)
 
     def chat(
         self,
         conversations: list[dict[str, str]] | list[list[dict[str, str]]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         salt: str | None = None,
+        **options: Any,
     ) -> list[RequestOutput]:
-        """Like :meth:`generate` for conversations (lists of ``{"role", "content"}`` messages)."""
+        """:meth:`generate` for conversations; ``options``: :meth:`apply_chat_template`'s."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        prompts = [self.apply_chat_template(c, **options) for c in conversations]  # type: ignore
         return self.generate(prompts, params, salt=salt)
 
     # -- cache administration ----------------------------------------------------------------
@@ -461,19 +465,7 @@ class Engine:
         pin past ``budget`` / ``namespace_budget`` tokens raises
         :class:`~radixkv.cache.pins.PinBudgetError` (see :meth:`RadixTree.pin`).
         """
-        ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("the prompt to pin is empty")
-        if not self.config.enable_prefix_cache:
-            raise ValueError("the prefix cache is disabled")
-        if (
-            self.tree.match_prefix(ids, salt=salt).num_tokens
-            < len(ids) // self.page_size * self.page_size
-        ):
-            compute_prompt(self, ids, salt, f"pin-{next(self._ids)}")
-        return self.tree.pin(
-            ids, salt=salt, ttl=ttl, budget=budget, namespace_budget=namespace_budget
-        )
+        return pin_prompt(self, prompt, salt, ttl, budget, namespace_budget)
 
     def unpin_prefix(self, prompt: Prompt, salt: str | None = None) -> int:
         """Remove every pin on the cached path of ``prompt``; returns the pins removed."""

@@ -1,6 +1,6 @@
-"""Computing a prompt for :meth:`radixkv.Engine.pin_prefix`: run it as a one-token greedy request
-inside the engine so its pages end up cached, keeping the other requests' outputs for their
-``step()``."""
+"""Pinning a prompt for :meth:`radixkv.Engine.pin_prefix`: compute it first when it is not cached
+(as a one-token greedy request inside the engine, so its pages end up cached, keeping the other
+requests' outputs for their ``step()``), then pin its cached path in the tree."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from radixkv.engine.sampling import SamplingParams
 
-__all__ = ["compute_prompt"]
+__all__ = ["compute_prompt", "pin_prompt"]
 
 
 def compute_prompt(engine: Any, ids: list[int], salt: str | None, request_id: str) -> None:
@@ -27,3 +27,25 @@ def compute_prompt(engine: Any, ids: list[int], salt: str | None, request_id: st
             engine.abort(request_id)
             engine._pending = [o for o in engine._pending if o.request_id != request_id]
             return
+
+
+def pin_prompt(
+    engine: Any,
+    prompt: Any,
+    salt: str | None,
+    ttl: float | None,
+    budget: int | None,
+    namespace_budget: int | None,
+) -> int:
+    """The body of :meth:`radixkv.Engine.pin_prefix` (see there); returns the tokens pinned."""
+    ids = engine.tokenize(prompt)
+    if not ids:
+        raise ValueError("the prompt to pin is empty")
+    if not engine.config.enable_prefix_cache:
+        raise ValueError("the prefix cache is disabled")
+    page = engine.page_size
+    if engine.tree.match_prefix(ids, salt=salt).num_tokens < len(ids) // page * page:
+        compute_prompt(engine, ids, salt, f"pin-{next(engine._ids)}")
+    return engine.tree.pin(
+        ids, salt=salt, ttl=ttl, budget=budget, namespace_budget=namespace_budget
+    )

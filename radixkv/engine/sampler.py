@@ -1,6 +1,7 @@
 """The batched sampler: float32 logits ``[B, vocab]`` to one token per row in a few tensor calls.
 
-Order of operations per row (vLLM's): repetition / frequency / presence penalties over the
+Order of operations per row (vLLM's): ``logit_bias`` and ``min_tokens``
+(:mod:`radixkv.engine.logits_processors`), repetition / frequency / presence penalties over the
 sequence's prompt + output history, then greedy argmax, or temperature, top-k, min-p and top-p
 (top-p over the top-k survivors' distribution, min-p against its largest probability), then one
 draw. Every step runs on the whole batch at once; per-row settings are tensors, and the only
@@ -27,12 +28,13 @@ Penalty definitions (as in vLLM / the CTRL paper):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from radixkv.engine.logits_processors import apply_logits_processors
 from radixkv.engine.logprobs import chosen_and_top
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model import native
@@ -90,6 +92,8 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Batched sampler over float32 logits ``[B, vocab]`` (see the module docstring).
 
+    ``eos_token_ids``: the model's EOS ids, masked for rows short of their ``min_tokens``
+    (:mod:`radixkv.engine.logits_processors`, applied before everything else).
     ``kernels`` draws the rows that filter nothing (temperature only, the default of vLLM's
     client) with the native ``sample_rows`` (``radixkv/model/csrc/cpu_sample.cpp``: one pass per
     row, ~14x the torch ops at batch 64 on a Zen 4 host): ``"auto"`` (default) uses the host's
@@ -99,7 +103,8 @@ class Sampler:
     except within float rounding of a CDF boundary.
     """
 
-    def __init__(self, kernels: Any = "auto") -> None:
+    def __init__(self, eos_token_ids: Collection[int] = (), kernels: Any = "auto") -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._kernels = kernels
 
     def _native(self) -> Any | None:
@@ -237,10 +242,11 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(seqs)} sequences")
         logits = logits.float()
         b = len(seqs)
+        scores = apply_logits_processors(logits, seqs, self.eos_token_ids)  # logit_bias etc.
         if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = scores.argmax(dim=-1).tolist()
         else:
-            tokens = self._sample_mixed(logits, seqs)
+            tokens = self._sample_mixed(scores, seqs)
         # logprobs come from the raw logits, before penalties and temperature (vLLM's default)
         logprobs: list[float | None] = [None] * b
         tops: list[list[tuple[int, float]] | None] = [None] * b

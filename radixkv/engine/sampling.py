@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.engine.logits_processors import check_logits_fields
 from radixkv.engine.structured import StructuredOutputs
 
 __all__ = ["SamplingParams"]
@@ -56,6 +57,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     #: constrain the output to a JSON schema, regex, choice or grammar (not with beam search)
     structured_outputs: StructuredOutputs | None = None
+    #: token id -> bias added to its logit before sampling, in [-100, 100] (OpenAI's)
+    logit_bias: dict[int, float] | None = None
+    #: EOS and ``stop_token_ids`` are masked, and stop strings not honoured, until this many
+    #: tokens are generated (vLLM's)
+    min_tokens: int = 0
 
     def validate(self) -> SamplingParams:
         """Raise ``ValueError`` naming the first bad field; returns ``self`` when valid."""
@@ -121,6 +127,7 @@ class SamplingParams:
         for flag in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, "must be true or false")
+        check_logits_fields(self)
         self._validate_beam_search(bad)
         if self.structured_outputs is not None:
             _validate_structured(self)
@@ -159,6 +166,9 @@ class SamplingParams:
             raise bad(
                 "stop", "stop strings are not supported with use_beam_search (use stop_token_ids)"
             )
+        if self.logit_bias or self.min_tokens:
+            name = "logit_bias" if self.logit_bias else "min_tokens"
+            raise bad(name, "is not supported with use_beam_search")
 
     @property
     def beam_width(self) -> int:
@@ -193,6 +203,12 @@ def _validate_structured(params: SamplingParams) -> None:
     params.structured_outputs.validate()
     if params.use_beam_search:
         raise ValueError("structured outputs are not supported with use_beam_search")
+    if params.min_tokens:
+        # a finished grammar allows only its stop token, which min_tokens masks: no token is left
+        raise ValueError(
+            "min_tokens is not supported with structured_outputs (the grammar decides where the "
+            "output ends); drop min_tokens"
+        )
 
 
 def _is_number(x: object) -> bool:

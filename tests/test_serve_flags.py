@@ -1,0 +1,198 @@
+"""``radixkv serve`` flags as vLLM and SGLang users type them: every alias lands in the engine
+config, choices are enforced, types and defaults come from ``EngineConfig``; the KV pool sized
+by a memory fraction; ``--tokenizer``; HF ids resolved from the local HF cache, offline."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from radixkv.config import EngineConfig
+from radixkv.server.cli import add_serve_parser
+from radixkv.server.engine_flags import ENGINE_FLAGS, engine_kwargs
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+ALIASES = [
+    (["--block-size", "32"], "page_size", 32),
+    (["--page-size", "32"], "page_size", 32),
+    (["--max-num-seqs", "7"], "max_running_requests", 7),
+    (["--max-running-requests", "7"], "max_running_requests", 7),
+    (["--max-num-batched-tokens", "512"], "chunked_prefill_tokens", 512),
+    (["--chunked-prefill-size", "512"], "chunked_prefill_tokens", 512),
+    (["--max-model-len", "300"], "max_model_len", 300),
+    (["--context-length", "300"], "max_model_len", 300),
+    (["--dtype", "half"], "dtype", "float16"),
+    (["--dtype", "float"], "dtype", "float32"),
+    (["--dtype", "bfloat16"], "dtype", "bfloat16"),
+    (["--dtype", "float16"], "dtype", "float16"),
+    (["--gpu-memory-utilization", "0.8"], "kv_cache_memory_fraction", 0.8),
+    (["--mem-fraction-static", "0.8"], "kv_cache_memory_fraction", 0.8),
+    (["--kv-cache-memory-fraction", "0.8"], "kv_cache_memory_fraction", 0.8),
+    (["--tokenizer", "org/tok"], "tokenizer", "org/tok"),
+    (["--chat-template", "{{ x }}"], "chat_template", "{{ x }}"),
+    (["--seed", "3"], "seed", 3),
+    (["--enable-prefix-caching"], "enable_prefix_cache", True),
+    (["--no-enable-prefix-caching"], "enable_prefix_cache", False),
+    (["--disable-radix-cache"], "enable_prefix_cache", False),
+    (["--disable-prefix-cache"], "enable_prefix_cache", False),
+]
+
+
+@pytest.mark.parametrize(("argv", "knob", "value"), ALIASES)
+def test_each_alias_lands_in_the_config(argv: list[str], knob: str, value: Any) -> None:
+    kwargs = engine_kwargs(parse(*argv))
+    assert kwargs == {knob: value}
+    config = EngineConfig(**kwargs)
+    config.validate()
+    assert getattr(config, knob) == value
+
+
+def test_unset_flags_and_auto_keep_the_engine_defaults() -> None:
+    assert engine_kwargs(parse()) == {}
+    assert engine_kwargs(parse("--dtype", "auto")) == {}  # the engine picks by device
+
+
+def test_server_flags_host_port_and_template_trust() -> None:
+    args = parse("--host", "0.0.0.0", "--port", "8123", "--trust-request-chat-template")
+    assert (args.host, args.port, args.trust_request_chat_template) == ("0.0.0.0", 8123, True)
+    assert parse().trust_request_chat_template is False
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--dtype", "fp8"],
+        ["--schedule-policy", "random"],
+        ["--eviction-policy", "mru"],
+        ["--attention-backend", "flashinfer"],
+        ["--kv-layout", "tiled"],
+        ["--host-write-policy", "never"],
+        ["--block-size", "x"],
+    ],
+)
+def test_choices_and_types_are_enforced(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert "invalid" in capsys.readouterr().err
+
+
+def test_types_defaults_and_knobs_come_from_engine_config() -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    parser = argparse.ArgumentParser()
+    serve = add_serve_parser(parser.add_subparsers(dest="command"))
+    actions = {a.dest: a for a in serve._actions}
+    for entry in ENGINE_FLAGS:
+        action = actions[entry.knob]
+        assert set(entry.flags) <= set(action.option_strings)
+        assert action.type in typing.get_args(hints[entry.knob]) or action.type is hints[entry.knob]
+        if "default" not in entry.help and defaults[entry.knob] is not None:
+            assert f"(default {defaults[entry.knob]})" in action.help
+        assert action.choices == entry.choices
+    assert {e.knob for e in ENGINE_FLAGS} <= set(EngineConfig.knob_names())
+
+
+def test_memory_fraction_sizes_the_pool_from_available_memory(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from radixkv import Engine
+    from radixkv.engine import assembly
+
+    monkeypatch.setattr(assembly, "available_memory_bytes", lambda: 1 << 30)
+    by_fraction = Engine(tiny_model, page_size=4, dtype="float32", kv_cache_memory_fraction=0.002)
+    by_gb = Engine(tiny_model, page_size=4, dtype="float32", kv_cache_memory_gb=0.002)
+    assert by_fraction.kv_capacity_tokens == by_gb.kv_capacity_tokens > 0
+    with pytest.raises(ValueError, match="not both"):
+        Engine(tiny_model, kv_cache_memory_fraction=0.5, kv_cache_memory_gb=1.0)
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
+        Engine(tiny_model, kv_cache_memory_fraction=1.5)
+
+
+def _hf_cache(home: Path, repo_id: str, files: Any) -> Path:
+    """Lay out ``repo_id`` in an HF hub cache under ``home`` (``files(snapshot_dir)`` fills
+    the snapshot), as ``hf download`` does."""
+    repo = home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    files(snapshot)
+    return snapshot
+
+
+def test_hf_ids_resolve_from_the_local_cache_offline(
+    tmp_path: Path, real_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.tiny_model import tiny_loaded_model
+    from radixkv import Engine
+    from radixkv.model.loader import ModelNotFoundError, load_model, load_tokenizer
+
+    tiny = tiny_loaded_model()
+
+    def save(snapshot: Path) -> None:
+        tiny.hf_model.save_pretrained(str(snapshot))
+        real_model.tokenizer.save_pretrained(str(snapshot))
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    _hf_cache(tmp_path / "hf", "acme/tiny-llama", save)
+    loaded = load_model("acme/tiny-llama")
+    assert loaded.name == "acme/tiny-llama"
+    assert loaded.config.hidden_size == tiny.config.hidden_size
+    engine = Engine("acme/tiny-llama", page_size=4, dtype="float32", kv_cache_tokens=256)
+    assert engine.model_name == "acme/tiny-llama"
+    assert load_tokenizer("acme/tiny-llama").encode("Paris") == real_model.tokenizer.encode("Paris")
+    with pytest.raises(ModelNotFoundError, match="hf download acme/absent"):
+        load_model("acme/absent")
+    _hf_cache(tmp_path / "hf", "acme/tok-only", real_model.tokenizer.save_pretrained)
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        load_model("acme/tok-only")
+
+
+def test_tokenizer_knob_replaces_the_models(
+    tiny_model: Any, real_model: Any, tmp_path: Path
+) -> None:
+    from radixkv import Engine
+
+    real_model.tokenizer.save_pretrained(str(tmp_path / "tok"))
+    engine = Engine(tiny_model, page_size=4, dtype="float32", tokenizer=str(tmp_path / "tok"))
+    assert engine.tokenizer.encode("Paris") == real_model.tokenizer.encode("Paris")
+    assert tiny_model.tokenizer.encode("Paris") == list(b"Paris")  # the shared model untouched
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_a_cpu_serve_leaves_triton_unloaded(gate: bool) -> None:
+    """From the checkout's root (where transformers' probe for HF's ``kernels`` package finds
+    ``kernels/``), loading a transformers model imports Triton only without the gate."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed: nothing to keep unloaded")
+    code = (
+        "import sys\n"
+        "from radixkv.model.triton_gate import skip_triton_without_gpu\n"
+        f"assert skip_triton_without_gpu('cpu') if {gate} else True\n"
+        "import transformers.models.llama.modeling_llama\n"
+        "import radixkv.kernels\n"
+        "print('triton' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == str(not gate)
