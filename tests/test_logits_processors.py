@@ -188,3 +188,15 @@ def test_engine_min_tokens_keeps_eos_out(engine: Engine) -> None:
 def test_engine_refuses_a_bias_outside_the_vocabulary(engine: Engine) -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request("r", [1, 2], SamplingParams(logit_bias={engine.vocab_size: 1.0}))
+
+
+def test_min_tokens_with_structured_outputs_is_refused_naming_both() -> None:
+    """A finished grammar allows only its stop token, which min_tokens would mask: the pair is a
+    clear error, not a row with no token left."""
+    from radixkv import StructuredOutputs
+
+    params = SamplingParams(min_tokens=2, structured_outputs=StructuredOutputs(regex="a+"))
+    with pytest.raises(ValueError, match="min_tokens is not supported with structured_outputs"):
+        params.validate()
+    SamplingParams(min_tokens=2).validate()
+    SamplingParams(structured_outputs=StructuredOutputs(regex="a+")).validate()
