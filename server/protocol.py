@@ -28,7 +28,12 @@ from pydantic import (
     model_validator,
 )
 
-from .protocol_fields import ChatTemplateFields, GenerateLogitsFields, LogitsFields
+from .protocol_fields import (
+    ChatTemplateFields,
+    GenerateLogitsFields,
+    LogitsFields,
+    SGLangAccepted,
+)
 from .structured_fields import ChatToolFields, GenerateStructuredFields, StructuredFields
 
 MAX_N = 16
@@ -253,7 +258,7 @@ class OpenAIAccepted(BaseModel):
     parallel_tool_calls: bool | None = None
 
 
-class CompletionRequest(SamplingFields, OpenAIAccepted, StructuredFields):
+class CompletionRequest(SamplingFields, OpenAIAccepted, SGLangAccepted, StructuredFields):
     """``POST /v1/completions``."""
 
     model_config = ConfigDict(
@@ -331,7 +336,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(
-    SamplingFields, OpenAIAccepted, StructuredFields, ChatToolFields, ChatTemplateFields
+    SamplingFields,
+    OpenAIAccepted,
+    SGLangAccepted,
+    StructuredFields,
+    ChatToolFields,
+    ChatTemplateFields,
 ):
     """``POST /v1/chat/completions``."""
 

@@ -10,14 +10,14 @@ most it) are the engine's (:mod:`radixkv.engine.logits_processors`), answered 40
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from radixkv.engine.chat_template import RESERVED_TEMPLATE_KWARGS
 from radixkv.engine.logits_processors import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 
-__all__ = ["ChatTemplateFields", "GenerateLogitsFields", "LogitsFields"]
+__all__ = ["ChatTemplateFields", "GenerateLogitsFields", "LogitsFields", "SGLangAccepted"]
 
 
 class LogitsFields(BaseModel):
@@ -104,3 +104,16 @@ class ChatTemplateFields(BaseModel):
         if self.chat_template is not None:
             options["chat_template"] = self.chat_template
         return options
+
+
+class SGLangAccepted(BaseModel):
+    """SGLang's extension fields that sgl-router (and SGLang's clients) add to every OpenAI request,
+    taken at the values that ask for nothing radixkv does not do: ``no_stop_trim`` false (stop
+    strings are trimmed, as here), ``return_hidden_states`` false, and ``separate_reasoning`` /
+    ``stream_reasoning`` (no reasoning parser is configured, so, as in SGLang then, the text is
+    left as it is). ``no_stop_trim`` or ``return_hidden_states`` true is a 400 naming the field."""
+
+    no_stop_trim: Literal[False] | None = None
+    return_hidden_states: Literal[False] | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
