@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,11 @@ def _build(isa: str) -> Any:
     name = _build_name(isa)
     build_dir = cache_dir() / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
+    fresh = not any(build_dir.glob("*.so"))
+    if fresh:  # a minute or two of silence otherwise, on first use or after a source change
+        log.info("building radixkv's native CPU kernels for %s (first use; about a minute)", isa)
+    start = time.perf_counter()
+    module = cpp_extension.load(
         name=name,
         sources=[str(s) for s in _SOURCES],
         extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa], f"-DRADIXKV_ISA_NAME={isa}"],
@@ -153,6 +158,9 @@ def _build(isa: str) -> Any:
         build_directory=str(build_dir),
         verbose=False,
     )
+    if fresh:
+        log.info("native CPU kernels for %s built in %.0f s", isa, time.perf_counter() - start)
+    return module
 
 
 def load(isa: str | None = None) -> Any | None:
