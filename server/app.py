@@ -33,7 +33,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv import __version__
-from radixkv.model.prefault import Prefaulter
 
 from .context import ServerContext
 from .engine_loop import EngineLoop
@@ -125,9 +124,13 @@ def create_app(
     created = now()
     history = StatsHistory()
     stats_line = StatsLine(log_stats_interval) if log_stats_interval else None
-    pool = getattr(getattr(engine, "runner", None), "pool", None)
-    pool_tensors = [*getattr(pool, "k", ()), *getattr(pool, "v", ())]
-    prefaulter = Prefaulter(pool_tensors, lambda: engine_loop.idle) if prefault_kv else None
+    prefaulter = None
+    if prefault_kv:  # imported here: it needs torch, which the app itself does not
+        from radixkv.model.prefault import Prefaulter
+
+        pool = getattr(getattr(engine, "runner", None), "pool", None)
+        pool_tensors = [*getattr(pool, "k", ()), *getattr(pool, "v", ())]
+        prefaulter = Prefaulter(pool_tensors, lambda: engine_loop.idle)
 
     async def sample() -> dict[str, Any]:
         got = await engine_loop.call(lambda e: collect_sample(e, metrics))

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from radixkv.engine.chat_template import RESERVED_TEMPLATE_KWARGS
-from radixkv.engine.logits_processors import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
+from radixkv.engine.logits_fields import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 
 __all__ = ["ChatTemplateFields", "GenerateLogitsFields", "LogitsFields", "SGLangAccepted"]
 

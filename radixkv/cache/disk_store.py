@@ -207,8 +207,9 @@ class DiskStore:
         for name in os.listdir(self.path):
             full = os.path.join(self.path, name)
             if name.endswith(_TMP):
-                if not writer_alive(name[: -len(_TMP)]):
-                    _remove(full)
+                with contextlib.suppress(OSError):  # gone meanwhile: its writer published it
+                    if not writer_alive(name[: -len(_TMP)], os.lstat(full).st_mtime):
+                        _remove(full)
                 continue
             if not name.endswith(SUFFIX) or len(name) != 64 + len(SUFFIX):
                 continue

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import os
 import stat
+import time
 
 __all__ = ["read_capped", "secure_dir", "write_new_file", "writer_alive"]
 
@@ -111,17 +112,19 @@ def secure_dir(path: str) -> None:
         )
 
 
-def writer_alive(stem: str) -> bool:
+def writer_alive(stem: str, mtime: float, max_age_s: float = 3600.0) -> bool:
     """Whether the process writing the temporary file ``<name>.<pid>.<random>`` (``stem``: the
-    temporary file's name without its suffix) may still be running: its pid exists, or the name
-    carries none to read (then it is left alone too). Another live process's temporary file is
-    never ours to remove; a dead one's is a leftover. This process's own are leftovers too (it
-    has no write in flight while it scans its directory)."""
+    temporary file's name without its suffix; ``mtime``: its modification time) may still be
+    writing it: its pid exists (this process included: another store or writer thread of it may
+    be mid-write) and the file is younger than ``max_age_s`` (no write takes that long, so an
+    older one is a leftover of a dead writer whose pid was reused). A name without a readable
+    pid counts as alive too (left alone). Another live process's temporary file is never ours to
+    remove; a dead one's is a leftover."""
     try:
         pid = int(stem.split(".")[-2])
     except (IndexError, ValueError):
         return True
-    if pid == os.getpid():
+    if time.time() - mtime > max_age_s:
         return False
     try:
         os.kill(pid, 0)

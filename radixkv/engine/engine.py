@@ -22,7 +22,7 @@ from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.grammar import StructuredRuntime
 from radixkv.engine.lifecycle import SequenceLifecycle
 from radixkv.engine.lifetime import track, untrack
-from radixkv.engine.logits_processors import check_token_ids
+from radixkv.engine.logits_fields import check_token_ids
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
 from radixkv.engine.outputs import engine_stats, request_output, step_output, with_logprobs
 from radixkv.engine.pinning import pin_prompt

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.engine.logits_processors import check_logits_fields
+from radixkv.engine.logits_fields import check_logits_fields
 from radixkv.engine.structured import StructuredOutputs
 
 __all__ = ["SamplingParams"]
