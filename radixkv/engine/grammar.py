@@ -257,21 +257,18 @@ class GrammarState:
         assert self.accepted == 0, "a grammar is forked only before any output"
         return GrammarState(self.spec, self.future, self.timeout, self.deadline)
 
-    def _matcher(self) -> Any:
+    def live_matcher(self) -> Any:
+        """The xgrammar matcher (made on first use, from the compiled grammar)."""
         if self.matcher is None:
             import xgrammar as xgr
 
             self.matcher = xgr.GrammarMatcher(self.future.result())
         return self.matcher
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]``."""
-        self._matcher().fill_next_token_bitmask(bitmask, row)
-
     def accept(self, token: int) -> bool:
         """Advance the matcher by ``token``; True when the grammar has terminated (its stop
         token accepted: the sequence is done). ``ValueError`` if the grammar rejects it."""
-        m = self._matcher()
+        m = self.live_matcher()
         if not m.accept_token(int(token)):
             raise ValueError(f"token {token} was sampled but the grammar does not allow it")
         self.accepted += 1
@@ -289,6 +286,7 @@ class StructuredRuntime:
         self.timeout_s = COMPILE_TIMEOUT_S
         self._pool: GrammarCompilerPool | None = None
         self._bitmask: torch.Tensor | None = None
+        self._batch: Any = None  # xgrammar BatchGrammarMatcher, made on first use
 
     @property
     def pool(self) -> GrammarCompilerPool:
@@ -358,8 +356,10 @@ class StructuredRuntime:
         if self._bitmask is None or self._bitmask.shape[0] < b:
             self._bitmask = xgr.allocate_token_bitmask(max(b, 64), self.vocab_size)
         bitmask = self._bitmask[:b]
-        for i in rows:
-            seqs[i].grammar.fill(bitmask, i)
+        if self._batch is None:  # one C++ call fills every constrained row (no per-row Python)
+            self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
+        matchers = [seqs[i].grammar.live_matcher() for i in rows]
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(
