@@ -9,6 +9,8 @@ from typing import Any
 
 from fastapi import Request
 
+from radixkv.engine.pinning import PinnedCapacityError
+
 from .engine_loop import (
     EngineLoop,
     EngineRequestError,
@@ -87,6 +89,9 @@ class ServerContext:
             return await self.engine_loop.add_request(
                 request_id, prompt, params, salt=salt, arrival=arrival, owner=owner
             )
+        except PinnedCapacityError as exc:  # capacity, not a bad request: it may fit later
+            self.metrics.rejected.labels(reason="pinned_capacity").inc()
+            raise APIError(503, str(exc), type="server_error", code="pinned_capacity") from exc
         except ValueError as exc:
             self.metrics.rejected.labels(reason="invalid").inc()
             raise APIError(400, str(exc), param=named_field(str(exc))) from exc

@@ -25,7 +25,7 @@ from radixkv.engine.lifetime import track, untrack
 from radixkv.engine.logits_fields import check_token_ids
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
 from radixkv.engine.outputs import engine_stats, request_output, step_output, with_logprobs
-from radixkv.engine.pinning import pin_prompt
+from radixkv.engine.pinning import check_fits_beside_pins, pin_prompt
 from radixkv.engine.request import Prompt, RequestOutput, Sequence, StepOutput, now
 from radixkv.engine.sampler import SequenceState
 from radixkv.engine.sampling import SamplingParams
@@ -155,6 +155,7 @@ class Engine:
             self.beams.check_capacity(len(ids), params)
         if salt is not None and not isinstance(salt, str):
             raise ValueError("salt must be a string")
+        check_fits_beside_pins(self, ids, total, salt)
         grammar = self.grammars.start(params)  # compiles off this thread; waits unscheduled
         seq = Sequence(
             request_id=request_id,

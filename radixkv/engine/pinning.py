@@ -8,7 +8,32 @@ from typing import Any
 
 from radixkv.engine.sampling import SamplingParams
 
-__all__ = ["compute_prompt", "pin_prompt"]
+__all__ = ["PinnedCapacityError", "check_fits_beside_pins", "compute_prompt", "pin_prompt"]
+
+
+class PinnedCapacityError(ValueError):
+    """A request cannot fit in the KV cache beside the pinned prefixes (pins are never
+    evicted): answered at once (HTTP 503 naming the pins) instead of waiting for pages that
+    will not come while the pins stand."""
+
+
+def check_fits_beside_pins(engine: Any, ids: list[int], total: int, salt: str | None) -> None:
+    """Raise :class:`PinnedCapacityError` when ``total`` tokens (prompt + max_tokens) do not fit
+    in the KV cache beside the pinned tokens. The request's own cached prefix counts as space it
+    reuses (it may be pinned itself). Costs a tree walk only while pins exist."""
+    tree = engine.tree
+    if not tree.num_pins:
+        return
+    pinned = tree.pinned_tokens(whole_tree=True)
+    reused = min(pinned, tree.match_prefix(ids, salt=salt).num_tokens)
+    room = engine.kv_capacity_tokens - pinned + reused
+    if total > room:
+        raise PinnedCapacityError(
+            f"prompt ({len(ids)} tokens) + max_tokens = {total} tokens do not fit beside the "
+            f"pinned prefixes: {pinned} of the KV cache's {engine.kv_capacity_tokens} tokens "
+            f"are pinned (room: {room}); unpin some (POST /cache/unpin), lower max_tokens, or "
+            "raise kv_cache_tokens"
+        )
 
 
 def compute_prompt(engine: Any, ids: list[int], salt: str | None, request_id: str) -> None:
