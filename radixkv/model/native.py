@@ -58,6 +58,7 @@ _HEADERS = [
     _CSRC / "cpu_fused.h",
     _CSRC / "cpu_sample.h",
     _CSRC / "cpu_vec.h",
+    _CSRC / "cpu_work.h",
 ]
 _MODULE_PREFIX = "radixkv_cpu"
 

@@ -29,6 +29,7 @@
 // head dim that is a multiple of 32 and at most 256.
 
 #include "cpu_attention.h"
+#include "cpu_work.h"
 
 #include <ATen/Parallel.h>
 
@@ -440,33 +441,27 @@ bool fast_path_for(int64_t d) {
 #endif
 }
 
-// Runs `items` on torch's intra-op threads, longest first, from a shared counter.
+// Runs `items` (see cpu_work.h): the AVX512-BF16 path where the build and head dim have it.
 void run_items(const Problem& p, const Entries& en, std::vector<Item>& items, bool fast) {
-  if (items.empty()) return;
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
 #if RADIXKV_AVX512BF16
-    Scratch sc;
+  auto make_scratch = [] { return Scratch{}; };
+#else
+  auto make_scratch = [] { return 0; };
 #endif
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-      const Item& it = items[i];
+  radixkv_work::run_longest_first(items, make_scratch, [&](const Item& it, auto& sc) {
 #if RADIXKV_AVX512BF16
-      if (fast) {
-        if (p.d == 64) {
-          run_item_avx512<64>(p, it, en, sc);
-        } else {
-          run_item_avx512<128>(p, it, en, sc);
-        }
-        continue;
+    if (fast) {
+      if (p.d == 64) {
+        run_item_avx512<64>(p, it, en, sc);
+      } else {
+        run_item_avx512<128>(p, it, en, sc);
       }
-#endif
-      (void)fast;
-      run_item_scalar(p, it, en);
+      return;
     }
+#endif
+    (void)fast;
+    (void)sc;
+    run_item_scalar(p, it, en);
   });
 }
 

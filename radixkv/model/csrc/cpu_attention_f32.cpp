@@ -26,6 +26,7 @@
 
 #include "cpu_attention.h"
 #include "cpu_vec.h"
+#include "cpu_work.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -595,13 +596,7 @@ void run_any(const Problem& p, const Groups& gr, const Item& it, Scratch& sc) {
 }
 
 void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV kv) {
-  if (items.empty()) return;
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  auto make_scratch = [&p] {
     Scratch sc;
     const int64_t max_rows = std::max<int64_t>(kRowBlock + p.group, 128 * p.group);
     sc.kt.resize(p.d * kKeyBlock);
@@ -616,19 +611,19 @@ void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV 
     sc.mrow.resize(padded);
     sc.lrow.resize(padded);
     sc.arow.resize(padded);
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-      const Item& it = items[i];
-      switch (kv) {
-        case KV::F32:
-          run_any<KV::F32>(p, gr, it, sc);
-          break;
-        case KV::BF16:
-          run_any<KV::BF16>(p, gr, it, sc);
-          break;
-        case KV::F16:
-          run_any<KV::F16>(p, gr, it, sc);
-          break;
-      }
+    return sc;
+  };
+  radixkv_work::run_longest_first(items, make_scratch, [&](const Item& it, Scratch& sc) {
+    switch (kv) {
+      case KV::F32:
+        run_any<KV::F32>(p, gr, it, sc);
+        break;
+      case KV::BF16:
+        run_any<KV::BF16>(p, gr, it, sc);
+        break;
+      case KV::F16:
+        run_any<KV::F16>(p, gr, it, sc);
+        break;
     }
   });
 }
