@@ -355,16 +355,25 @@ def test_forked_sample_reads_its_own_logits_next_to_a_chunked_prefill(tiny_model
     assert_clean(engine)
 
 
-def test_request_that_cannot_fit_beside_pins_is_aborted_not_spun(tiny_model):
+def test_request_that_cannot_fit_beside_pins_is_refused_or_aborted_not_spun(tiny_model):
+    from radixkv.engine.pinning import PinnedCapacityError
+
     engine = make_engine(tiny_model, kv_cache_tokens=64, page_size=4)
+    waiting = rand_prompts(1, 30, seed=11)[0]
+    # admitted before the pin exists: it must end (abort), never spin
+    engine.add_request("big", waiting, SamplingParams(max_tokens=20))
     pinned = rand_prompts(1, 40, seed=10)[0]
     assert engine.pin_prefix(pinned) == 40
-    engine.add_request("big", rand_prompts(1, 30, seed=11)[0], SamplingParams(max_tokens=20))
     outs = []
     for _ in range(200):
         outs += engine.step()
         if not engine.has_unfinished():
             break
     assert not engine.has_unfinished(), "the engine spun on a request that can never fit"
-    assert outs and outs[-1].finish_reason == "abort"
+    assert outs and outs[-1].finish_reason in ("abort", "length")
+    engine.check_integrity()
+    # arriving after the pin: refused at admission, nothing queued
+    with pytest.raises(PinnedCapacityError, match="pinned"):
+        engine.add_request("late", rand_prompts(1, 30, seed=12)[0], SamplingParams(max_tokens=20))
+    assert not engine.has_unfinished()
     engine.check_integrity()

@@ -46,7 +46,9 @@ def compute_prompt(engine: Any, ids: list[int], salt: str | None, request_id: st
     idle = 0
     while request_id in engine.lifecycle:
         before = engine.counters["steps"]
-        engine._pending.extend(o for o in engine.step() if o.request_id != request_id)
+        # step() hands back (and replaces) engine._pending: keep the others' outputs for later
+        others = [o for o in engine.step() if o.request_id != request_id]
+        engine._pending = others + engine._pending
         idle = idle + 1 if engine.counters["steps"] == before else 0
         if idle > 8 or not engine.scheduler.has_work():  # no progress: give up, bounded
             engine.abort(request_id)
