@@ -16,12 +16,14 @@ KV_LAYOUTS = ("paged", "virtual")
 class EngineConfig:
     """What an :class:`~radixkv.engine.engine.Engine` is built from.
 
-    ``kv_cache_tokens`` sizes the device KV pool (rounded down to whole pages);
-    ``kv_cache_memory_gb``, when given, sizes it from a memory budget instead, and
-    ``kv_cache_memory_fraction`` from a share of the memory: on CUDA, of the GPU's total memory,
-    less the weights (what vLLM's ``gpu_memory_utilization`` and SGLang's
-    ``mem_fraction_static`` bound); on CPU, of the memory available (``MemAvailable``) once the
-    model is loaded.
+    The device KV pool is sized by one of (give at most one): ``kv_cache_tokens`` (tokens,
+    rounded down to whole pages); ``kv_cache_memory_gb`` (a budget); ``kv_cache_memory_fraction``
+    (a share of memory: on CUDA, of the GPU's total memory less the weights, what vLLM's
+    ``gpu_memory_utilization`` and SGLang's ``mem_fraction_static`` bound; on CPU, of the memory
+    available, ``MemAvailable``, once the model is loaded). None of them: the default share
+    (0.2 of available memory on CPU, 0.9 on CUDA; radixkv/engine/pool_sizing.py), capped at
+    ``max_running_requests`` sequences of full context. The pool's pages are touched on first
+    use, so an unfilled pool costs no resident memory.
     ``None`` for ``attention_backend`` / ``dtype`` / ``device`` picks the measured default of the
     machine (triton + bfloat16 on CUDA; torch on CPU, in bfloat16 where the CPU has native bf16,
     AVX512-BF16 or AMX, else float32).
@@ -41,7 +43,7 @@ class EngineConfig:
 
     model: str = "smollm2"
     page_size: int = 16
-    kv_cache_tokens: int | None = 65536
+    kv_cache_tokens: int | None = None
     kv_cache_memory_gb: float | None = None
     kv_cache_memory_fraction: float | None = None
     enable_prefix_cache: bool = True
@@ -74,15 +76,22 @@ class EngineConfig:
 
         if not isinstance(self.page_size, int) or not 1 <= self.page_size <= 1024:
             raise bad("page_size", "must be an integer in [1, 1024]")
+        sizes = [
+            k
+            for k in ("kv_cache_tokens", "kv_cache_memory_gb", "kv_cache_memory_fraction")
+            if getattr(self, k) is not None
+        ]
+        if len(sizes) > 1:
+            raise bad(sizes[-1], f"give one of {' and '.join(sizes)}, not both")
         if self.kv_cache_memory_fraction is not None:
             if not 0 < self.kv_cache_memory_fraction <= 1:
                 raise bad("kv_cache_memory_fraction", "must be in (0, 1]")
-            if self.kv_cache_memory_gb is not None:
-                raise bad("kv_cache_memory_fraction", "give it or kv_cache_memory_gb, not both")
         elif self.kv_cache_memory_gb is not None:
             if not self.kv_cache_memory_gb > 0:
                 raise bad("kv_cache_memory_gb", "must be > 0")
-        elif not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < self.page_size:
+        elif self.kv_cache_tokens is not None and (
+            not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < self.page_size
+        ):
             raise bad("kv_cache_tokens", f"must be an integer >= page_size ({self.page_size})")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise bad("schedule_policy", f"choose one of {', '.join(SCHEDULE_POLICIES)}")

@@ -43,7 +43,12 @@ class EngineFlag(NamedTuple):
 
 
 ENGINE_FLAGS: list[EngineFlag] = [
-    EngineFlag(("--kv-cache-tokens",), "kv_cache_tokens", "device KV pool size in tokens"),
+    EngineFlag(
+        ("--kv-cache-tokens",),
+        "kv_cache_tokens",
+        "device KV pool size in tokens (default: sized from memory, 0.2 of the memory "
+        "available on CPU, 0.9 of the GPU's; the start-up log says how many tokens fit)",
+    ),
     EngineFlag(
         ("--kv-cache-memory-gb",), "kv_cache_memory_gb", "size the KV pool from a budget in GiB"
     ),

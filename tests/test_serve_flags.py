@@ -107,9 +107,9 @@ def test_memory_fraction_sizes_the_pool_from_available_memory(
     tiny_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from radixkv import Engine
-    from radixkv.engine import assembly
+    from radixkv.engine import pool_sizing
 
-    monkeypatch.setattr(assembly, "available_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(pool_sizing, "available_memory_bytes", lambda: 1 << 30)
     by_fraction = Engine(tiny_model, page_size=4, dtype="float32", kv_cache_memory_fraction=0.002)
     by_gb = Engine(tiny_model, page_size=4, dtype="float32", kv_cache_memory_gb=0.002)
     assert by_fraction.kv_capacity_tokens == by_gb.kv_capacity_tokens > 0
@@ -196,3 +196,49 @@ def test_a_cpu_serve_leaves_triton_unloaded(gate: bool) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == str(not gate)
+
+
+def test_the_pool_is_sized_from_memory_by_default(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No size given: the default share of available memory, capped at every running sequence
+    at full context, and the start-up log says how many tokens fit."""
+    import logging
+
+    import torch
+
+    from radixkv import Engine
+    from radixkv.engine import pool_sizing
+
+    fraction = pool_sizing.DEFAULT_KV_MEMORY_FRACTION["cpu"]
+    per_token = pool_sizing.kv_bytes_per_token(tiny_model.config, torch.float32)
+    monkeypatch.setattr(pool_sizing, "available_memory_bytes", lambda: 1000 * 4 * per_token)
+    with caplog.at_level(logging.INFO, logger="radixkv.engine.assembly"):
+        small = Engine(tiny_model, page_size=4, dtype="float32", device="cpu")
+    want = int(fraction * 1000 * 4) // 4 * 4
+    assert small.kv_capacity_tokens == want
+    assert f"KV pool: {want} tokens" in caplog.text and "default: 0.2 of the" in caplog.text
+    monkeypatch.setattr(pool_sizing, "available_memory_bytes", lambda: 1 << 40)
+    capped = Engine(tiny_model, page_size=4, dtype="float32", device="cpu", max_running_requests=2)
+    assert capped.kv_capacity_tokens == pool_sizing.DEFAULT_MIN_CAP_TOKENS
+    big = Engine(tiny_model, page_size=4, dtype="float32", device="cpu", max_running_requests=1024)
+    assert big.kv_capacity_tokens == 1024 * tiny_model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="not both"):
+        Engine(tiny_model, kv_cache_tokens=64, kv_cache_memory_gb=1.0)
+
+
+def test_the_pool_is_touched_on_first_use_not_at_start(tiny_model: Any) -> None:
+    """A 1 GiB pool costs address space at start, not resident memory."""
+    import resource
+
+    from radixkv import Engine
+
+    def rss_bytes() -> int:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * resource.getpagesize()
+
+    before = rss_bytes()
+    engine = Engine(tiny_model, page_size=64, dtype="float32", kv_cache_memory_gb=1.0)
+    grown = rss_bytes() - before
+    assert engine.kv_capacity_tokens * 512 >= 1 << 30  # 512 B a token in fp32
+    assert grown < 256 << 20, f"creating a 1 GiB pool made {grown >> 20} MiB resident"

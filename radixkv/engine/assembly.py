@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from radixkv.cache.radix_tree import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.chat_template import load_chat_template
 from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.pool_sizing import kv_bytes_per_token, size_kv_pool
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.tokenizer_lock import LockedTokenizer
@@ -66,7 +66,6 @@ class EngineParts:
 def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
     """Load ``model`` (a name, or a loaded model) and build every part ``cfg`` asks for."""
     template = load_chat_template(cfg.chat_template) if cfg.chat_template else None  # fail fast
-    from radixkv.model.kv_pool import KVPool
     from radixkv.model.loader import load_model, load_tokenizer
     from radixkv.model.runner import ModelRunner, default_dtype
 
@@ -75,26 +74,12 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         loaded = dataclasses.replace(loaded, tokenizer=load_tokenizer(cfg.tokenizer))
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
-    kv_tokens = cfg.kv_cache_tokens
-    budget_gb = cfg.kv_cache_memory_gb
-    if cfg.kv_cache_memory_fraction is not None:
-        budget_gb = fraction_budget_gb(cfg.kv_cache_memory_fraction, device, loaded, dtype)
-    if budget_gb is not None:
-        hf = loaded.config
-        per_page = KVPool.bytes_per_page_for(
-            hf.num_hidden_layers,
-            cfg.page_size,
-            getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-            dtype,
-        )
-        kv_tokens = int(budget_gb * (1 << 30)) // per_page * cfg.page_size
-        if kv_tokens < cfg.page_size:
-            knob = "kv_cache_memory_gb" if cfg.kv_cache_memory_fraction is None else "fraction"
-            raise ValueError(f"the KV budget ({knob}: {budget_gb:.3g} GiB) holds no page")
+    context = getattr(loaded.config, "max_position_embeddings", None) or 2048
+    max_model_len = min(cfg.max_model_len or context, context)
+    pool = size_kv_pool(cfg, device, loaded, dtype, max_model_len)
     runner = ModelRunner(
         loaded,
-        num_pages=kv_tokens // cfg.page_size,
+        num_pages=pool.tokens // cfg.page_size,
         page_size=cfg.page_size,
         dtype=dtype,
         device=device,
@@ -103,6 +88,15 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         max_model_len=cfg.max_model_len,
     )
     num_pages = runner.num_pages
+    logger.info(
+        "KV pool: %d tokens (%d pages of %d, %.2f GiB of %s; %s), touched on first use",
+        num_pages * cfg.page_size,
+        num_pages,
+        cfg.page_size,
+        num_pages * cfg.page_size * kv_bytes_per_token(loaded.config, dtype) / 2**30,
+        str(dtype).removeprefix("torch."),
+        pool.how,
+    )
     allocator = BlockAllocator(num_pages, cfg.page_size)
     tree = RadixTree(allocator, cfg.page_size, eviction_policy=cfg.eviction_policy)
     virtual = getattr(runner, "virtual", None)
@@ -116,7 +110,6 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         tiers=tiers,
         on_release=layout.release if layout is not None else None,
     )
-    context = getattr(loaded.config, "max_position_embeddings", None) or 2048
     tokenizer = loaded.tokenizer
     eos_token_ids = _eos_token_ids(loaded)
     return EngineParts(
@@ -131,47 +124,12 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         tiers=tiers,
         kv=kv,
         scheduler=Scheduler(cfg, kv),
-        max_model_len=min(cfg.max_model_len or context, context),
+        max_model_len=max_model_len,
         kv_capacity_tokens=num_pages * cfg.page_size,
         eos_token_ids=eos_token_ids,
         vocab_size=runner.vocab_size,
         chat_template=template,
     )
-
-
-def available_memory_bytes() -> int:
-    """Host memory available to new allocations (Linux ``MemAvailable``; else free pages)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def fraction_budget_gb(
-    fraction: float, device: torch.device, loaded: Any, dtype: torch.dtype
-) -> float:
-    """The KV pool's budget in GiB for ``kv_cache_memory_fraction``: on CUDA, ``fraction`` of
-    the GPU's total memory less the weights (in ``dtype``) and what this process already holds
-    there (vLLM's ``gpu_memory_utilization``); on CPU, ``fraction`` of the memory available
-    now, the model being loaded. Raises ``ValueError`` when nothing is left for the pool."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        weights = sum(p.numel() for p in loaded.hf_model.parameters()) * dtype.itemsize
-        held = torch.cuda.memory_reserved(device)
-        budget = fraction * total - weights - held
-        where = f"{fraction} of the GPU's {total / 2**30:.1f} GiB less {weights / 2**30:.2f} GiB of weights"
-    else:
-        available = available_memory_bytes()
-        budget = fraction * available
-        where = f"{fraction} of the {available / 2**30:.1f} GiB of memory available"
-    if budget <= 0:
-        raise ValueError(f"kv_cache_memory_fraction leaves no room for the KV pool ({where})")
-    logger.info("KV pool budget %.2f GiB (%s)", budget / 2**30, where)
-    return budget / 2**30
 
 
 def build_tiers(

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 class Engine:
     """An LLM engine whose KV cache is a prefix store.
 
-    ``Engine(model="smollm2", page_size=16, kv_cache_tokens=65536, enable_prefix_cache=True,
+    ``Engine(model="smollm2", page_size=16, kv_cache_tokens=None, enable_prefix_cache=True,
     schedule_policy="lpm", eviction_policy="lru", chunked_prefill_tokens=2048,
     mixed_prefill_tokens=2048, max_running_requests=128, dtype=None, ...)`` — see
     :class:`~radixkv.config.EngineConfig` for every knob. ``model`` may also be an already loaded
