@@ -42,8 +42,8 @@ class PinPolicy:
     one namespace (a tenant's, with ``--salt-from-api-key``)."""
 
     max_ttl: float | None = DEFAULT_MAX_PIN_TTL
-    share: float = 0.5
-    namespace_share: float = 0.25
+    share: float = 0.25
+    namespace_share: float = 0.125
 
     def __post_init__(self) -> None:
         if self.max_ttl is not None and self.max_ttl <= 0:

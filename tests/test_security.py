@@ -23,7 +23,7 @@ from fake_engine import FakeEngine, ServerThread
 
 from bench.tiny_model import tiny_loaded_model
 from radixkv.server.app import create_app
-from radixkv.server.routes_admin import DEFAULT_MAX_PIN_TTL
+from radixkv.server.routes_admin import DEFAULT_MAX_PIN_TTL, PinPolicy
 from radixkv.server.tenancy import tenant_salt
 
 MODEL = "tiny"
@@ -71,8 +71,8 @@ def test_pin_loops_cannot_lock_the_pool() -> None:
             r = httpx.post(f"{base}/cache/unpin", json={"text": p}, headers=bearer(TENANTS[0]))
             assert r.status_code == 403
         assert loop.call_sync(lambda e: e.tree.num_pins) == 0
-        # the admin's pin loop into one tenant's namespace: refused past its budget (a quarter
-        # of the pool), each refusal changing nothing
+        # the admin's pin loop into one tenant's namespace: refused past its budget (an eighth
+        # of the pool by default), each refusal changing nothing
         ns = tenant_salt(TENANTS[0])
         codes = []
         for p in prompts:
@@ -82,14 +82,17 @@ def test_pin_loops_cannot_lock_the_pool() -> None:
             codes.append(r.status_code)
             if r.status_code == 409:
                 assert r.json()["error"]["code"] == "pin_budget_exceeded"
-                assert "budget of 32 tokens" in r.json()["error"]["message"]
+                assert (
+                    f"budget of {int(pool * PinPolicy.namespace_share)} tokens"
+                    in r.json()["error"]["message"]
+                )
             else:
                 assert r.status_code == 200, r.text
                 assert r.json()["ttl"] == DEFAULT_MAX_PIN_TTL  # no ttl asked: the maximum
         assert 200 in codes and 409 in codes, codes
         held = loop.call_sync(lambda e: e.tree.pinned_tokens(ns))
-        assert 0 < held <= pool // 4
-        # ... and over several namespaces: all pins together stay within half the pool
+        assert 0 < held <= pool * PinPolicy.namespace_share
+        # ... and over several namespaces: all pins together stay within their share (a quarter)
         for i, p in enumerate(prompts):
             httpx.post(
                 f"{base}/cache/pin",
@@ -97,8 +100,11 @@ def test_pin_loops_cannot_lock_the_pool() -> None:
                 headers=bearer(ADMIN),
                 timeout=60,
             )
-        assert loop.call_sync(lambda e: e.tree.pinned_tokens(whole_tree=True)) <= pool // 2
-        # ordinary traffic still runs: the other half of the pool is free for it
+        assert (
+            loop.call_sync(lambda e: e.tree.pinned_tokens(whole_tree=True))
+            <= pool * PinPolicy.share
+        )
+        # ordinary traffic still runs: the rest of the pool is free for it
         for i in range(3):
             r = complete(
                 base, TENANTS[1], f"an ordinary request {i} after the pin loop", max_tokens=8
