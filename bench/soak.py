@@ -40,38 +40,11 @@ from typing import Any
 import httpx
 
 SALTS = ["tenant-a", "tenant-b", "tenant-c", None]
-WORDS = [
-    "river",
-    "mountain",
-    "cloud",
-    "lantern",
-    "harbor",
-    "meadow",
-    "copper",
-    "velvet",
-    "signal",
-    "orbit",
-    "canyon",
-    "ember",
-    "glacier",
-    "willow",
-    "thunder",
-    "compass",
-    "marble",
-    "saffron",
-    "falcon",
-    "prism",
-    "quartz",
-    "nectar",
-    "tundra",
-    "beacon",
-    "cobalt",
-    "fern",
-    "summit",
-    "delta",
-    "lagoon",
-    "cipher",
-]
+WORDS = (  # noqa: SIM905 - thirty words, one per line would be 30 lines
+    "river mountain cloud lantern harbor meadow copper velvet signal orbit "
+    "canyon ember glacier willow thunder compass marble saffron falcon prism "
+    "quartz nectar tundra beacon cobalt fern summit delta lagoon cipher"
+).split()
 SHARED_PREFIXES = [
     "You are a careful assistant for a shipping company. Answer in one short sentence, "
     "never invent tracking numbers, and say so when you do not know. " * 3,
@@ -107,6 +80,9 @@ def serve_main(args: argparse.Namespace) -> int:
         model = args.model
         knobs = dict(page_size=16, kv_cache_tokens=768, host_cache_tokens=2048)
         knobs.update(max_model_len=512)
+    if args.remote_cache:  # the fault soak's replicas: share pages through Redis at once
+        knobs.update(remote_cache_url=args.remote_cache, kv_mac_key_file=args.kv_mac_key_file)
+        knobs.update(host_write_policy="write_through")
     engine = Engine(
         model,
         disk_cache_dir=args.disk_dir,
@@ -480,12 +456,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-requests", type=int, default=100_000, help="stop after this many")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the report here")
+    p.add_argument(
+        "--faults",
+        action="store_true",
+        help="replicas with host, disk and Redis tiers behind the router, with Redis, the disk "
+        "and a replica failing during the run (bench/soak_faults.py); ends with one JSON line",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="--faults: replicas (default 2)")
+    p.add_argument("--remote-cache", default=None, help=argparse.SUPPRESS)  # the child
+    p.add_argument("--kv-mac-key-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--disk-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
         return serve_main(args)
+    if args.faults:
+        from bench.soak_faults import main_faults
+
+        return main_faults(args)
     report = run_soak(
         args.minutes,
         tiny=args.tiny,

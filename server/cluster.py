@@ -235,7 +235,8 @@ class Cluster:
             "maxmemory-policy allkeys-lru",
             f"requirepass {self.redis_password}",
         ]
-        write_new_file(conf, ("\n".join(lines) + "\n").encode())  # mode 0600
+        if not os.path.exists(conf):  # a restart reuses it
+            write_new_file(conf, ("\n".join(lines) + "\n").encode())  # mode 0600
         out = self._out("redis")
         self.redis = subprocess.Popen(
             [binary, conf],
@@ -282,15 +283,44 @@ class Cluster:
         logger.info(
             "replica %d on %s, cores %s: %s", i, self.urls[i], cores, " ".join(redact_argv(cmd))
         )
-        self.procs.append(
-            subprocess.Popen(
-                cmd,
-                env=env,
-                preexec_fn=_pin(cores),
-                stdout=out,
-                stderr=subprocess.STDOUT if out is not None else None,
-            )
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            preexec_fn=_pin(cores),
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
         )
+        if i < len(self.procs):
+            self.procs[i] = proc
+        else:
+            self.procs.append(proc)
+
+    def kill_replica(self, i: int) -> None:
+        """SIGKILL replica ``i`` (a crash: no drain, no shutdown hooks) and reap it."""
+        proc = self.procs[i]
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+    def restart_replica(self, i: int, timeout: float = 600.0) -> None:
+        """Start replica ``i`` again on its port (after :meth:`kill_replica` or a crash) and wait
+        until it is healthy."""
+        if self.procs[i].poll() is None:
+            raise RuntimeError(f"replica {i} is still running")
+        self._start_replica(i)
+        wait_healthy(self.urls[i], self.procs[i], timeout)
+
+    def kill_redis(self) -> None:
+        """SIGKILL the cluster's Redis (its data goes with it: no persistence)."""
+        if self.redis is not None:
+            self.redis.kill()
+            self.redis.wait(timeout=10)
+
+    def restart_redis(self) -> None:
+        """Start Redis again on the same port with the same password (empty)."""
+        if self.redis is not None and self.redis.poll() is None:
+            raise RuntimeError("redis-server is still running")
+        self._start_redis()
 
     def stop(self) -> None:
         """Stop the replicas (SIGINT, then SIGKILL after 15 s), then Redis, and remove the work

@@ -77,6 +77,7 @@ from radixkv.server.router_policy import (
     make_policy,
     route_key,
 )
+from radixkv.server.streaming import SSE_DONE, sse
 from radixkv.server.tenancy import Caller, KeyRing
 
 __all__ = ["POLICIES", "RouterMetrics", "create_router_app"]
@@ -345,6 +346,10 @@ def create_router_app(
                             yield chunk
                     except httpx.TransportError as exc:
                         fail(i, f"stream broke: {type(exc).__name__}", dead=False)
+                        # the client gets a clear end, not a stream cut without [DONE]
+                        msg = f"the replica's stream broke ({type(exc).__name__}); retry"
+                        yield sse(error_body(msg, type="server_error", code="replica_failed"))
+                        yield SSE_DONE
                     finally:
                         await resp.aclose()
                         release(i)
