@@ -529,3 +529,69 @@ def test_router_cli_takes_the_keys(monkeypatch, tmp_path) -> None:
     assert ring.identify(f"Bearer {TENANT_B}").salt == tenant_salt(TENANT_B)
     bad = build_parser().parse_args(["router", "--replica", "x:1", "--salt-from-api-key"])
     assert bad.func(bad) == 2  # tenants without keys
+
+
+def _replica_that_dies_mid_stream() -> tuple[str, object]:
+    """A raw HTTP replica: ``/health`` is 200; a POST gets a 200 event stream with one event,
+    then the connection is cut (the replica crashed mid-answer)."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            head = conn.recv(65536).decode(errors="replace")
+            if head.startswith("GET"):
+                body = b'{"status":"ok"}'
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
+                return
+            event = b'data: {"choices":[{"text":"Hel"}]}\n\n'
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+                + f"{len(event):x}\r\n".encode()
+                + event
+                + b"\r\n"
+            )
+            time.sleep(0.2)  # then the crash: no terminating chunk
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}", srv
+
+
+def test_a_stream_cut_by_a_dying_replica_ends_with_an_error_event() -> None:
+    """The client learns that the answer broke (an error event, then [DONE]) instead of a
+    stream that simply stops."""
+    url, srv = _replica_that_dies_mid_stream()
+    rt = router([url], health_interval=3600)
+    try:
+        with httpx.stream(
+            "POST",
+            rt.base_url + "/v1/completions",
+            json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 8, "stream": True},
+            timeout=30,
+        ) as s:
+            assert s.status_code == 200
+            lines = [x for x in s.iter_lines() if x.startswith("data: ")]
+        assert lines[0] == 'data: {"choices":[{"text":"Hel"}]}'
+        assert '"code":"replica_failed"' in lines[-2].replace(" ", ""), lines
+        assert lines[-1] == "data: [DONE]"
+    finally:
+        rt.stop()
+        srv.close()
