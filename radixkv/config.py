@@ -27,6 +27,9 @@ class EngineConfig:
     AVX512-BF16 or AMX, else float32).
     ``disk_write_policy``: ``write_back`` (pages reach the disk when they leave the device or the
     host, and when the engine closes) or ``write_through`` (queued for the disk when cached).
+    ``remote_write_policy``: ``write_through`` (the default: pages are queued for Redis when they
+    are cached, so another replica finds a prompt as soon as this one has computed it) or
+    ``write_back`` (sent when they leave the device: fewer writes, later sharing).
     ``kv_layout``: ``paged`` (page table, the default) or ``virtual`` (each running sequence's K/V
     contiguous in virtual memory over a shared memfd page pool; see radixkv/model/virtual_kv.py).
     ``kv_mac_key_file``: a file (mode 0600) holding the secret (at least 16 bytes) that keys the
@@ -61,6 +64,7 @@ class EngineConfig:
     disk_cache_bytes: int = 8 << 30
     disk_write_policy: str = "write_back"
     remote_cache_url: str | None = None
+    remote_write_policy: str = "write_through"
     kv_mac_key_file: str | None = None
     kv_layout: str = "paged"
     chat_template: str | None = None
@@ -114,6 +118,8 @@ class EngineConfig:
             ("redis://", "rediss://", "unix://")
         ):
             raise bad("remote_cache_url", "expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
+        if self.remote_write_policy not in WRITE_POLICIES:
+            raise bad("remote_write_policy", f"choose one of {', '.join(WRITE_POLICIES)}")
         if self.kv_mac_key_file is not None and not (
             isinstance(self.kv_mac_key_file, str) and self.kv_mac_key_file
         ):

@@ -123,6 +123,13 @@ ENGINE_FLAGS: list[EngineFlag] = [
         "shared remote tier, redis://HOST:PORT[/DB] (off if unset)",
     ),
     EngineFlag(
+        ("--remote-write-policy",),
+        "remote_write_policy",
+        "when pages reach the remote tier: write_through (when cached: other replicas share a "
+        "prompt at once) or write_back (when they leave the device: fewer writes)",
+        WRITE_POLICIES,
+    ),
+    EngineFlag(
         ("--kv-mac-key-file",),
         "kv_mac_key_file",
         "secret (file, mode 0600) keying the MAC of disk and Redis KV pages; replicas sharing "

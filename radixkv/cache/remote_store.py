@@ -58,46 +58,14 @@ from radixkv.cache.kv_mac import (
     seal,
     verify,
 )
+from radixkv.cache.remote_conn import PASSWORD_ENV, parse_remote_url, redact_url
 
 __all__ = ["PASSWORD_ENV", "REMOTE_MAGIC", "RemoteStore", "parse_remote_url", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
 REMOTE_MAGIC = b"RKVREM02"
-PASSWORD_ENV = "RADIXKV_REDIS_PASSWORD"
-_SCHEMES = ("redis://", "rediss://", "unix://")
 _REASONS = REASONS
-
-
-def redact_url(url: object) -> str:
-    """``url`` with its credentials replaced by ``***`` (``redis://***@host:6379/0``): what
-    stats, logs and error messages show, so a Redis password never leaves the process."""
-    text = str(url)
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        return text
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    query = ""
-    if "?" in path:  # unix:///sock?password=... and redis://h/0?password=...
-        path, _, params = path.partition("?")
-        query = "?" + "&".join(
-            f"{k}=***" if k.lower() in ("password", "username", "user") else f"{k}={v}"
-            for k, _, v in (part.partition("=") for part in params.split("&"))
-        )
-    return f"{scheme}://{netloc}{slash}{path}{query}"
-
-
-def parse_remote_url(url: str) -> str:
-    """Check a remote cache URL (``redis://HOST:PORT[/DB]``, ``rediss://`` or ``unix://``) and
-    return it; raises ``ValueError`` saying what a valid one looks like."""
-    if not isinstance(url, str) or not url.startswith(_SCHEMES):
-        raise ValueError(
-            f"remote_cache_url={redact_url(url)!r} is invalid: expected redis://HOST:PORT[/DB] "
-            "(or rediss://..., unix:///path.sock)"
-        )
-    return url
 
 
 class RemoteStore:
@@ -146,6 +114,7 @@ class RemoteStore:
         self.fingerprint = fingerprint
         self.namespace = namespace
         self.batch_pages = batch_pages
+        self.max_pending = max(1, max_pending)
         self.retry_min = retry_min
         self.retry_max = retry_max
         self.recent_ttl = recent_ttl
@@ -200,7 +169,7 @@ class RemoteStore:
         )
         self._errors = (redis.RedisError, OSError)
         if background:
-            self._queue = queue.Queue(maxsize=max(1, max_pending))
+            self._queue = queue.Queue(maxsize=self.max_pending)
             self._thread = threading.Thread(
                 target=self._writer, name="radixkv-remote-writer", daemon=True
             )
@@ -267,6 +236,18 @@ class RemoteStore:
         t = self._recent.get(key)
         return t is None or time.monotonic() - t > self.recent_ttl
 
+    def to_send(self, keys: Sequence[bytes]) -> list[int]:
+        """Indices of the ``keys`` worth snapshotting for :meth:`put`: wanted (:meth:`wants`),
+        and no more than the writer queue has room for (the rest are counted in
+        ``writes_dropped``), so a slow or absent Redis costs the caller no copy."""
+        todo = [i for i, key in enumerate(keys) if self.wants(key)]
+        if not todo or self._queue is None:
+            return todo
+        room = max(0, self.max_pending - self._queue.qsize())
+        with self._lock:
+            self.counters["writes_dropped"] += max(0, len(todo) - room)
+        return todo[:room]
+
     def forget_recent(self) -> None:
         """Forget which keys were written lately: the next eviction or insert sends them again."""
         with self._lock:
@@ -327,13 +308,19 @@ class RemoteStore:
             self.counters["writes_failed"] += len(values)
             self._went_down(exc)
             return
+        self._remember([key for key, _ in values])
+        with self._lock:
+            self.counters["writes"] += len(values)
+            self.counters["write_bytes"] += sum(len(value) for _, value in values)
+
+    def _remember(self, keys: Sequence[bytes]) -> None:
+        """Note ``keys`` as known to be on the server now (written or read): not sent again
+        for ``recent_ttl`` seconds."""
         t = time.monotonic()
         with self._lock:
-            for key, value in values:
+            for key in keys:
                 self._recent[key] = t
                 self._recent.move_to_end(key)
-                self.counters["writes"] += 1
-                self.counters["write_bytes"] += len(value)
             while len(self._recent) > self.max_recent:
                 self._recent.popitem(last=False)
 
@@ -385,7 +372,9 @@ class RemoteStore:
         """Verified payloads of the longest run ``keys[:n]`` the server holds, fetched with
         ``MGET`` in batches of ``batch_pages``; stops at the first missing or bad value (a bad
         one is counted by reason and deleted). ``expect_len``: the payload length a page must
-        have. Down: returns ``[]`` without touching the network."""
+        have. Down: returns ``[]`` without touching the network. Pages returned count as written
+        lately (:meth:`wants` is False for them: a write-through insert of what was just loaded
+        sends nothing)."""
         if not keys:
             return []
         if self._sim is not None:
@@ -404,26 +393,29 @@ class RemoteStore:
             return []
         self.counters["lookups"] += 1
         out: list[bytes] = []
-        for at in range(0, len(keys), self.batch_pages):
-            chunk = list(keys[at : at + self.batch_pages])
-            try:
-                values = self._client.mget([self._rkey(k) for k in chunk])
-            except self._errors as exc:
-                self._went_down(exc)
-                return out
-            for key, value in zip(chunk, values):
-                if value is None:
-                    self.counters["misses"] += 1
+        try:
+            for at in range(0, len(keys), self.batch_pages):
+                chunk = list(keys[at : at + self.batch_pages])
+                try:
+                    values = self._client.mget([self._rkey(k) for k in chunk])
+                except self._errors as exc:
+                    self._went_down(exc)
                     return out
-                fp, mac_key = self.fingerprint, self.mac_key
-                reason = verify(value, REMOTE_MAGIC, fp, key, mac_key, expect_len)
-                if reason is not None:
-                    self.discard(key, reason)
-                    return out
-                out.append(bytes(memoryview(value)[HEADER.size :]))
-                self.counters["hits"] += 1
-                self.counters["read_bytes"] += len(value)
-        return out
+                for key, value in zip(chunk, values):
+                    if value is None:
+                        self.counters["misses"] += 1
+                        return out
+                    fp, mac_key = self.fingerprint, self.mac_key
+                    reason = verify(value, REMOTE_MAGIC, fp, key, mac_key, expect_len)
+                    if reason is not None:
+                        self.discard(key, reason)
+                        return out
+                    out.append(bytes(memoryview(value)[HEADER.size :]))
+                    self.counters["hits"] += 1
+                    self.counters["read_bytes"] += len(value)
+            return out
+        finally:
+            self._remember(keys[: len(out)])
 
     def discard(self, key: bytes, reason: str | None = None) -> None:
         """Delete ``key`` from the server (best effort); with a ``reason`` (one of
