@@ -120,7 +120,8 @@ ENGINE_FLAGS: list[EngineFlag] = [
     EngineFlag(
         ("--remote-cache",),
         "remote_cache_url",
-        "shared remote tier, redis://HOST:PORT[/DB] (off if unset)",
+        "shared remote tier, redis://HOST:PORT[/DB], or redis+cluster://HOST:PORT for a Redis "
+        "Cluster (off if unset; a password: $RADIXKV_REDIS_PASSWORD)",
     ),
     EngineFlag(
         ("--remote-write-policy",),

@@ -372,6 +372,9 @@ def test_serve_flag_sets_the_knob() -> None:
     assert engine_kwargs(args)["remote_write_policy"] == "write_back"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--remote-write-policy", "sometimes"])
+    cluster = "redis+cluster://127.0.0.1:7000"
+    args = build_parser().parse_args(["serve", "--remote-cache", cluster])
+    assert engine_kwargs(args)["remote_cache_url"] == cluster
 
 
 def test_pages_are_sent_again_after_a_flush(tiny, golden, redis_server) -> None:

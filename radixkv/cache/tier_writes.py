@@ -138,12 +138,12 @@ class TierWrites:
     def _write_remote(self, node: TreeNode, pages: list[int]) -> None:
         """Hand ``node``'s device ``pages`` to the remote writer: only those the store wants
         (:meth:`~radixkv.cache.remote_store.RemoteStore.to_send`: not queued, not sent or read
-        lately, within the queue's room) are snapshotted now; the writer thread serializes and
-        sends them."""
+        lately, on a shard that is up, within the queue's room) are snapshotted now; the writer
+        thread serializes and sends them."""
         remote = self.remote
         assert remote is not None
         if not remote.available:
-            remote.counters["writes_skipped_down"] += len(pages)
+            remote.skipped_down(len(pages))
             return
         keys = self._node_hashes(node)
         todo = remote.to_send(keys)

@@ -23,13 +23,13 @@ tree node's ``host_value``; device pages keep the allocator / tree / sequence ow
 ``docs/design.md``. :meth:`TieredCache.check_integrity` verifies the host side.
 
 Remote tier (:class:`~radixkv.cache.remote_store.RemoteStore`, ``remote_cache_url``): a Redis
-shared by several replicas, below host and disk, keyed by the same chained hashes. Its own
-policy, ``remote_write_policy``: ``write_through`` (the default) sends a node's pages when the
-tree creates the node (``tree.on_insert``), so another replica finds a prompt as
+(or Redis Cluster) shared by several replicas, below host and disk, keyed by the same chained
+hashes. Its own policy, ``remote_write_policy``: ``write_through`` (the default) sends a node's
+pages when the tree creates the node (``tree.on_insert``), so another replica finds a prompt as
 soon as this one has computed it, and a device eviction sends nothing more; ``write_back`` sends
 them when they leave the device. Either way the engine thread only snapshots the pages the store
-wants (not queued, not sent or read lately, within the writer queue's room:
-:meth:`~radixkv.cache.remote_store.RemoteStore.to_send`); the writer thread serializes and
+wants (not queued, not sent or read lately, on a shard that is up, within the writer queue's
+room: :meth:`~radixkv.cache.remote_store.RemoteStore.to_send`); the writer thread serializes and
 sends them, so a slow Redis drops writes instead of stalling a step. Pages loaded from the remote
 tier count as sent. Admission fetches the continuation after the disk's in pipelined batches and
 loads it with the disk pages. Redis may drop any page at any time: a missing or bad value ends
