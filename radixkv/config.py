@@ -10,6 +10,8 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
 WRITE_POLICIES = ("write_back", "write_through")
 KV_LAYOUTS = ("paged", "virtual")
+#: URL schemes of ``remote_cache_url`` (radixkv/cache/remote_conn.py parses them).
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
 
 @dataclass
@@ -29,6 +31,11 @@ class EngineConfig:
     AVX512-BF16 or AMX, else float32).
     ``disk_write_policy``: ``write_back`` (pages reach the disk when they leave the device or the
     host, and when the engine closes) or ``write_through`` (queued for the disk when cached).
+    ``remote_cache_url``: the shared remote tier, ``redis://HOST:PORT[/DB]`` (``rediss://``,
+    ``unix://``) or a Redis Cluster, ``redis+cluster://HOST:PORT`` (``rediss+cluster://``).
+    ``remote_write_policy``: ``write_through`` (the default: pages are queued for Redis when they
+    are cached, so another replica finds a prompt as soon as this one has computed it) or
+    ``write_back`` (sent when they leave the device: fewer writes, later sharing).
     ``kv_layout``: ``paged`` (page table, the default) or ``virtual`` (each running sequence's K/V
     contiguous in virtual memory over a shared memfd page pool; see radixkv/model/virtual_kv.py).
     ``kv_mac_key_file``: a file (mode 0600) holding the secret (at least 16 bytes) that keys the
@@ -63,6 +70,7 @@ class EngineConfig:
     disk_cache_bytes: int = 8 << 30
     disk_write_policy: str = "write_back"
     remote_cache_url: str | None = None
+    remote_write_policy: str = "write_through"
     kv_mac_key_file: str | None = None
     kv_layout: str = "paged"
     chat_template: str | None = None
@@ -120,9 +128,15 @@ class EngineConfig:
         if self.kv_layout not in KV_LAYOUTS:
             raise bad("kv_layout", f"choose one of {', '.join(KV_LAYOUTS)}")
         if self.remote_cache_url is not None and not str(self.remote_cache_url).startswith(
-            ("redis://", "rediss://", "unix://")
+            REMOTE_SCHEMES
         ):
-            raise bad("remote_cache_url", "expected redis://HOST:PORT[/DB] (or rediss://, unix://)")
+            raise bad(
+                "remote_cache_url",
+                "expected redis://HOST:PORT[/DB] (or rediss://, unix://, "
+                "redis+cluster://HOST:PORT for a Redis Cluster)",
+            )
+        if self.remote_write_policy not in WRITE_POLICIES:
+            raise bad("remote_write_policy", f"choose one of {', '.join(WRITE_POLICIES)}")
         if self.kv_mac_key_file is not None and not (
             isinstance(self.kv_mac_key_file, str) and self.kv_mac_key_file
         ):

@@ -125,7 +125,15 @@ ENGINE_FLAGS: list[EngineFlag] = [
     EngineFlag(
         ("--remote-cache",),
         "remote_cache_url",
-        "shared remote tier, redis://HOST:PORT[/DB] (off if unset)",
+        "shared remote tier, redis://HOST:PORT[/DB], or redis+cluster://HOST:PORT for a Redis "
+        "Cluster (off if unset; a password: $RADIXKV_REDIS_PASSWORD)",
+    ),
+    EngineFlag(
+        ("--remote-write-policy",),
+        "remote_write_policy",
+        "when pages reach the remote tier: write_through (when cached: other replicas share a "
+        "prompt at once) or write_back (when they leave the device: fewer writes)",
+        WRITE_POLICIES,
     ),
     EngineFlag(
         ("--kv-mac-key-file",),

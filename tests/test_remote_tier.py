@@ -5,6 +5,7 @@ tier off (requests keep working) until it comes back."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -90,10 +91,60 @@ def test_replica_b_serves_a_prompt_replica_a_computed(tiny, golden, redis_server
     b.tiers.close()
 
 
+def test_defaults_share_a_prompt_from_the_first_request(tiny, golden, redis_server) -> None:
+    """Issue 26: two replicas with nothing but ``remote_cache_url`` (remote write-through, the
+    default): B finds every whole page of the 196-token prompt A has just computed."""
+    flushdb(redis_server)
+    a = make_engine(tiny, redis_server.url)
+    b = make_engine(tiny, redis_server.url)
+    assert a.tiers.remote_write_policy == "write_through"
+    ids = prompt(1, 196)
+    out_a = run(a, ids)
+    a.tiers.sync()  # the writer thread has sent what the step queued
+    whole = len(ids) // P * P  # 192: the last, partial page is always recomputed
+    assert redis_server.client().dbsize() >= whole // P
+    out_b = run(b, ids)
+    assert out_b.cached_tokens >= whole
+    assert out_b.cached_tokens_by_tier["remote"] >= whole
+    assert out_b.outputs[0].token_ids == out_a.outputs[0].token_ids
+    b.tiers.sync()
+    assert b.stats()["tiers"]["remote"]["writes"] == 0  # what B read is not sent back
+    a.check_integrity()
+    b.check_integrity()
+    a.tiers.close()
+    b.tiers.close()
+
+
+def test_write_through_never_sends_a_page_again_on_eviction(tiny, golden, redis_server) -> None:
+    """A page written through when cached is not written back when it leaves the device (even
+    once the store's memory of recent writes has expired: the policy, not the TTL, skips it)."""
+    flushdb(redis_server)
+    a = make_engine(tiny, redis_server.url, kv_cache_tokens=17 * P)  # room for one prompt
+    remote = a.tiers.remote
+    remote.recent_ttl = 0.0
+    run(a, prompt(2))
+    a.tiers.sync()
+    first = remote.stats()["writes"]
+    assert first >= len(prompt(2)) // P - 1
+    run(a, prompt(3))  # evicts every page of prompt 2 (and writes prompt 3's through)
+    a.tiers.sync()
+    assert remote.stats()["writes"] - first <= len(prompt(3)) // P
+    assert redis_server.client().dbsize() == remote.stats()["writes"]
+    b = make_engine(tiny, redis_server.url)  # the evicted pages are in Redis all the same
+    out = run(b, prompt(2))
+    assert out.cached_tokens_by_tier["remote"] >= len(prompt(2)) - P
+    assert out.outputs[0].token_ids == golden[2]
+    a.check_integrity()
+    a.tiers.close()
+    b.tiers.close()
+
+
 def test_write_back_sends_pages_when_they_leave_the_device(tiny, golden, redis_server) -> None:
     flushdb(redis_server)
     # a device pool of 17 pages: the second 256-token prompt evicts all of the first one's
-    a = make_engine(tiny, redis_server.url, kv_cache_tokens=17 * P)
+    a = make_engine(
+        tiny, redis_server.url, kv_cache_tokens=17 * P, remote_write_policy="write_back"
+    )
     run(a, prompt(2))
     a.tiers.sync()
     assert redis_server.client().dbsize() == 0  # write-back: nothing left the device yet
@@ -140,10 +191,31 @@ def test_bad_values_are_detected_and_recomputed(tiny, golden, redis_server, dama
     rs = b.stats()["tiers"]["remote"]
     reason = {"flip": "checksum", "truncate": "truncated", "swap": "key"}.get(damage, damage)
     assert rs["corrupt_values"] == 1 and rs[f"corrupt_{reason}"] == 1, rs
-    assert r.get(keys[bad]) is None  # the bad value was deleted
+    _repaired(b, keys[bad], ids, bad)  # deleted, and B's recomputed page written through
     b.check_integrity()
     a.tiers.close()
     b.tiers.close()
+
+
+def _repaired(engine, rkey: bytes, ids: list[int], page: int) -> None:
+    """The bad value under ``rkey`` (page ``page`` of ``ids``) is gone: ``engine`` deleted it,
+    recomputed the page and (write-through, the default) sent its own, which verifies."""
+    from radixkv.cache.kv_mac import verify
+    from radixkv.cache.remote_store import REMOTE_MAGIC
+
+    engine.tiers.sync()
+    remote = engine.tiers.remote
+    value = _client_of(remote).get(rkey)
+    key = chain_hashes(engine.tiers.fingerprint, ids, P, None)[page]
+    assert value is not None
+    size = engine.tiers.kv_pool.bytes_per_page
+    assert verify(value, REMOTE_MAGIC, remote.fingerprint, key, remote.mac_key, size) is None
+
+
+def _client_of(remote: RemoteStore):
+    import redis
+
+    return redis.Redis.from_url(remote.url)
 
 
 def test_salts_never_hit_each_other(tiny, golden, redis_server) -> None:
@@ -160,7 +232,9 @@ def test_salts_never_hit_each_other(tiny, golden, redis_server) -> None:
     unsalted = make_engine(tiny, redis_server.url)
     assert run(unsalted, ids).cached_tokens == 0
     b.tiers.sync()
-    assert redis_server.client().dbsize() == 2 * n_keys  # disjoint key sets per salt
+    unsalted.tiers.sync()
+    # disjoint key sets per salt: tenant-a, tenant-b and the unsalted one (write-through)
+    assert redis_server.client().dbsize() == 3 * n_keys
     c = make_engine(tiny, redis_server.url)
     same = run(c, ids, salt="tenant-a")
     assert same.cached_tokens_by_tier["remote"] >= len(ids) - 2 * P
@@ -238,6 +312,31 @@ def test_remote_store_alone_batches_and_bookkeeping(redis_server) -> None:
         RemoteStore("http://127.0.0.1:1", fp)
 
 
+def test_a_slow_redis_never_blocks_the_caller(redis_server) -> None:
+    """The writer queue bounds what the engine hands over: with the writer stuck, the pages
+    beyond its room are neither snapshotted (``to_send``) nor waited for (``put``): they are
+    counted as dropped, and everything queued is sent once the writer moves again."""
+    flushdb(redis_server)
+    fp = b"\x05" * 32
+    store = RemoteStore(redis_server.url, fp, max_pending=4, batch_pages=1)
+    keys = chain_hashes(fp, list(range(80)), 8)  # 10 pages
+    gate = threading.Event()
+    assert store.put(keys[0], lambda: gate.wait(10) and bytes([0]) * 64)  # the writer waits
+    assert _wait(lambda: store._queue.qsize() == 0)  # ... holding page 0
+    assert store.to_send(keys[1:]) == [0, 1, 2, 3]  # room for four: no copy of the others
+    assert store.stats()["writes_dropped"] == 5
+    t0 = time.monotonic()
+    assert all(store.put(k, bytes([i + 1]) * 64) for i, k in enumerate(keys[1:5]))
+    assert not store.put(keys[5], bytes([5]) * 64)  # queue full: dropped, not waited for
+    assert time.monotonic() - t0 < 1.0
+    assert store.stats()["writes_dropped"] == 6
+    gate.set()
+    store.sync()
+    assert [g[0] for g in store.get_prefix(keys, 64)] == [0, 1, 2, 3, 4]
+    store.check_integrity()
+    store.close()
+
+
 def test_simulator_counts_remote_hits() -> None:
     """The simulator's remote tier: prefixes evicted from a small device come back from it."""
     from radixkv.sim.simulator import simulate
@@ -268,6 +367,14 @@ def test_serve_flag_sets_the_knob() -> None:
 
     args = build_parser().parse_args(["serve", "--remote-cache", "redis://127.0.0.1:1/0"])
     assert engine_kwargs(args)["remote_cache_url"] == "redis://127.0.0.1:1/0"
+    assert "remote_write_policy" not in engine_kwargs(args)  # the engine's default
+    args = build_parser().parse_args(["serve", "--remote-write-policy", "write_back"])
+    assert engine_kwargs(args)["remote_write_policy"] == "write_back"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--remote-write-policy", "sometimes"])
+    cluster = "redis+cluster://127.0.0.1:7000"
+    args = build_parser().parse_args(["serve", "--remote-cache", cluster])
+    assert engine_kwargs(args)["remote_cache_url"] == cluster
 
 
 def test_pages_are_sent_again_after_a_flush(tiny, golden, redis_server) -> None:
@@ -329,7 +436,7 @@ def test_a_planted_redis_value_is_a_miss_unless_signed_with_the_shared_secret(
     assert out.outputs[0].token_ids == golden[4]
     rs = b.stats()["tiers"]["remote"]
     assert rs["corrupt_mac"] == 1 and rs["corrupt_values"] == 1, rs
-    assert r.get(ns + keys[bad]) is None  # deleted
+    _repaired(b, ns + keys[bad], ids, bad)  # deleted; B's own page written in its place
     # the same plant signed with the shared secret is used: the MAC is what refused it
     secret = a.tiers.remote.mac_key
     r.set(ns + keys[bad], seal(REMOTE_MAGIC, fp, keys[bad], wrong, secret) + wrong)

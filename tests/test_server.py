@@ -735,6 +735,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         + ["--disk-write-policy", "write_through", "--host-write-policy", "write_through"]
         + ["--max-model-len", "256", "--device", "cpu", "--seed", "5"]
         + ["--remote-cache", "redis://127.0.0.1:6399/0", "--mixed-prefill-tokens", "128"]
+        + ["--remote-write-policy", "write_back"]
         + ["--served-model-name", "svc", "--api-key-file", "/tmp/keys.txt"]
         + ["--kv-mac-key-file", "/tmp/kv.key", "--tokenizer", "tok-dir"]
         + ["--chat-template", "t.jinja", "--gpu-memory-utilization", "0.9"]
@@ -748,6 +749,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         "device": "cpu",
         "seed": 5,
         "remote_cache_url": "redis://127.0.0.1:6399/0",
+        "remote_write_policy": "write_back",
         "mixed_prefill_tokens": 128,
         "kv_mac_key_file": "/tmp/kv.key",
         "tokenizer": "tok-dir",

@@ -1,4 +1,5 @@
-"""The remote KV tier: page payloads in a shared Redis (or Valkey), below the host and disk tiers.
+"""The remote KV tier: page payloads in a shared Redis, Valkey or Redis Cluster, below the host
+and disk tiers.
 
 Several engine replicas pointed at one Redis share their prefixes: a page one replica wrote is
 found by every other one that meets the same tokens. Keys are the disk tier's chained page hashes
@@ -13,24 +14,30 @@ would serve (``corrupt_mac``). Its secret, ``mac_key``: the engine's ``kv_mac_ke
 ``$RADIXKV_KV_MAC_KEY``, the disk tier's key file, else a random key of this process (a warning:
 replicas then share nothing).
 
-A password comes in the URL (``redis://:PASSWORD@HOST:PORT/DB``) or, when the URL has none, from
-``$RADIXKV_REDIS_PASSWORD`` (how ``radixkv cluster`` gives it to replicas, off their command
-lines); stats, logs and errors show the URL through :func:`redact_url`.
+The URL (:mod:`radixkv.cache.remote_conn`) names one server (``redis://``, ``rediss://``,
+``unix://``) or a Redis Cluster (``redis+cluster://HOST:PORT``, ``rediss+cluster://``), whose
+keys spread over its masters by hash slot. A password comes in the URL
+(``redis://:PASSWORD@HOST:PORT/DB``) or, when the URL has none, from ``$RADIXKV_REDIS_PASSWORD``
+(how ``radixkv cluster`` gives it to replicas, off their command lines); stats, logs and errors
+show the URL through :func:`redact_url`.
 
 Redis bounds itself (``maxmemory`` + ``allkeys-lru``); this store never assumes a page is still
 there. It keeps no index of the server's keys, only:
 
-* ``_recent``: keys written in the last ``recent_ttl`` seconds (bounded), so a page evicted twice
-  in a row is not sent twice; it never answers a lookup, and it is forgotten when the server comes
-  back after being down (it may have restarted empty) and on :meth:`forget_recent` (the engine's
+* ``_recent``: keys written (or read) in the last ``recent_ttl`` seconds (bounded), so a page is
+  not sent twice in a row; it never answers a lookup, and it is forgotten when a shard comes back
+  after being down (it may have restarted empty) and on :meth:`forget_recent` (the engine's
   cache flush);
-* ``_pending``: keys queued for the writer thread (which batches ``SET``s into pipelines).
+* ``_pending``: keys queued for the writer thread (which batches ``SET``s into one pipeline per
+  shard);
+* ``_down``: the shards that are down, each with its probe backoff.
 
-Lookups (:meth:`RemoteStore.get_prefix`) fetch a chain continuation with ``MGET`` in batches and
-stop at the first miss. A connection failure turns the store *down*: one warning is logged,
-lookups answer "miss" and writes are dropped without touching the network, and the writer thread
-probes the server (``PING``) with exponential backoff until it answers; then the store is *up*
-again (logged once).
+Lookups (:meth:`RemoteStore.get_prefix`) fetch a chain continuation in batches (one ``MGET``, or
+one pipeline per cluster master) and stop at the first miss. A connection failure turns that
+shard *down*: one warning is logged, its keys miss and its writes are dropped without touching
+the network (the other shards of a cluster keep serving), and the writer thread probes it
+(``PING``) with exponential backoff until it answers; then it is *up* again (logged once). The
+store is :attr:`~RemoteStore.available` while at least one shard is up.
 
 ``RemoteStore(None, ...)`` is a server-less, data-less store (an LRU of keys bounded by
 ``capacity_pages``) for the simulator.
@@ -38,7 +45,6 @@ again (logged once).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -58,67 +64,43 @@ from radixkv.cache.kv_mac import (
     seal,
     verify,
 )
+from radixkv.cache.remote_conn import (
+    PASSWORD_ENV,
+    Shards,
+    open_shards,
+    parse_remote_url,
+    redact_url,
+)
+from radixkv.cache.remote_health import ShardHealth
 
 __all__ = ["PASSWORD_ENV", "REMOTE_MAGIC", "RemoteStore", "parse_remote_url", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
 REMOTE_MAGIC = b"RKVREM02"
-PASSWORD_ENV = "RADIXKV_REDIS_PASSWORD"
-_SCHEMES = ("redis://", "rediss://", "unix://")
 _REASONS = REASONS
 
 
-def redact_url(url: object) -> str:
-    """``url`` with its credentials replaced by ``***`` (``redis://***@host:6379/0``): what
-    stats, logs and error messages show, so a Redis password never leaves the process."""
-    text = str(url)
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        return text
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    query = ""
-    if "?" in path:  # unix:///sock?password=... and redis://h/0?password=...
-        path, _, params = path.partition("?")
-        query = "?" + "&".join(
-            f"{k}=***" if k.lower() in ("password", "username", "user") else f"{k}={v}"
-            for k, _, v in (part.partition("=") for part in params.split("&"))
-        )
-    return f"{scheme}://{netloc}{slash}{path}{query}"
-
-
-def parse_remote_url(url: str) -> str:
-    """Check a remote cache URL (``redis://HOST:PORT[/DB]``, ``rediss://`` or ``unix://``) and
-    return it; raises ``ValueError`` saying what a valid one looks like."""
-    if not isinstance(url, str) or not url.startswith(_SCHEMES):
-        raise ValueError(
-            f"remote_cache_url={redact_url(url)!r} is invalid: expected redis://HOST:PORT[/DB] "
-            "(or rediss://..., unix:///path.sock)"
-        )
-    return url
-
-
-class RemoteStore:
+class RemoteStore(ShardHealth):
     """Page payloads in Redis under chained-hash keys; see the module docstring.
 
     Args:
-        url: ``redis://HOST:PORT[/DB]``; ``None`` = simulation (no server, no data).
+        url: ``redis://HOST:PORT[/DB]`` or ``redis+cluster://HOST:PORT``; ``None`` = simulation
+            (no server, no data).
         fingerprint: 32 bytes identifying the model / dtype / page layout (in every header).
         namespace: prefix of every Redis key this store writes.
         background: write through a writer thread (default) instead of synchronously.
         max_pending: bound of the writer queue (writes beyond it are dropped and counted).
-        batch_pages: pages per ``MGET`` / per write pipeline.
+        batch_pages: pages per lookup batch / per write batch.
         timeout: socket connect/read timeout in seconds.
-        retry_min, retry_max: backoff bounds (seconds) of the probes while the server is down.
-        recent_ttl: seconds a written key is not written again.
+        retry_min, retry_max: backoff bounds (seconds) of the probes while a shard is down.
+        recent_ttl: seconds a written (or read) key is not written again.
         capacity_pages: simulation only: pages kept (LRU).
         mac_key: the secret keying every value's MAC (at least 16 bytes; see the module
             docstring for the default).
 
     Thread safety: one engine thread calls the public methods; the writer thread touches
-    ``_pending``, ``_recent``, the up/down state and the counters under ``_lock``.
+    ``_pending``, ``_recent``, ``_down`` and the counters under ``_lock``.
     """
 
     def __init__(
@@ -146,6 +128,7 @@ class RemoteStore:
         self.fingerprint = fingerprint
         self.namespace = namespace
         self.batch_pages = batch_pages
+        self.max_pending = max(1, max_pending)
         self.retry_min = retry_min
         self.retry_max = retry_max
         self.recent_ttl = recent_ttl
@@ -153,9 +136,7 @@ class RemoteStore:
         self._lock = threading.Lock()
         self._pending: set[bytes] = set()
         self._recent: OrderedDict[bytes, float] = OrderedDict()
-        self._up = True
-        self._backoff = retry_min
-        self._next_probe = 0.0
+        self._down: dict[str, tuple[float, float]] = {}  # shard -> (backoff, next probe)
         self._sim: OrderedDict[bytes, int] | None = None
         self.mac_key = b""  # set below when there is a server
         self.capacity_pages = capacity_pages
@@ -164,19 +145,19 @@ class RemoteStore:
             "write_bytes": 0,
             "writes_dropped": 0,  # queue full
             "writes_failed": 0,  # the server failed during the write
-            "writes_skipped_down": 0,  # not attempted: the store was down
+            "writes_skipped_down": 0,  # not attempted: the store (or the page's shard) was down
             "lookups": 0,  # get_prefix calls that asked the server
             "lookups_skipped_down": 0,
             "hits": 0,  # verified pages returned
             "read_bytes": 0,
             "misses": 0,  # lookups that ended on a missing key
+            "misses_down": 0,  # ... of which on a key of a shard that is down
             "corrupt_values": 0,
             **{f"corrupt_{r}": 0 for r in _REASONS},
-            "went_down": 0,
-            "came_back": 0,
+            "went_down": 0,  # a shard turned down
+            "came_back": 0,  # a shard answered again
         }
-        self._client: Any = None
-        self._errors: tuple[type[BaseException], ...] = (OSError,)
+        self._shards: Shards | None = None
         self._queue: queue.Queue[tuple[bytes, Any] | None] | None = None
         self._thread: threading.Thread | None = None
         if self.url is None:
@@ -185,72 +166,21 @@ class RemoteStore:
             self._sim = OrderedDict()
             return
         self.mac_key = mac_key or configured_mac_key() or process_mac_key()
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        self._client = redis.Redis.from_url(
-            self.url,
-            password=os.environ.get(PASSWORD_ENV) or None,  # the URL's own password wins
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            health_check_interval=0,
-        )
-        self._errors = (redis.RedisError, OSError)
+        # the URL's own password wins over the environment's
+        self._shards = open_shards(self.url, os.environ.get(PASSWORD_ENV) or None, timeout)
+        failed = getattr(self._shards, "connect_error", None)
+        if failed is not None:  # a cluster none of whose nodes answered: down, probes retry
+            self._went_down(self._shards.names()[0], failed)
         if background:
-            self._queue = queue.Queue(maxsize=max(1, max_pending))
+            self._queue = queue.Queue(maxsize=self.max_pending)
             self._thread = threading.Thread(
                 target=self._writer, name="radixkv-remote-writer", daemon=True
             )
             self._thread.start()
 
-    # ------------------------------------------------------------------ up / down
     @property
-    def available(self) -> bool:
-        """True while the server is believed up (no network call)."""
-        return self._up
-
-    def _went_down(self, exc: BaseException) -> None:
-        with self._lock:
-            if not self._up:
-                return
-            self._up = False
-            self._backoff = self.retry_min
-            self._next_probe = time.monotonic() + self._backoff
-            self.counters["went_down"] += 1
-        logger.warning(
-            "remote KV cache %s is unreachable (%s: %s); the remote tier is off until it "
-            "answers again",
-            redact_url(self.url),
-            type(exc).__name__,
-            exc,
-        )
-
-    def probe(self, force: bool = False) -> bool:
-        """While down and the backoff has passed (or ``force``), ``PING`` the server; on an
-        answer the store is up again. Returns :attr:`available`."""
-        if self._up or self._client is None:
-            return self._up
-        if not force and time.monotonic() < self._next_probe:
-            return False
-        try:
-            self._client.ping()
-        except self._errors:
-            with self._lock:
-                self._backoff = min(self.retry_max, self._backoff * 2)
-                self._next_probe = time.monotonic() + self._backoff
-            return False
-        with self._lock:
-            self._up = True
-            self._backoff = self.retry_min
-            self.counters["came_back"] += 1
-            self._recent.clear()  # a restarted server is empty: send pages again
-        logger.warning(
-            "remote KV cache %s answers again; the remote tier is back on", redact_url(self.url)
-        )
-        return True
+    def _errors(self) -> tuple[type[BaseException], ...]:
+        return self._shards.errors if self._shards is not None else (OSError,)
 
     # ------------------------------------------------------------------ values
     def _rkey(self, key: bytes) -> bytes:
@@ -259,13 +189,41 @@ class RemoteStore:
     def _pack(self, key: bytes, data: bytes) -> bytes:
         return seal(REMOTE_MAGIC, self.fingerprint, key, data, self.mac_key) + data
 
+    def _remember(self, keys: Sequence[bytes]) -> None:
+        """Note ``keys`` as known to be on the server now (written or read): not sent again
+        for ``recent_ttl`` seconds."""
+        t = time.monotonic()
+        with self._lock:
+            for key in keys:
+                self._recent[key] = t
+                self._recent.move_to_end(key)
+            while len(self._recent) > self.max_recent:
+                self._recent.popitem(last=False)
+
     # ------------------------------------------------------------------ writes
     def wants(self, key: bytes) -> bool:
-        """False when ``key`` is queued or was written in the last ``recent_ttl`` seconds."""
+        """False when ``key`` is queued or was written (or read) in the last ``recent_ttl``
+        seconds."""
         if key in self._pending:
             return False
         t = self._recent.get(key)
         return t is None or time.monotonic() - t > self.recent_ttl
+
+    def to_send(self, keys: Sequence[bytes]) -> list[int]:
+        """Indices of the ``keys`` worth snapshotting for :meth:`put`: wanted (:meth:`wants`),
+        on a shard that is up (the others are counted in ``writes_skipped_down``), and no more
+        than the writer queue has room for (the rest are counted in ``writes_dropped``), so a
+        slow or absent Redis costs the caller no copy."""
+        todo = [i for i, key in enumerate(keys) if self.wants(key)]
+        if not todo or self._sim is not None or self._shards is None:
+            return todo
+        where = self._shards.locate([self._rkey(keys[i]) for i in todo])
+        up = [i for i, shard in zip(todo, where, strict=True) if not self._is_down(shard)]
+        room = len(up) if self._queue is None else self.max_pending - self._queue.qsize()
+        with self._lock:
+            self.counters["writes_skipped_down"] += len(todo) - len(up)
+            self.counters["writes_dropped"] += max(0, len(up) - max(0, room))
+        return up[: max(0, room)]
 
     def forget_recent(self) -> None:
         """Forget which keys were written lately: the next eviction or insert sends them again."""
@@ -286,8 +244,9 @@ class RemoteStore:
             return True
         if not self.wants(key):
             return False
-        if not self._up:
-            self.counters["writes_skipped_down"] += 1
+        if not self.available:
+            with self._lock:
+                self.counters["writes_skipped_down"] += 1
             return False
         if self._queue is None:
             self._write_batch([(key, payload)])
@@ -304,38 +263,45 @@ class RemoteStore:
         return True
 
     def _write_batch(self, items: list[tuple[bytes, Any]]) -> None:
-        """Serialize ``items`` and ``SET`` them in one pipeline (skipped while down)."""
-        if not self._up:
-            self.counters["writes_skipped_down"] += len(items)
-            return
+        """Serialize ``items`` and ``SET`` them, one pipeline per shard (a shard that is down is
+        skipped; one that fails turns down and its pages are counted as failed)."""
+        assert self._shards is not None
         values: list[tuple[bytes, bytes]] = []
+        failed = 0
         for key, payload in items:
             try:
                 data = payload() if callable(payload) else payload
             except Exception:  # a snapshot that cannot be serialized is simply not stored
-                self.counters["writes_failed"] += 1
+                failed += 1
                 continue
             values.append((key, self._pack(key, bytes(data))))
-        if not values:
-            return
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for key, value in values:
-                pipe.set(self._rkey(key), value)
-            pipe.execute()
-        except self._errors as exc:
-            self.counters["writes_failed"] += len(values)
-            self._went_down(exc)
-            return
-        t = time.monotonic()
+        groups: dict[str | None, list[tuple[bytes, bytes]]] = {}
+        where = self._shards.locate([self._rkey(k) for k, _ in values])
+        for item, shard in zip(values, where, strict=True):
+            groups.setdefault(shard, []).append(item)
+        done: list[tuple[bytes, bytes]] = []
+        skipped = 0
+        for shard, group in groups.items():
+            if shard is None or shard in self._down:
+                skipped += len(group)
+                continue
+            try:
+                errs = self._shards.set(shard, [(self._rkey(k), v) for k, v in group])
+            except self._errors as exc:
+                failed += len(group)
+                self._went_down(shard, exc)
+                continue
+            for item, err in zip(group, errs, strict=True):
+                if err is None:
+                    done.append(item)
+                else:
+                    failed += 1
+        self._remember([key for key, _ in done])
         with self._lock:
-            for key, value in values:
-                self._recent[key] = t
-                self._recent.move_to_end(key)
-                self.counters["writes"] += 1
-                self.counters["write_bytes"] += len(value)
-            while len(self._recent) > self.max_recent:
-                self._recent.popitem(last=False)
+            self.counters["writes_failed"] += failed
+            self.counters["writes_skipped_down"] += skipped
+            self.counters["writes"] += len(done)
+            self.counters["write_bytes"] += sum(len(v) for _, v in done)
 
     def _writer(self) -> None:
         assert self._queue is not None
@@ -382,47 +348,78 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ reads
     def get_prefix(self, keys: Sequence[bytes], expect_len: int | None = None) -> list[bytes]:
-        """Verified payloads of the longest run ``keys[:n]`` the server holds, fetched with
-        ``MGET`` in batches of ``batch_pages``; stops at the first missing or bad value (a bad
-        one is counted by reason and deleted). ``expect_len``: the payload length a page must
-        have. Down: returns ``[]`` without touching the network."""
+        """Verified payloads of the longest run ``keys[:n]`` the server holds, fetched in batches
+        of ``batch_pages`` (one ``MGET``, or one pipeline per cluster master); stops at the first
+        missing or bad value (a bad one is counted by reason and deleted) and at the first key
+        of a shard that is down (``misses_down``). ``expect_len``: the payload length a page
+        must have. Down: returns ``[]`` without touching the network. Pages returned count as
+        written lately (:meth:`wants` is False for them)."""
         if not keys:
             return []
         if self._sim is not None:
-            out_sim: list[bytes] = []
-            for key in keys:
-                if key not in self._sim:
-                    self.counters["misses"] += 1
-                    break
-                self._sim.move_to_end(key)
-                out_sim.append(b"")
-            self.counters["lookups"] += 1
-            self.counters["hits"] += len(out_sim)
-            return out_sim
-        if not self._up:
+            return self._sim_get(keys)
+        if not self.available:
             self.counters["lookups_skipped_down"] += 1
             return []
         self.counters["lookups"] += 1
         out: list[bytes] = []
-        for at in range(0, len(keys), self.batch_pages):
-            chunk = list(keys[at : at + self.batch_pages])
+        try:
+            for at in range(0, len(keys), self.batch_pages):
+                chunk = list(keys[at : at + self.batch_pages])
+                values = self._fetch([self._rkey(k) for k in chunk])
+                for i, key in enumerate(chunk):
+                    value = values[i] if i < len(values) else None
+                    if value is None or isinstance(value, Exception):
+                        self.counters["misses"] += 1
+                        if i >= len(values):
+                            self.counters["misses_down"] += 1
+                        return out
+                    fp, mac_key = self.fingerprint, self.mac_key
+                    reason = verify(value, REMOTE_MAGIC, fp, key, mac_key, expect_len)
+                    if reason is not None:
+                        self.discard(key, reason)
+                        return out
+                    out.append(bytes(memoryview(value)[HEADER.size :]))
+                    self.counters["hits"] += 1
+                    self.counters["read_bytes"] += len(value)
+            return out
+        finally:
+            self._remember(keys[: len(out)])
+
+    def _fetch(self, rkeys: list[bytes]) -> list[Any]:
+        """The replies for the leading keys of ``rkeys`` up to the first one whose shard is down
+        (or fails now: it turns down), fetched one request per shard."""
+        assert self._shards is not None
+        where = self._shards.locate(rkeys)
+        stop = next((i for i, s in enumerate(where) if self._is_down(s)), len(rkeys))
+        groups: dict[str, list[int]] = {}
+        for i in range(stop):
+            groups.setdefault(where[i], []).append(i)  # type: ignore[arg-type]
+        values: list[Any] = [None] * stop
+        for shard, idx in groups.items():  # in order of each shard's first key
+            if idx[0] >= stop:
+                continue  # after a key that already misses
             try:
-                values = self._client.mget([self._rkey(k) for k in chunk])
+                got = self._shards.get(shard, [rkeys[i] for i in idx])
             except self._errors as exc:
-                self._went_down(exc)
-                return out
-            for key, value in zip(chunk, values):
-                if value is None:
-                    self.counters["misses"] += 1
-                    return out
-                fp, mac_key = self.fingerprint, self.mac_key
-                reason = verify(value, REMOTE_MAGIC, fp, key, mac_key, expect_len)
-                if reason is not None:
-                    self.discard(key, reason)
-                    return out
-                out.append(bytes(memoryview(value)[HEADER.size :]))
-                self.counters["hits"] += 1
-                self.counters["read_bytes"] += len(value)
+                self._went_down(shard, exc)
+                stop = idx[0]
+                continue
+            for i, value in zip(idx, got, strict=True):
+                values[i] = value
+        return values[:stop]
+
+    def _sim_get(self, keys: Sequence[bytes]) -> list[bytes]:
+        assert self._sim is not None
+        out: list[bytes] = []
+        for key in keys:
+            if key not in self._sim:
+                self.counters["misses"] += 1
+                break
+            self._sim.move_to_end(key)
+            out.append(b"")
+        self.counters["lookups"] += 1
+        self.counters["hits"] += len(out)
         return out
 
     def discard(self, key: bytes, reason: str | None = None) -> None:
@@ -437,11 +434,14 @@ class RemoteStore:
         if self._sim is not None:
             self._sim.pop(key, None)
             return
-        if self._up:
+        assert self._shards is not None
+        rkey = self._rkey(key)
+        (shard,) = self._shards.locate([rkey])
+        if shard is not None and shard not in self._down:
             try:
-                self._client.delete(self._rkey(key))
+                self._shards.delete(shard, rkey)
             except self._errors as exc:
-                self._went_down(exc)
+                self._went_down(shard, exc)
 
     def close(self) -> None:
         """Send queued writes, stop the writer thread and close the connections (idempotent)."""
@@ -451,17 +451,17 @@ class RemoteStore:
             self._thread.join(timeout=10)
             self._queue = None
             self._thread = None
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.close()
+        if self._shards is not None:
+            self._shards.close()
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "url": redact_url(self.url) if self.url is not None else None,
-            "available": self._up,
+            "available": self.available,
             "pending_writes": len(self._pending),
             "recent_keys": len(self._recent),
+            **self._health_stats(),
         }
         if self._sim is not None:
             out["pages"] = len(self._sim)
@@ -470,13 +470,14 @@ class RemoteStore:
 
     def check_integrity(self) -> None:
         """The local bookkeeping: ``_recent`` bounded, every count non-negative, corrupt counts
-        summing up, the backoff within its bounds while down, no write pending with the writer
-        stopped, the simulated LRU within capacity. Raises :class:`IntegrityError`."""
+        summing up, misses on down shards within the misses, the shards' up/down state
+        (:meth:`~radixkv.cache.remote_health.ShardHealth._check_health`), no write pending with the writer stopped, the simulated LRU within
+        capacity. Raises :class:`IntegrityError`."""
+        self._check_health()
         with self._lock:
             recent = len(self._recent)
             pending = set(self._pending)
             counters = dict(self.counters)
-            up, backoff = self._up, self._backoff
         if recent > self.max_recent:
             raise IntegrityError(f"remote: {recent} recent keys > bound {self.max_recent}")
         bad = [k for k, v in counters.items() if v < 0]
@@ -484,15 +485,15 @@ class RemoteStore:
             raise IntegrityError(f"remote: negative counters {bad}")
         if sum(counters[f"corrupt_{r}"] for r in _REASONS) != counters["corrupt_values"]:
             raise IntegrityError("remote: corrupt counts by reason do not sum to the total")
-        if counters["came_back"] > counters["went_down"]:
-            raise IntegrityError("remote: came back more often than it went down")
-        if not up and not self.retry_min <= backoff <= self.retry_max:
-            raise IntegrityError(f"remote: backoff {backoff} outside its bounds")
+        if counters["misses_down"] > counters["misses"]:
+            raise IntegrityError("remote: more misses on down shards than misses")
         if pending and self._thread is None and self._sim is None:
             raise IntegrityError("remote: writes pending without a writer thread")
         if self._sim is not None and len(self._sim) > self.capacity_pages:
             raise IntegrityError("remote: simulated store over capacity")
 
     def __repr__(self) -> str:
-        state = "up" if self._up else "down"
+        state = "up" if self.available else "down"
+        if self._down:
+            state += f", {len(self._down)} shard(s) down"
         return f"RemoteStore(url={redact_url(self.url)!r}, {state}, pending={len(self._pending)})"

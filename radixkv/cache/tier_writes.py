@@ -38,6 +38,7 @@ class TierWrites:
     page_size: int
     write_policy: str
     disk_write_policy: str
+    remote_write_policy: str
     fingerprint: bytes
     counters: dict[str, int]
 
@@ -135,15 +136,17 @@ class TierWrites:
                 self.counters["disk_write_pages"] += 1
 
     def _write_remote(self, node: TreeNode, pages: list[int]) -> None:
-        """Hand ``node``'s device ``pages`` to the remote writer (pages sent recently or queued
-        are skipped). The KV is snapshotted now, serialized and sent by the writer thread."""
+        """Hand ``node``'s device ``pages`` to the remote writer: only those the store wants
+        (:meth:`~radixkv.cache.remote_store.RemoteStore.to_send`: not queued, not sent or read
+        lately, on a shard that is up, within the queue's room) are snapshotted now; the writer
+        thread serializes and sends them."""
         remote = self.remote
         assert remote is not None
         if not remote.available:
-            remote.counters["writes_skipped_down"] += len(pages)
+            remote.skipped_down(len(pages))
             return
         keys = self._node_hashes(node)
-        todo = [i for i, key in enumerate(keys) if remote.wants(key)]
+        todo = remote.to_send(keys)
         if not todo:
             return
         if not self.has_data:
@@ -164,8 +167,8 @@ class TierWrites:
     # ------------------------------------------------------------------ tree hooks
     def _on_evict(self, node: TreeNode, pages: list[int]) -> None:
         """Device eviction of ``node``: keep its KV on the host (or the disk), and share it."""
-        if self.remote is not None and self.write_policy == "write_back":
-            self._write_remote(node, pages)
+        if self.remote is not None and self.remote_write_policy == "write_back":
+            self._write_remote(node, pages)  # write-through sent them when they were cached
         if node.host_value is not None:
             return  # already on the host (write-through or loaded back): nothing to copy
         if self.host is not None and self._copy_to_host(node, pages):
@@ -181,16 +184,16 @@ class TierWrites:
             self._write_disk(node, host_pages, from_host=True)
 
     def _on_insert(self, node: TreeNode) -> None:
-        """Write-through: copy a new node to the host (and disk) as soon as it is cached
-        (host write-through copies to the host, the disk and the remote tier; disk
-        write-through alone queues the disk write)."""
+        """Write-through, as soon as ``node`` is cached: host write-through copies it to the
+        host and queues it for the disk; disk write-through queues it for the disk; remote
+        write-through queues it for the remote store."""
         pages = node.value
         if pages is None:
             return
         host_through = self.write_policy == "write_through"
         if host_through and self.host is not None and node.host_value is None:
             self._copy_to_host(node, pages)
-        if self.disk is not None:
+        if self.disk is not None and (host_through or self.disk_write_policy == "write_through"):
             self._write_disk(node, pages, from_host=False)
-        if host_through and self.remote is not None:
+        if self.remote is not None and self.remote_write_policy == "write_through":
             self._write_remote(node, pages)

@@ -10,7 +10,8 @@
 * host eviction (``tree.on_host_evict``): the host pages of a node leaving the host tier are
   written to disk (skipped when the disk has them already);
 * ``write_through``: every node the tree creates (``tree.on_insert``) is copied to the host (and
-  the disk) at once, so later device evictions cost nothing;
+  the disk) at once, so later device evictions cost nothing (the disk and remote tiers have
+  policies of their own, ``disk_write_policy`` and ``remote_write_policy``);
 * admission (:meth:`TieredCache.load_prefix`, called by ``KVManager.admit``): a match that
   continues through host-only nodes and then through chained-hash files on disk is loaded back
   into device pages before the request is prefilled, and reported per tier; when running
@@ -22,12 +23,17 @@ tree node's ``host_value``; device pages keep the allocator / tree / sequence ow
 ``docs/design.md``. :meth:`TieredCache.check_integrity` verifies the host side.
 
 Remote tier (:class:`~radixkv.cache.remote_store.RemoteStore`, ``remote_cache_url``): a Redis
-shared by several replicas, below host and disk, keyed by the same chained hashes. A node's pages
-are sent there when they leave the device (``write_back``) or when the node is created
-(``write_through``), so other replicas can use them while this one still holds them on host or
-disk; admission fetches the continuation after the disk's with pipelined ``MGET``s and loads it
-with the disk pages. Redis may drop any page at any time: a missing or bad value ends the
-continuation there.
+(or Redis Cluster) shared by several replicas, below host and disk, keyed by the same chained
+hashes. Its own policy, ``remote_write_policy``: ``write_through`` (the default) sends a node's
+pages when the tree creates the node (``tree.on_insert``), so another replica finds a prompt as
+soon as this one has computed it, and a device eviction sends nothing more; ``write_back`` sends
+them when they leave the device. Either way the engine thread only snapshots the pages the store
+wants (not queued, not sent or read lately, on a shard that is up, within the writer queue's
+room: :meth:`~radixkv.cache.remote_store.RemoteStore.to_send`); the writer thread serializes and
+sends them, so a slow Redis drops writes instead of stalling a step. Pages loaded from the remote
+tier count as sent. Admission fetches the continuation after the disk's in pipelined batches and
+loads it with the disk pages. Redis may drop any page at any time: a missing or bad value ends
+the continuation there.
 
 Disk keys are chained page hashes (:func:`~radixkv.cache.disk_store.chain_hashes`) rooted in a
 fingerprint of the model (name, config, a sample of the weights), the KV dtype, the page size and
@@ -93,6 +99,9 @@ class TieredCache(TierDurability):
         disk_write_policy: ``"write_back"`` (pages reach the disk when they leave the device
             or the host, and at :meth:`shutdown`) or ``"write_through"`` (every node the tree
             creates is queued for the disk at once).
+        remote_write_policy: ``"write_through"`` (every node the tree creates is queued for the
+            remote store; eviction sends nothing more) or ``"write_back"`` (pages are sent when
+            they leave the device).
     """
 
     def __init__(
@@ -107,11 +116,14 @@ class TieredCache(TierDurability):
         min_load_tokens: int | None = None,
         remote: RemoteStore | None = None,
         disk_write_policy: str = "write_back",
+        remote_write_policy: str = "write_through",
     ) -> None:
         if write_policy not in ("write_back", "write_through"):
             raise ValueError(f"unknown host write policy {write_policy!r}")
         if disk_write_policy not in ("write_back", "write_through"):
             raise ValueError(f"unknown disk write policy {disk_write_policy!r}")
+        if remote_write_policy not in ("write_back", "write_through"):
+            raise ValueError(f"unknown remote write policy {remote_write_policy!r}")
         self.tree = tree
         self.allocator = allocator
         self.kv_pool = kv_pool
@@ -121,6 +133,7 @@ class TieredCache(TierDurability):
         self.page_size = tree.page_size
         self.write_policy = write_policy
         self.disk_write_policy = disk_write_policy
+        self.remote_write_policy = remote_write_policy
         self.fingerprint = fingerprint
         self.min_load_tokens = 2 * self.page_size if min_load_tokens is None else min_load_tokens
         self.counters: dict[str, int] = {
@@ -139,8 +152,10 @@ class TieredCache(TierDurability):
             "loads_waiting": 0,  # loads put off until running requests free device pages
             "partial_pages_recomputed": 0,  # cached pages those loads left to recompute
         }
-        through = write_policy == "write_through" or (
-            disk is not None and disk_write_policy == "write_through"
+        through = (
+            write_policy == "write_through"
+            or (disk is not None and disk_write_policy == "write_through")
+            or (remote is not None and remote_write_policy == "write_through")
         )
         tree.observe(
             TreeEvents(
@@ -336,6 +351,8 @@ class TieredCache(TierDurability):
         """Host pages used/free, disk files/bytes, loads, writes, corrupt files, skips."""
         out: dict[str, Any] = dict(self.counters)
         out["write_policy"] = self.write_policy
+        if self.remote is not None:
+            out["remote_write_policy"] = self.remote_write_policy
         out["min_load_tokens"] = self.min_load_tokens
         if self.host is not None:
             out["host_pages_total"] = self.host.num_pages

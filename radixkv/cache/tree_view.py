@@ -51,8 +51,9 @@ holds at most ``2 * max_nodes`` entries. Shown nodes always form a connected tre
 Residency: ``device`` / ``host`` from the node's ``value`` / ``host_value``; ``disk`` when every
 page of the edge is in the disk store, looked up by the chained page hashes of
 :func:`~radixkv.cache.disk_store.chain_hashes` (only for shown nodes; ``tiers`` must be given);
-``remote`` when every page was written to (or is queued for) the remote store by this process
-within its ``recent_ttl`` (Redis itself is never asked: it is shared and evicts on its own).
+``remote`` when every page was written to (or is queued for, or was read from) the remote store
+by this process within its ``recent_ttl`` (Redis itself is never asked: it is shared and evicts
+on its own).
 
 Cost: proportional to the shown nodes and their children, not to the tree: subtree sizes come
 from the ``sub_tokens`` / ``sub_nodes`` counts the tree keeps on every node

@@ -183,6 +183,7 @@ def build_tiers(
         fp,
         remote=remote,
         disk_write_policy=cfg.disk_write_policy,
+        remote_write_policy=cfg.remote_write_policy,
     )
 
 
