@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Engine",
     "EngineConfig",
+    "Logprob",
     "SamplingParams",
     "StructuredOutputs",
     "RequestOutput",
@@ -21,13 +22,14 @@ __all__ = [
 if TYPE_CHECKING:
     from radixkv.config import EngineConfig
     from radixkv.engine.engine import Engine
-    from radixkv.engine.request import RequestOutput
+    from radixkv.engine.request import Logprob, RequestOutput
     from radixkv.engine.sampling import SamplingParams
     from radixkv.engine.structured import StructuredOutputs
 
 _LAZY = {
     "Engine": "radixkv.engine.engine",
     "EngineConfig": "radixkv.config",
+    "Logprob": "radixkv.engine.request",
     "SamplingParams": "radixkv.engine.sampling",
     "StructuredOutputs": "radixkv.engine.structured",
     "RequestOutput": "radixkv.engine.request",

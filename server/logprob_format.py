@@ -1,8 +1,10 @@
-"""Logprobs in each API's JSON shape, from the engine's chosen logprobs and top-K lists.
+"""Logprobs in each API's JSON shape, from the engine's vLLM-shaped logprobs.
 
-The engine gives, per generated token, its logprob (``float``) and, when asked, its K most
-likely alternatives (objects with ``token_id``, ``logprob``, ``decoded_token``); per prompt token
-the same, ``None`` at position 0. These functions only reshape them:
+The engine gives, per generated token, one ``{token_id: Logprob}`` dict (``logprob``, ``rank``,
+``decoded_token``): the request's K most likely tokens, most likely first, then the token itself
+when it is not among them (``radixkv/engine/logprobs.py``); per prompt token the same, ``None``
+at position 0. So a position's top-K are its first K entries and a token's own logprob is its
+entry. These functions only reshape them:
 
 * OpenAI completions: ``{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}],
   "text_offset"}``;
@@ -13,21 +15,35 @@ the same, ``None`` at position 0. These functions only reshape them:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 TokenStr = Callable[[int], str]
+#: One position: token id -> an object with ``logprob`` and ``decoded_token`` (``Logprob``).
+Entry = Mapping[int, Any]
 
 
-def _text(entry: Any, token_str: TokenStr) -> str:
-    text = getattr(entry, "decoded_token", None)
-    return text if text is not None else token_str(int(entry.token_id))
+def top_k(entry: Entry | None, k: int) -> list[tuple[int, Any]]:
+    """The ``k`` most likely ``(token_id, Logprob)`` of a position (its first ``k`` entries)."""
+    return list(islice(entry.items(), k)) if entry else []
+
+
+def own_logprob(token_id: int, entry: Entry | None) -> float | None:
+    """``token_id``'s logprob at its position (None where the position has no dict)."""
+    own = entry.get(token_id) if entry else None
+    return None if own is None else float(own.logprob)
+
+
+def _text(token_id: int, lp: Any, token_str: TokenStr) -> str:
+    text = getattr(lp, "decoded_token", None)
+    return text if text is not None else token_str(int(token_id))
 
 
 def completion_logprobs(
     token_ids: Sequence[int],
-    logprobs: Sequence[float | None],
-    tops: Sequence[Sequence[Any]] | None,
+    entries: Sequence[Entry | None],
+    k: int,
     token_str: TokenStr,
     offset: int,
 ) -> dict[str, Any]:
@@ -37,42 +53,39 @@ def completion_logprobs(
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    lps = list(logprobs) + [None] * (len(tokens) - len(logprobs))
-    top_dicts: list[dict[str, float]] = []
-    for i in range(len(tokens)):
-        top = tops[i] if tops is not None and i < len(tops) else []
-        top_dicts.append({_text(t, token_str): float(t.logprob) for t in top})
+    padded = [entries[i] if i < len(entries) else None for i in range(len(tokens))]
     return {
         "tokens": tokens,
-        "token_logprobs": lps[: len(tokens)],
-        "top_logprobs": top_dicts,
+        "token_logprobs": [own_logprob(t, e) for t, e in zip(token_ids, padded)],
+        "top_logprobs": [
+            {_text(t, lp, token_str): float(lp.logprob) for t, lp in top_k(e, k)} for e in padded
+        ],
         "text_offset": offsets,
     }
 
 
 def chat_logprobs(
     token_ids: Sequence[int],
-    logprobs: Sequence[float | None],
-    tops: Sequence[Sequence[Any]] | None,
+    entries: Sequence[Entry | None],
+    k: int,
     token_str: TokenStr,
 ) -> dict[str, Any]:
     """OpenAI chat ``choices[i].logprobs``: one entry per token with its ``top_logprobs``."""
     content = []
-    for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
+    for tid, entry in zip(token_ids, entries):
         tok = token_str(tid)
-        top = tops[i] if tops is not None and i < len(tops) else []
         content.append(
             {
                 "token": tok,
-                "logprob": lp,
+                "logprob": own_logprob(tid, entry),
                 "bytes": list(tok.encode("utf-8")),
                 "top_logprobs": [
                     {
-                        "token": (text := _text(t, token_str)),
-                        "logprob": float(t.logprob),
+                        "token": (text := _text(t, lp, token_str)),
+                        "logprob": float(lp.logprob),
                         "bytes": list(text.encode("utf-8")),
                     }
-                    for t in top
+                    for t, lp in top_k(entry, k)
                 ],
             }
         )
@@ -81,52 +94,59 @@ def chat_logprobs(
 
 def vllm_prompt_logprobs(
     prompt_ids: Sequence[int],
-    logprobs: Sequence[float | None] | None,
-    tops: Sequence[Sequence[Any] | None] | None,
+    entries: Sequence[Entry | None] | None,
+    k: int,
     token_str: TokenStr,
 ) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's ``prompt_logprobs``: per position, the prompt token and the top-K by token id
     (``rank`` 1 is the most likely; the prompt token's rank is given when it is in the top-K)."""
-    if logprobs is None:
+    if entries is None:
         return None
     out: list[dict[str, dict[str, Any]] | None] = []
-    for i, (tid, lp) in enumerate(zip(prompt_ids, logprobs)):
-        if lp is None:
+    for tid, entry in zip(prompt_ids, entries):
+        if entry is None:
             out.append(None)
             continue
-        top = list(tops[i] or []) if tops is not None else []
-        entry: dict[str, dict[str, Any]] = {}
-        ranks = {int(t.token_id): r for r, t in enumerate(top, start=1)}
-        entry[str(tid)] = {"logprob": lp, "rank": ranks.get(tid), "decoded_token": token_str(tid)}
-        for r, t in enumerate(top, start=1):
-            entry.setdefault(
-                str(t.token_id),
-                {"logprob": float(t.logprob), "rank": r, "decoded_token": _text(t, token_str)},
+        top = top_k(entry, k)
+        ranks = {int(t): r for r, (t, _) in enumerate(top, start=1)}
+        lp = own_logprob(tid, entry)
+        item = {str(tid): {"logprob": lp, "rank": ranks.get(tid), "decoded_token": token_str(tid)}}
+        for r, (t, top_lp) in enumerate(top, start=1):
+            item.setdefault(
+                str(t),
+                {
+                    "logprob": float(top_lp.logprob),
+                    "rank": r,
+                    "decoded_token": _text(t, top_lp, token_str),
+                },
             )
-        out.append(entry)
+        out.append(item)
     return out
 
 
 def sglang_token_logprobs(
     token_ids: Sequence[int],
-    logprobs: Sequence[float | None],
+    entries: Sequence[Entry | None],
     token_str: TokenStr,
     with_text: bool,
 ) -> list[list[Any]]:
     """SGLang's ``[logprob, token_id, text or None]`` per token."""
-    return [[lp, int(t), token_str(t) if with_text else None] for t, lp in zip(token_ids, logprobs)]
+    return [
+        [own_logprob(t, e), int(t), token_str(t) if with_text else None]
+        for t, e in zip(token_ids, entries)
+    ]
 
 
 def sglang_top_logprobs(
-    tops: Sequence[Sequence[Any] | None], token_str: TokenStr, with_text: bool
+    entries: Sequence[Entry | None], k: int, token_str: TokenStr, with_text: bool
 ) -> list[list[list[Any]] | None]:
     """SGLang's ``output_top_logprobs`` / ``input_top_logprobs``: a list of triples per token."""
     return [
         None
-        if top is None
+        if entry is None
         else [
-            [float(t.logprob), int(t.token_id), _text(t, token_str) if with_text else None]
-            for t in top
+            [float(lp.logprob), int(t), _text(t, lp, token_str) if with_text else None]
+            for t, lp in top_k(entry, k)
         ]
-        for top in tops
+        for entry in entries
     ]

@@ -59,6 +59,7 @@ def native_routes(ctx: ServerContext) -> APIRouter:
         params = make_sampling_params(kwargs | structured_kwargs(sp))
         await compile_constraint(engine, params)
         token_str, with_text = ctx.token_str, body.return_text_in_logprobs
+        top = body.top_logprobs_num
         prompt_ids = ids if body.return_logprob and start >= 0 else None
         rid = new_id("gen")
         stream = await submit(rid, ids, params, body.salt, arrival)
@@ -86,8 +87,8 @@ def native_routes(ctx: ServerContext) -> APIRouter:
                     seq.token_ids, seq.logprobs, token_str, with_text
                 )
                 meta["output_top_logprobs"] = (
-                    sglang_top_logprobs(seq.top_logprobs, token_str, with_text)
-                    if body.top_logprobs_num > 0
+                    sglang_top_logprobs(seq.logprobs, top, token_str, with_text)
+                    if top > 0
                     else [None] * len(seq.token_ids)
                 )
             if prompt_ids is not None and result.prompt_logprobs is not None:
@@ -95,10 +96,8 @@ def native_routes(ctx: ServerContext) -> APIRouter:
                     prompt_ids[start:], result.prompt_logprobs[start:], token_str, with_text
                 )
                 meta["input_top_logprobs"] = (
-                    sglang_top_logprobs(
-                        (result.prompt_top_logprobs or [])[start:], token_str, with_text
-                    )
-                    if body.top_logprobs_num > 0
+                    sglang_top_logprobs(result.prompt_logprobs[start:], top, token_str, with_text)
+                    if top > 0
                     else [None] * (len(prompt_ids) - start)
                 )
             out: dict[str, Any] = {

@@ -47,12 +47,10 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             return ""
         return str(await asyncio.to_thread(tokenizer.decode, ids))
 
-    def prompt_logprobs(result: Collected, prompt_ids: list[int] | None) -> Any:
+    def prompt_logprobs(result: Collected, prompt_ids: list[int] | None, k: int) -> Any:
         if result.prompt_logprobs is None or prompt_ids is None:
             return None
-        return vllm_prompt_logprobs(
-            prompt_ids, result.prompt_logprobs, result.prompt_top_logprobs, token_str
-        )
+        return vllm_prompt_logprobs(prompt_ids, result.prompt_logprobs, k, token_str)
 
     @router.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -77,7 +75,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         await compile_constraint(engine, params)
         rid = new_id("cmpl")
         stream = await submit(rid, ids, params, body.cache_salt, arrival)
-        want_logprobs = body.logprobs is not None
+        want_logprobs, top = body.logprobs is not None, body.logprobs or 0
         prompt_ids = ids if body.prompt_logprobs is not None else None
         echoed = ""  # echo: the prompt's text before each choice's
         if body.echo:
@@ -90,16 +88,16 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                 choice = {
                     "index": i,
                     "text": echoed + seq.text,
-                    "logprobs": completion_logprobs(
-                        seq.token_ids, seq.logprobs, seq.top_logprobs, token_str, 0
-                    )
+                    "logprobs": completion_logprobs(seq.token_ids, seq.logprobs, top, token_str, 0)
                     if want_logprobs
                     else None,
                     "finish_reason": seq.finish_reason,
                     "stop_reason": seq.stop_reason,
                 }
                 if prompt_ids is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs(result, prompt_ids)
+                    choice["prompt_logprobs"] = prompt_logprobs(
+                        result, prompt_ids, body.prompt_logprobs or 0
+                    )
                 choices.append(choice)
             return JSONResponse(
                 {
@@ -150,7 +148,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                             "logprobs": completion_logprobs(
                                 list(out.new_token_ids or ()),
                                 list(out.logprobs or ()),
-                                out.top_logprobs,
+                                top,
                                 token_str,
                                 offset,
                             )
@@ -218,9 +216,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                     {
                         "index": i,
                         "message": message,
-                        "logprobs": chat_logprobs(
-                            seq.token_ids, seq.logprobs, seq.top_logprobs, token_str
-                        )
+                        "logprobs": chat_logprobs(seq.token_ids, seq.logprobs, top, token_str)
                         if body.logprobs
                         else None,
                         "finish_reason": finish,
@@ -236,7 +232,9 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                 "usage": result.usage(),
             }
             if body.prompt_logprobs is not None:  # vLLM's extra: top-level, once per request
-                answer["prompt_logprobs"] = prompt_logprobs(result, prompt_ids)
+                answer["prompt_logprobs"] = prompt_logprobs(
+                    result, prompt_ids, body.prompt_logprobs
+                )
             return JSONResponse(answer)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -277,10 +275,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                     continue
                 lp = (
                     chat_logprobs(
-                        list(out.new_token_ids or ()),
-                        list(out.logprobs or ()),
-                        out.top_logprobs,
-                        token_str,
+                        list(out.new_token_ids or ()), list(out.logprobs or ()), top, token_str
                     )
                     if body.logprobs and out.new_token_ids
                     else None

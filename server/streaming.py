@@ -94,8 +94,8 @@ class Seq:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[Any] = field(default_factory=list)  # per token, its top-K alternatives
+    #: per token, its ``{token_id: Logprob}`` (the top-K, then the token itself)
+    logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_role: bool = False
@@ -109,8 +109,7 @@ class Collected:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None  # None at position 0, then dicts as above
 
     def update_meta(self, out: Any) -> None:
         self.prompt_tokens = max(self.prompt_tokens, int(out.prompt_tokens or 0))
@@ -125,11 +124,8 @@ class Collected:
         seq.token_ids.extend(out.new_token_ids or ())
         if out.logprobs:
             seq.logprobs.extend(out.logprobs)
-        if getattr(out, "top_logprobs", None):
-            seq.top_logprobs.extend(out.top_logprobs)
         if getattr(out, "prompt_logprobs", None) is not None:
             self.prompt_logprobs = out.prompt_logprobs
-            self.prompt_top_logprobs = out.prompt_top_logprobs
         if out.finished:
             seq.finish_reason = out.finish_reason
             seq.stop_reason = getattr(out, "stop_reason", None)

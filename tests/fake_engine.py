@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixkv.engine.request import StepOutput
+from radixkv.engine.request import Logprob, PositionLogprobs, StepOutput
 
 EOS_ID = 2
 _OFFSET = 3
@@ -261,7 +261,8 @@ class FakeEngine:
         delta = seq.text[len(before) :] if seq.text.startswith(before) else seq.text
         if reason is not None:
             self._finish(seq, reason)
-        lp = [-0.5] if getattr(params, "logprobs", None) is not None else None
+        # vLLM's shape: the token's dict, here only itself (the most likely, logprob -0.5)
+        lp = [{token: Logprob(-0.5, 1)}] if getattr(params, "logprobs", None) is not None else None
         outputs.append(self._out(seq, [token], delta, lp))
 
     def _finish(self, seq: _Seq, reason: str) -> None:
@@ -290,7 +291,11 @@ class FakeEngine:
         seq.shared, seq.owned = [], []
 
     def _out(
-        self, seq: _Seq, tokens: list[int], delta: str, logprobs: list[float] | None = None
+        self,
+        seq: _Seq,
+        tokens: list[int],
+        delta: str,
+        logprobs: list[PositionLogprobs] | None = None,
     ) -> StepOutput:
         return StepOutput(
             request_id=seq.request_id,

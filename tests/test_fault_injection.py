@@ -242,6 +242,8 @@ def test_sampling_fault_fails_only_its_request() -> None:
     engine.add_request("bad", ids[1], SamplingParams(max_tokens=10, temperature=1.0, top_k=7, n=2))
     engine.add_request("good-2", ids[2], greedy(10))
     engine.add_request("good-n", ids[0], SamplingParams(max_tokens=10, temperature=0.0, n=3))
+    with_logprobs = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    engine.add_request("good-lp", ids[2], with_logprobs)
     outs = run_to_end(engine)
     bad = outs["bad"]
     assert bad and all(o.finished and o.finish_reason == "error" for o in bad), bad
@@ -251,6 +253,12 @@ def test_sampling_fault_fails_only_its_request() -> None:
     assert tokens_of(outs["good-2"]) == reference[2]
     for i in range(3):
         assert tokens_of(outs["good-n"], i) == reference[0]
+    # rows sampled one by one keep their logprobs: each token's dict, greedy so its top-1
+    assert tokens_of(outs["good-lp"]) == reference[2]
+    for o in outs["good-lp"]:
+        (tok,) = o.new_token_ids
+        assert o.logprobs is not None and list(o.logprobs[0]) == [tok], o.logprobs
+        assert o.logprobs[0][tok].rank == 1
     assert engine.counters["failed_requests"] == 1
     assert_whole(engine)
 

@@ -61,9 +61,10 @@ def test_chat_top_logprobs(client: openai.OpenAI, server: ServerThread, engine: 
     want = offline(
         server, engine.apply_chat_template(messages), max_tokens=4, temperature=0.0, logprobs=3
     ).outputs[0]
-    for entry, lp, top in zip(content, want.logprobs, want.top_logprobs):
+    for entry, tok, pos in zip(content, want.token_ids, want.logprobs):
+        top = sorted(pos.values(), key=lambda lp: lp.rank)[:3]  # the offline top-3, by rank
         assert len(entry.top_logprobs) == 3
-        assert entry.logprob == pytest.approx(lp, abs=1e-4)
+        assert entry.logprob == pytest.approx(pos[tok].logprob, abs=1e-4)
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
             [t.logprob for t in top], abs=1e-4
         )
@@ -94,7 +95,7 @@ def test_completion_top_and_prompt_logprobs(client: openai.OpenAI, server: Serve
     want = offline(server, PROMPT, max_tokens=1, temperature=0.0, prompt_logprobs=1)
     for i in range(1, len(ids)):
         assert prompt_lps[i][str(ids[i])]["logprob"] == pytest.approx(
-            want.prompt_logprobs[i], abs=1e-4
+            want.prompt_logprobs[i][ids[i]].logprob, abs=1e-4
         )
         assert any(e["rank"] == 1 for e in prompt_lps[i].values())
 

@@ -28,7 +28,7 @@ from radixkv.engine.request import (
 if TYPE_CHECKING:
     from radixkv.engine.lifecycle import SequenceLifecycle
     from radixkv.engine.logprobs import TokenTexts
-    from radixkv.engine.request import Prompt
+    from radixkv.engine.request import PositionLogprobs, Prompt
     from radixkv.engine.sampling import SamplingParams
 
 __all__ = ["BeamRunner", "beam_request_output"]
@@ -71,7 +71,8 @@ class BeamRunner:
 
     def start(self, head: Sequence) -> None:
         """``head`` (queued, not yet prefilled) becomes the first beam of its request."""
-        self.searches[head.request_id] = BeamSearch.start(head, self.eos_token_ids)
+        search = BeamSearch.start(head, self.eos_token_ids, self.token_texts)
+        self.searches[head.request_id] = search
 
     def offer(self, seq: Sequence, row: torch.Tensor) -> None:
         """The logits of beam ``seq``'s last token, computed this step."""
@@ -93,7 +94,7 @@ class BeamRunner:
         for b in [*search.beams, head]:
             self.lifecycle.end(b, "abort")
         search.beams.clear()
-        return [_output(head, i, [], "", "abort", None, None) for i in range(search.params.n)]
+        return [_output(head, i, [], "", "abort", None) for i in range(search.params.n)]
 
     # -- the search's callbacks ----------------------------------------------------------------
     def _fork(self, parent: Sequence) -> Sequence:
@@ -107,7 +108,6 @@ class BeamRunner:
         head = self.lifecycle.pop(rid)[0]
         head.first_token_time = head.first_token_time or now()
         p = search.params
-        texts = self.token_texts
         outs = []
         for i, h in enumerate(search.results()):
             detok = IncrementalDetokenizer(self.lifecycle.tokenizer, None)
@@ -120,19 +120,15 @@ class BeamRunner:
                 detok.text,
                 h.finish_reason,
                 list(h.logprobs) if want else None,
-                [texts.logprobs(t) or [] for t in h.top_logprobs] if want else None,
             )
             out.cumulative_logprob = h.cum_logprob
             out.score = h.score
             outs.append(out)
             self.counters["generated_tokens"] += len(h.token_ids)
         for i in range(len(outs), p.n):  # fewer finished beams than asked (a tiny vocabulary)
-            outs.append(_output(head, i, [], "", "stop", None, None))
+            outs.append(_output(head, i, [], "", "stop", None))
         if head.prompt_logprobs is not None and outs:
             outs[0].prompt_logprobs = list(head.prompt_logprobs)
-            outs[0].prompt_top_logprobs = [
-                texts.logprobs(t) for t in head.prompt_top_logprobs or []
-            ]
         return outs
 
 
@@ -142,8 +138,7 @@ def _output(
     tokens: list[int],
     text: str,
     reason: str,
-    logprobs: list[float] | None,
-    top: list | None,
+    logprobs: list[PositionLogprobs] | None,
 ) -> StepOutput:
     return StepOutput(
         request_id=head.request_id,
@@ -156,7 +151,6 @@ def _output(
         cached_tokens=head.cached_tokens or 0,
         cached_tokens_by_tier=dict(head.cached_by_tier),
         logprobs=logprobs,
-        top_logprobs=top,
     )
 
 
@@ -177,7 +171,6 @@ def beam_request_output(
                 text=o.new_text,
                 finish_reason=o.finish_reason,
                 logprobs=o.logprobs,
-                top_logprobs=o.top_logprobs,
                 cumulative_logprob=o.cumulative_logprob,
                 score=o.score,
             )
@@ -188,5 +181,4 @@ def beam_request_output(
         ttft=(head.first_token_time - head.arrival) if head.first_token_time else None,
         latency=now() - head.arrival,
         prompt_logprobs=first.prompt_logprobs if first else None,
-        prompt_top_logprobs=first.prompt_top_logprobs if first else None,
     )

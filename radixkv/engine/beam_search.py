@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixkv.engine.logprobs import PositionLogprobs, TokenTexts, chosen_and_top
 from radixkv.engine.request import SeqStatus, Sequence
 from radixkv.engine.sampling import SamplingParams
 
 __all__ = ["BeamSearch", "BeamSearchParams", "Hypothesis"]
-
-TopList = list[tuple[int, float]]
 
 
 @dataclass
@@ -63,11 +62,10 @@ class BeamSearchParams:
 
 @dataclass
 class Hypothesis:
-    """A finished beam: its generated tokens, their logprobs and its score."""
+    """A finished beam: its generated tokens, their logprobs (when asked) and its score."""
 
     token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[TopList]
+    logprobs: list[PositionLogprobs]
     cum_logprob: float
     score: float
     finish_reason: str
@@ -78,8 +76,8 @@ class _Candidate:
     parent: int  # index into the running beams
     token: int
     cum_logprob: float
-    logprob: float
     stop: str | None  # the finish reason when this continuation ends its beam
+    entry: PositionLogprobs | None  # its logprobs dict (``params.logprobs`` set)
 
 
 @dataclass
@@ -99,14 +97,18 @@ class BeamSearch:
     done: bool = False
     rows: dict[int, torch.Tensor] = field(default_factory=dict)
     num_steps: int = 0
+    texts: TokenTexts = field(default_factory=lambda: TokenTexts(None))
 
     @classmethod
-    def start(cls, head: Sequence, eos_token_ids: set[int]) -> BeamSearch:
-        """The search of ``head``'s request; ``head`` becomes the only beam (its gang)."""
+    def start(
+        cls, head: Sequence, eos_token_ids: set[int], texts: TokenTexts | None = None
+    ) -> BeamSearch:
+        """The search of ``head``'s request; ``head`` becomes the only beam (its gang).
+        ``texts`` decodes the tokens of the logprobs (when asked)."""
         p = head.params
         stop = set() if p.ignore_eos else set(eos_token_ids)
         stop.update(p.stop_token_ids or ())
-        search = cls(params=p, stop_ids=stop)
+        search = cls(params=p, stop_ids=stop, texts=texts or TokenTexts(None))
         search.beams = [head]
         head.gang = search.beams
         return search
@@ -139,9 +141,9 @@ class BeamSearch:
         assert self.ready(), "advance() before every beam offered its logits"
         rows = torch.stack([self.rows.pop(id(b)) for b in self.beams]).float()
         self.rows.clear()
-        cands, tops = self._candidates(rows)
+        cands = self._candidates(rows)
         gen_len = len(self.beams[0].output_ids) + 1
-        self._collect_finished(cands, tops, gen_len)
+        self._collect_finished(cands, gen_len)
         running = [c for c in cands if c.stop is None][: self.width]
         self._update_heuristic(running, gen_len)
         all_stop = all(c.stop is not None for c in cands)
@@ -170,9 +172,8 @@ class BeamSearch:
                 assigned.append(parent)
         for seq, c in zip(assigned, running):
             seq.output_ids.append(c.token)
-            seq.output_logprobs.append(c.logprob)
-            if tops is not None:
-                seq.output_top_logprobs.append(tops[c.parent])
+            if c.entry is not None:
+                seq.output_logprobs.append(c.entry)
             seq.cum_logprob = c.cum_logprob
         for i, b in enumerate(self.beams):
             if i not in used:
@@ -186,31 +187,31 @@ class BeamSearch:
         return self.finished[: self.params.n]
 
     # -- the rules ---------------------------------------------------------------------------
-    def _candidates(self, rows: torch.Tensor) -> tuple[list[_Candidate], list[TopList] | None]:
+    def _candidates(self, rows: torch.Tensor) -> list[_Candidate]:
         lp = torch.log_softmax(rows, dim=-1)
         cum = torch.tensor([b.cum_logprob for b in self.beams], dtype=torch.float32)
         acc = (lp + cum[:, None]).reshape(-1)
         vocab = lp.shape[-1]
         vals, idx = acc.topk(min(self.candidates_kept, acc.numel()))
+        picked = [divmod(i, vocab) for i in idx.tolist()]  # (parent, token)
+        entries: list[PositionLogprobs | None] = [None] * len(picked)
+        k = self.params.logprobs
+        if k is not None:  # each candidate's dict: its parent row's top-k and itself
+            parents = torch.tensor([p for p, _ in picked], dtype=torch.long)
+            tokens = [t for _, t in picked]
+            own, ranks, tops = chosen_and_top(
+                rows.index_select(0, parents), tokens, [k] * len(tokens)
+            )
+            entries = [self.texts.logprobs(*e) for e in zip(tokens, own, ranks, tops)]
         gen_len = len(self.beams[0].output_ids) + 1
         max_new = self.params.max_tokens
         out: list[_Candidate] = []
-        for v, i in zip(vals.tolist(), idx.tolist()):
-            parent, token = divmod(i, vocab)
+        for v, (parent, token), entry in zip(vals.tolist(), picked, entries):
             stop = "stop" if token in self.stop_ids else ("length" if gen_len >= max_new else None)
-            out.append(_Candidate(parent, token, v, float(lp[parent, token]), stop))
-        tops: list[TopList] | None = None
-        k = self.params.logprobs
-        if k is not None:
-            tops = [[] for _ in self.beams]
-            if k > 0:
-                tv, ti = lp.topk(k, dim=-1)
-                tops = [list(zip(a, b)) for a, b in zip(ti.tolist(), tv.tolist())]
-        return out, tops
+            out.append(_Candidate(parent, token, v, stop, entry))
+        return out
 
-    def _collect_finished(
-        self, cands: list[_Candidate], tops: list[TopList] | None, gen_len: int
-    ) -> None:
+    def _collect_finished(self, cands: list[_Candidate], gen_len: int) -> None:
         full = len(self.finished) >= self.width
         if not self.improvable or (full and self.params.early_stopping is True):
             return
@@ -219,14 +220,10 @@ class BeamSearch:
             if c.stop is None:
                 continue
             parent = self.beams[c.parent]
-            top_hist = list(parent.output_top_logprobs)
-            if tops is not None:
-                top_hist.append(tops[c.parent])
             self.finished.append(
                 Hypothesis(
                     token_ids=parent.output_ids + [c.token],
-                    logprobs=parent.output_logprobs + [c.logprob],
-                    top_logprobs=top_hist,
+                    logprobs=parent.output_logprobs + ([] if c.entry is None else [c.entry]),
                     cum_logprob=c.cum_logprob,
                     score=c.cum_logprob / penalty,
                     finish_reason=c.stop,

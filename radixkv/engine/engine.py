@@ -24,10 +24,10 @@ from radixkv.engine.lifecycle import SequenceLifecycle
 from radixkv.engine.lifetime import track, untrack
 from radixkv.engine.logits_fields import check_token_ids
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
-from radixkv.engine.outputs import engine_stats, request_output, step_output, with_logprobs
+from radixkv.engine.outputs import engine_stats, request_output, step_output, with_prompt_logprobs
 from radixkv.engine.pinning import check_fits_beside_pins, pin_prompt
 from radixkv.engine.request import Prompt, RequestOutput, Sequence, StepOutput, now
-from radixkv.engine.sampler import SequenceState
+from radixkv.engine.sampler import SamplerOutput, SequenceState
 from radixkv.engine.sampling import SamplingParams
 from radixkv.model.runner import RequestSlice
 
@@ -172,7 +172,6 @@ class Engine:
         if params.prompt_logprobs is not None:  # computed, not read from the cache
             seq.skip_cache_read = True
             seq.prompt_logprobs = [None] * len(ids)
-            seq.prompt_top_logprobs = [None] * len(ids)
         self.counters["requests"] += 1
         self.lifecycle.admit(seq)
         if params.use_beam_search:
@@ -259,7 +258,7 @@ class Engine:
             self.virtual_layout.before_forward(fb, [seq for seq, _ in batch.entries])
         logits = self.runner.forward(fb, return_all_logits=all_rows)
         if all_rows:  # some prompt wants its logprobs: every row was computed
-            logits = collect_prompt_logprobs(logits, batch.entries)
+            logits = collect_prompt_logprobs(logits, batch.entries, self.token_texts)
         rows: list[int] = []
         to_sample: list[Sequence] = []
         for row, (seq, n) in enumerate(batch.entries):
@@ -317,35 +316,31 @@ class Engine:
             for s in seqs
         ]
         failed: dict[str, str] = {}  # request id -> why (an error only that request caused)
-        tops: list[list[tuple[int, float]] | None] = [None] * len(seqs)
         try:
             sampled = self.sampler.sample(picked, states)
-            tokens, logprobs, tops = sampled.token_ids, sampled.logprobs, sampled.top_logprobs
         except Exception:  # find the rows that raise, sample the others
-            tokens, logprobs = [], []
+            n = len(seqs)
+            sampled = SamplerOutput([-1] * n, [None] * n, [None] * n, [None] * n)
             for i, (seq, state) in enumerate(zip(seqs, states)):
                 try:
                     one = self.sampler.sample(picked[i : i + 1], [state])
-                    tokens.append(one.token_ids[0])
-                    logprobs.append(one.logprobs[0])
-                    tops[i] = one.top_logprobs[0]
+                    sampled.token_ids[i], sampled.logprobs[i] = one.token_ids[0], one.logprobs[0]
+                    sampled.ranks[i], sampled.top_logprobs[i] = one.ranks[0], one.top_logprobs[0]
                 except Exception as exc:
                     logger.exception("sampling failed for request %s", seq.request_id)
                     failed.setdefault(seq.request_id, f"sampling failed: {exc}")
-                    tokens.append(-1)
-                    logprobs.append(None)
         t = now()
-        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops):
+        per_row = zip(sampled.token_ids, sampled.logprobs, sampled.ranks, sampled.top_logprobs)
+        for seq, (token, logprob, rank, top) in zip(seqs, per_row):
             if seq.request_id in failed:
                 continue
             try:
                 if seq.first_token_time is None:
                     seq.first_token_time = t
                 seq.output_ids.append(token)
-                if logprob is not None:
-                    seq.output_logprobs.append(logprob)
-                if top is not None:
-                    seq.output_top_logprobs.append(top)
+                entry = self.token_texts.logprobs(token, logprob, rank, top)  # None: not asked
+                if entry is not None:
+                    seq.output_logprobs.append(entry)
                 self.counters["generated_tokens"] += 1
                 reason = self._finish_reason(seq, token)
                 delta, stopped = seq.detok.update(seq.output_ids, final=reason is not None)
@@ -357,8 +352,8 @@ class Engine:
                 logger.exception("output processing failed for request %s", seq.request_id)
                 failed.setdefault(seq.request_id, f"{type(exc).__name__}: {exc}")
                 continue
-            out = step_output(seq, [token], delta, [logprob] if logprob is not None else None)
-            outputs.append(with_logprobs(out, seq, top, self.token_texts))
+            out = step_output(seq, [token], delta, None if entry is None else [entry])
+            outputs.append(with_prompt_logprobs(out, seq))
         for request_id, why in failed.items():
             outputs[:] = [o for o in outputs if o.request_id != request_id]
             self.fail_request(request_id, why)
@@ -415,7 +410,7 @@ class Engine:
         return [
             beam_request_output(rid, prompt, seqs[rid][0], beam_outs[rid])
             if rid in beam_outs
-            else request_output(rid, prompt, seqs[rid], self.token_texts)
+            else request_output(rid, prompt, seqs[rid])
             for rid, prompt in zip(ids, prompts)
         ]
 

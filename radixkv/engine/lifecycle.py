@@ -70,7 +70,6 @@ class SequenceLifecycle:
         if beam:
             child.output_ids = list(parent.output_ids)
             child.output_logprobs = list(parent.output_logprobs)
-            child.output_top_logprobs = list(parent.output_top_logprobs)
             child.cum_logprob = parent.cum_logprob
             child.gang = parent.gang
         self.scheduler.start_fork(parent, child)

@@ -1,4 +1,4 @@
-"""Token logprobs: the chosen token's and the top-K alternatives, for outputs and prompts.
+"""Token logprobs in vLLM's shape: per position, ``{token_id: Logprob}``.
 
 Every logprob here is ``log_softmax`` of the model's *raw* float32 logits — before penalties,
 temperature and top-k/top-p filtering (vLLM's default ``raw_logprobs``), so it is the model's own
@@ -6,34 +6,33 @@ distribution whatever sampling settings a request uses. The one exception, as in
 structured-output request's grammar mask is applied first (disallowed tokens are -inf, reported
 as ``MIN_LOGPROB``), so its logprobs are over the tokens its grammar allows.
 
-Shapes:
+Shapes (vLLM's ``SampleLogprobs`` / ``PromptLogprobs``):
 
-* a generated token has its chosen logprob (``float``) and, with ``logprobs=K``, a list of the
-  K most likely tokens as :class:`Logprob` (descending; the chosen token is listed there only if
-  it is among the K);
+* a generated token has one dict: with ``logprobs=K``, the K most likely tokens, then the sampled
+  token when it is not among them (K or K + 1 entries, in that order: most likely first);
 * a prompt of ``L`` tokens has ``L`` entries, the first ``None`` (nothing predicts it); entry
-  ``i`` is the logprob of prompt token ``i`` given tokens ``[0, i)`` and its top-K alternatives.
+  ``i`` is the dict of prompt token ``i`` given tokens ``[0, i)``: the top-K, then the prompt
+  token when it is not among them.
+
+:class:`~radixkv.engine.request.Logprob` says what its ``rank`` and ``decoded_token`` are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Logprob", "TokenTexts", "chosen_and_top", "collect_prompt_logprobs"]
+from radixkv.engine.request import Logprob, PositionLogprobs
 
-
-@dataclass(frozen=True)
-class Logprob:
-    """One candidate token at one position (vLLM's ``Logprob`` fields plus the token id)."""
-
-    token_id: int
-    logprob: float
-    decoded_token: str | None = None
-
+__all__ = [
+    "Logprob",
+    "PositionLogprobs",
+    "TokenTexts",
+    "chosen_and_top",
+    "collect_prompt_logprobs",
+]
 
 TopList = list[tuple[int, float]]
 #: Floor of a reported alternative's logprob (vLLM's): a token a grammar masked is -inf, which
@@ -43,18 +42,21 @@ MIN_LOGPROB = -9999.0
 
 def chosen_and_top(
     logits: torch.Tensor, chosen: Sequence[int], num_top: Sequence[int]
-) -> tuple[list[float], list[TopList]]:
-    """Chosen-token logprobs and top-``num_top[i]`` ``(token_id, logprob)`` lists per row.
+) -> tuple[list[float], list[int], list[TopList]]:
+    """Chosen-token logprobs, their ranks and the top-``num_top[i]`` ``(token_id, logprob)``
+    lists per row (descending).
 
-    ``logits`` is ``[B, vocab]`` raw logits (any float dtype; computed in float32).
+    ``logits`` is ``[B, vocab]`` raw logits (any float dtype; computed in float32). A chosen
+    token's rank is 1 + the number of its row's logprobs strictly greater than its own.
     """
     if logits.shape[0] != len(chosen) or len(chosen) != len(num_top):
         raise ValueError(f"{logits.shape[0]} rows, {len(chosen)} tokens, {len(num_top)} counts")
     if not chosen:
-        return [], []
+        return [], [], []
     lp = torch.log_softmax(logits.float(), dim=-1)
     idx = torch.as_tensor(list(chosen), dtype=torch.long, device=lp.device)
-    picked = lp.gather(1, idx.unsqueeze(1)).squeeze(1).tolist()
+    picked = lp.gather(1, idx.unsqueeze(1))
+    ranks = ((lp > picked).sum(-1) + 1).tolist()
     kmax = max(num_top)
     tops: list[TopList] = [[] for _ in chosen]
     if kmax > 0:
@@ -63,17 +65,17 @@ def chosen_and_top(
         vals_l, ids_l = vals.tolist(), ids.tolist()
         for i, k in enumerate(num_top):
             tops[i] = list(zip(ids_l[i][:k], vals_l[i][:k]))
-    return [float(v) for v in picked], tops
+    return [float(v) for v in picked.squeeze(1).tolist()], ranks, tops
 
 
 def collect_prompt_logprobs(
-    logits: torch.Tensor, entries: Sequence[tuple[Any, int]]
+    logits: torch.Tensor, entries: Sequence[tuple[Any, int]], texts: TokenTexts
 ) -> torch.Tensor:
     """Note prompt logprobs from one step's all-token ``logits`` (``[T, vocab]``).
 
     ``entries`` are the step's ``(sequence, new tokens)`` pairs in batch order, taken before
     ``num_computed`` advances. A sequence with ``skip_cache_read`` (its prompt logprobs asked)
-    gets ``prompt_logprobs[j + 1]`` / ``prompt_top_logprobs[j + 1]`` from the row of each
+    gets ``prompt_logprobs[j + 1]`` (its dict, ``texts`` decoding) from the row of each
     position ``j`` it computed, and loses ``skip_cache_read`` once its whole prompt is noted.
     Returns each entry's last row (``[len(entries), vocab]``), what sampling needs.
     """
@@ -86,9 +88,10 @@ def collect_prompt_logprobs(
             targets = seq.prompt_ids[start + 1 : end + 1]
             k = seq.params.prompt_logprobs or 0
             rows = logits[offset : offset + (end - start)]
-            vals, tops = chosen_and_top(rows, targets, [k] * len(targets))
-            seq.prompt_logprobs[start + 1 : end + 1] = vals
-            seq.prompt_top_logprobs[start + 1 : end + 1] = tops
+            vals, ranks, tops = chosen_and_top(rows, targets, [k] * len(targets))
+            seq.prompt_logprobs[start + 1 : end + 1] = [
+                texts.logprobs(*row) for row in zip(targets, vals, ranks, tops)
+            ]
         if seq.num_computed + n >= len(seq.prompt_ids):
             seq.skip_cache_read = False  # every prompt position is noted
         offset += n
@@ -112,8 +115,20 @@ class TokenTexts:
             self._cache[token_id] = text
         return text
 
-    def logprobs(self, top: TopList | None) -> list[Logprob] | None:
-        """``(id, logprob)`` pairs as :class:`Logprob` with their decoded text."""
-        if top is None:
+    def logprobs(
+        self, token_id: int, logprob: float | None, rank: int | None, top: TopList | None
+    ) -> PositionLogprobs | None:
+        """One position's dict: the ``top`` ``(id, logprob)`` pairs (descending) ranked by
+        their logprobs, then ``token_id`` (the sampled or prompt token, its ``logprob`` and
+        ``rank``) when it is not among them. None when ``logprob`` is (none asked)."""
+        if logprob is None:
             return None
-        return [Logprob(t, lp, self(t)) for t, lp in top]
+        out: PositionLogprobs = {}
+        top_rank, prev = 0, None
+        for j, (t, lp) in enumerate(top or ()):
+            if lp != prev:  # 1 + the number strictly greater: ties share a rank
+                top_rank, prev = j + 1, lp
+            out[t] = Logprob(lp, top_rank, self(t))
+        if token_id not in out:
+            out[token_id] = Logprob(logprob, rank, self(token_id))
+        return out

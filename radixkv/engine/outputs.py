@@ -12,15 +12,14 @@ from radixkv.engine.request import CompletionOutput, RequestOutput, Sequence, St
 if TYPE_CHECKING:
     from radixkv.cache.allocator import BlockAllocator
     from radixkv.cache.radix_tree import RadixTree
-    from radixkv.engine.logprobs import TokenTexts
-    from radixkv.engine.request import Prompt
+    from radixkv.engine.request import PositionLogprobs, Prompt
     from radixkv.engine.scheduler import Scheduler
 
-__all__ = ["engine_stats", "request_output", "step_output", "with_logprobs"]
+__all__ = ["engine_stats", "request_output", "step_output", "with_prompt_logprobs"]
 
 
 def step_output(
-    seq: Sequence, tokens: list[int], delta: str, logprobs: list[float] | None
+    seq: Sequence, tokens: list[int], delta: str, logprobs: list[PositionLogprobs] | None
 ) -> StepOutput:
     """What ``seq`` produced this step: ``tokens`` (0 or 1), their text ``delta``, logprobs."""
     return StepOutput(
@@ -38,27 +37,24 @@ def step_output(
     )
 
 
-def with_logprobs(
-    out: StepOutput, seq: Sequence, top: list[tuple[int, float]] | None, texts: TokenTexts
-) -> StepOutput:
-    """``out`` with its token's top logprobs (``top``) and, on ``seq``'s first token, the
-    prompt's logprobs when they were asked."""
-    if top is not None:
-        out.top_logprobs = [texts.logprobs(top) or []]
+def with_prompt_logprobs(out: StepOutput, seq: Sequence) -> StepOutput:
+    """``out`` with, on ``seq``'s first token, the prompt's logprobs when they were asked."""
     if seq.prompt_logprobs is not None and len(seq.output_ids) == 1:
         out.prompt_logprobs = list(seq.prompt_logprobs)
-        out.prompt_top_logprobs = [texts.logprobs(t) for t in seq.prompt_top_logprobs or []]
     return out
 
 
-def request_output(
-    request_id: str, prompt: Prompt, group: list[Sequence], texts: TokenTexts | None = None
-) -> RequestOutput:
-    """The whole answer of a finished request; ``group`` holds its ``n`` sequences; ``texts``
-    decodes the top-logprob tokens (when logprobs were asked)."""
+def cumulative_logprob(seq: Sequence) -> float | None:
+    """The sum of ``seq``'s sampled tokens' logprobs (vLLM's), None without ``logprobs``."""
+    if seq.params.logprobs is None:
+        return None
+    return float(sum(d[t].logprob for t, d in zip(seq.output_ids, seq.output_logprobs)))
+
+
+def request_output(request_id: str, prompt: Prompt, group: list[Sequence]) -> RequestOutput:
+    """The whole answer of a finished request; ``group`` holds its ``n`` sequences."""
     group = sorted(group, key=lambda s: s.index)
     head = group[0]
-    top = texts.logprobs if texts is not None else (lambda t: None)
     return RequestOutput(
         request_id=request_id,
         prompt=prompt if isinstance(prompt, str) else None,
@@ -70,10 +66,8 @@ def request_output(
                 text=s.detok.text,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
-                logprobs=s.output_logprobs or None,
-                top_logprobs=[top(t) or [] for t in s.output_top_logprobs]
-                if s.params.logprobs is not None
-                else None,
+                logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
+                cumulative_logprob=cumulative_logprob(s),
             )
             for s in group
         ],
@@ -82,9 +76,6 @@ def request_output(
         ttft=(head.first_token_time - head.arrival) if head.first_token_time else None,
         latency=now() - head.arrival,
         prompt_logprobs=head.prompt_logprobs,
-        prompt_top_logprobs=[top(t) for t in head.prompt_top_logprobs]
-        if head.prompt_top_logprobs is not None
-        else None,
     )
 
 

@@ -9,11 +9,28 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from radixkv.engine.detokenizer import IncrementalDetokenizer
-    from radixkv.engine.logprobs import Logprob
     from radixkv.engine.sampling import SamplingParams
 
 #: A prompt as the offline API takes it: text, or token ids.
 Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token at one position (vLLM's ``Logprob``), in a dict keyed by its token id.
+
+    ``rank``: 1 + the number of tokens with a strictly greater logprob (1 is the most likely;
+    tied tokens share a rank). ``decoded_token``: the tokenizer's decode of that one id (None
+    without a tokenizer). See :mod:`radixkv.engine.logprobs` for what a position's dict holds.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: One position's logprobs as vLLM gives them: token id -> :class:`Logprob`.
+PositionLogprobs = dict[int, Logprob]
 
 
 class SeqStatus(enum.Enum):
@@ -48,13 +65,12 @@ class Sequence:
     arrival: float
     detok: IncrementalDetokenizer
     output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    #: per output token, when ``params.logprobs`` is set: vLLM's ``{token_id: Logprob}``
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
     cum_logprob: float = 0.0
     gang: list[Sequence] | None = None
     skip_cache_read: bool = False
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     status: SeqStatus = SeqStatus.WAITING
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -111,12 +127,11 @@ class StepOutput:
     prompt_tokens: int
     cached_tokens: int
     cached_tokens_by_tier: dict[str, int]
-    logprobs: list[float] | None = None
-    #: per new token, its ``params.logprobs`` most likely alternatives (when asked)
-    top_logprobs: list[list[Logprob]] | None = None
+    #: per new token, when ``params.logprobs`` is set: its top-K and itself, vLLM's
+    #: ``{token_id: Logprob}`` (:mod:`radixkv.engine.logprobs`)
+    logprobs: list[PositionLogprobs] | None = None
     #: on a sequence's first output, when ``prompt_logprobs`` was asked (None at position 0)
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[Logprob] | None] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     #: beam search: the finished beam's summed logprob and its length-penalised score
     cumulative_logprob: float | None = None
     score: float | None = None
@@ -129,14 +144,16 @@ class StepOutput:
 
 @dataclass
 class CompletionOutput:
-    """One finished sequence of a request (``score``: beam search's length-penalised rank)."""
+    """One finished sequence of a request (vLLM's fields; ``score``: beam search's
+    length-penalised rank). With ``logprobs=K``: ``logprobs`` holds per token its
+    ``{token_id: Logprob}`` (the top-K and the sampled token) and ``cumulative_logprob`` the
+    sampled tokens' sum; both None otherwise (beam search: ``cumulative_logprob`` always)."""
 
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str | None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[Logprob]] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
     score: float | None = None
     stop_reason: int | str | None = None
@@ -154,8 +171,9 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int]
     ttft: float | None = None
     latency: float = 0.0
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[Logprob] | None] | None = None
+    #: with ``prompt_logprobs=K``: None at position 0, then per prompt token its
+    #: ``{token_id: Logprob}`` (the top-K and the prompt token)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -68,10 +68,12 @@ class SequenceState:
 @dataclass
 class SamplerOutput:
     """Sampled tokens (``[B]`` list) and, where asked (``params.logprobs`` set), the chosen
-    tokens' logprobs and the top-``logprobs`` ``(token_id, logprob)`` alternatives."""
+    tokens' logprobs, their ranks (1 + the number of tokens strictly more likely) and the
+    top-``logprobs`` ``(token_id, logprob)`` alternatives."""
 
     token_ids: list[int]
     logprobs: list[float | None] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
@@ -248,19 +250,17 @@ class Sampler:
         else:
             tokens = self._sample_mixed(scores, seqs)
         # logprobs come from the raw logits, before penalties and temperature (vLLM's default)
-        logprobs: list[float | None] = [None] * b
-        tops: list[list[tuple[int, float]] | None] = [None] * b
+        out = SamplerOutput(tokens, [None] * b, [None] * b, [None] * b)
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if want:
+        if want:  # only the rows that asked pay for log_softmax, ranks and top-k
             idx = torch.tensor(want, dtype=torch.long, device=logits.device)
             picked = logits if len(want) == b else logits.index_select(0, idx)
-            vals, top = chosen_and_top(
+            vals, ranks, top = chosen_and_top(
                 picked, [tokens[i] for i in want], [seqs[i].params.logprobs or 0 for i in want]
             )
-            for i, v, t in zip(want, vals, top):
-                logprobs[i] = v
-                tops[i] = t
-        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=tops)
+            for i, v, r, t in zip(want, vals, ranks, top):
+                out.logprobs[i], out.ranks[i], out.top_logprobs[i] = v, r, t
+        return out
 
     def _sample_mixed(self, logits: torch.Tensor, seqs: Sequence[SequenceState]) -> list[int]:
         """Greedy rows by argmax of their penalised logits; the others drawn (see the module)."""
