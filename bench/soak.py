@@ -80,9 +80,10 @@ def serve_main(args: argparse.Namespace) -> int:
         model = args.model
         knobs = dict(page_size=16, kv_cache_tokens=768, host_cache_tokens=2048)
         knobs.update(max_model_len=512)
-    if args.remote_cache:  # the fault soak's replicas: share pages through Redis at once
+    if args.remote_cache:  # the fault soak's replicas (written through to Redis by default)
         knobs.update(remote_cache_url=args.remote_cache, kv_mac_key_file=args.kv_mac_key_file)
-        knobs.update(host_write_policy="write_through")
+    if args.dtype:
+        knobs.update(dtype=args.dtype)
     engine = Engine(
         model,
         disk_cache_dir=args.disk_dir,
@@ -463,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         "and a replica failing during the run (bench/soak_faults.py); ends with one JSON line",
     )
     p.add_argument("--replicas", type=int, default=2, help="--faults: replicas (default 2)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="the server's dtype (default: the host's; --faults compares greedy answers, which "
+        "float32 keeps free of near-tie flips)",
+    )
     p.add_argument("--remote-cache", default=None, help=argparse.SUPPRESS)  # the child
     p.add_argument("--kv-mac-key-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child

@@ -56,16 +56,20 @@ class SoakCluster(Cluster):
     """A :class:`Cluster` whose replicas are ``bench.soak``'s server child (tiny pool, host
     tier, one shared disk directory, the remote tier; ``--tiny`` for the tiny random Llama)."""
 
-    def __init__(self, *, tiny: bool, disk_dir: str, **kwargs: Any) -> None:
+    def __init__(
+        self, *, tiny: bool, disk_dir: str, dtype: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.tiny = tiny
         self.disk_dir = disk_dir
+        self.dtype = dtype
 
     def replica_command(self, i: int) -> list[str]:
         cmd = [sys.executable, "-m", "bench.soak", "--serve", "--port", str(self.ports[i])]
         cmd += ["--disk-dir", self.disk_dir, "--model", self.model]
         cmd += ["--remote-cache", str(self.replica_redis_url)]
         cmd += ["--kv-mac-key-file", str(self.kv_mac_key_file)]
+        cmd += ["--dtype", self.dtype] if self.dtype else []
         return cmd + (["--tiny"] if self.tiny else []) + self.serve_args
 
 
@@ -178,7 +182,8 @@ def run_fault_soak(
     replicas: int = 2,
     concurrency: int = 8,
     seed: int = 0,
-    tie_margin: float = 0.25,
+    tie_margin: float | None = None,
+    dtype: str | None = None,
     warmup_fraction: float = 0.15,
     log_dir: str | None = None,
     rss_growth_limit_pct: float | None = RSS_GROWTH_LIMIT_PCT,
@@ -188,11 +193,20 @@ def run_fault_soak(
     two has not reached its steady state)."""
     if replicas < 2:
         raise ValueError("the fault soak kills replica 1: give at least 2 replicas")
+    if tiny:
+        dtype = "float32"  # the tiny model's child runs in float32
+    if tie_margin is None:  # a rounding difference flips only a near tie: nats between top two
+        tie_margin = 0.02 if dtype == "float32" else 0.25
     log_dir = log_dir or tempfile.mkdtemp(prefix="radixkv-soak-faults-")
     disk_dir = tempfile.mkdtemp(prefix="radixkv-soak-disk-")
     why_no_tmpfs = mount_tmpfs(disk_dir, 48 if tiny else 160)
     cluster = SoakCluster(
-        tiny=tiny, disk_dir=disk_dir, replicas=replicas, model=model, log_dir=log_dir
+        tiny=tiny,
+        disk_dir=disk_dir,
+        dtype=None if tiny else dtype,
+        replicas=replicas,
+        model=model,
+        log_dir=log_dir,
     )
     report: dict[str, Any] = {
         "model": "tiny-llama" if tiny else model,
@@ -200,6 +214,8 @@ def run_fault_soak(
         "replicas": replicas,
         "concurrency": concurrency,
         "disk_tmpfs": why_no_tmpfs or "mounted",
+        "dtype": dtype or "host default",
+        "tie_margin": tie_margin,
     }
     router: subprocess.Popen[Any] | None = None
     stop = threading.Event()
@@ -346,6 +362,7 @@ def main_faults(args: Any) -> int:
         replicas=args.replicas,
         concurrency=args.concurrency,
         seed=args.seed,
+        dtype=args.dtype,
     )
     for key in ("outcomes", "by_window", "greedy_checks", "fault_events", "error_examples"):
         print(f"{key}: {json.dumps(report.get(key))}")

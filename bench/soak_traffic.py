@@ -212,19 +212,24 @@ async def drive(t: Traffic, deadline: float, clock: FaultClock, out: Outcomes) -
         httpx.AsyncClient() as direct,
     ):
 
+        def where(start_window: str) -> str:
+            """A request belongs to the fault window open when it started, else to the one
+            open when it ended (a stream cut by a replica kill started before the kill)."""
+            return start_window if start_window != "none" else clock.now()
+
         async def worker(wid: int) -> None:
             rng = random.Random(t.seed * 1000 + wid)
             while time.monotonic() < deadline:
-                window, started = clock.now(), time.monotonic()
+                start_window, started = clock.now(), time.monotonic()
                 roll = rng.random()
                 if roll < 0.12:  # a greedy check
                     prompt = rng.choice(prompts)
                     got = await greedy(http, prompt)
                     if isinstance(got, tuple):
-                        out.add(window, *got)
+                        out.add(where(start_window), *got)
                         continue
                     verdict = compare_greedy(t.reference[prompt], got, t.tie_margin)
-                    out.add(window, f"check_{verdict}")
+                    out.add(where(start_window), f"check_{verdict}")
                     if verdict == "wrong":
                         want = t.reference[prompt]["tokens"]
                         out.wrong.append(
@@ -233,11 +238,13 @@ async def drive(t: Traffic, deadline: float, clock: FaultClock, out: Outcomes) -
                 elif roll < 0.18:  # a slow reader (not in the latencies)
                     path, body, _ = _request(rng, t.tiny)
                     body["stream"] = True
-                    out.add(window, *await _read_stream(http, path, body, None, pause=0.3))
+                    out.add(
+                        where(start_window), *await _read_stream(http, path, body, None, pause=0.3)
+                    )
                     continue
                 else:
                     kind, detail = await _generation(http, rng, t.tiny)
-                    out.add(window, kind, detail)
+                    out.add(where(start_window), kind, detail)
                     if kind != "ok":
                         continue
                 out.latencies.append(time.monotonic() - started)
