@@ -329,3 +329,21 @@ def test_model_fused_ops_vs_torch_ops(module, llama_d64):
     runner.model.use_fused_ops = False
     plain = runner.forward(batch)
     assert (fused - plain).abs().max().item() < 0.05 * plain.abs().max().item()
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start(module) -> None:
+    """torch's build lock file outlives a builder killed mid-build (Ctrl-C on first start, a
+    crashed replica); the next process must remove it and load, not wait on it forever."""
+    import subprocess
+    import sys
+
+    from radixkv.model.loader import cache_dir
+
+    isa = native.host_isa()
+    lock = cache_dir() / "torch_extensions" / native._build_name(isa) / "lock"
+    lock.write_text("")  # what a killed builder leaves
+    code = "from radixkv.model import native; import sys; sys.exit(native.load() is None)"
+    done = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not lock.exists()
+    assert "removing a build lock left by a killed process" in done.stderr

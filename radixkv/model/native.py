@@ -22,6 +22,7 @@ and callers fall back to the pure-torch paths. ``RADIXKV_NATIVE=0`` disables the
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -150,15 +151,25 @@ def _build(isa: str) -> Any:
     if fresh:  # a minute or two of silence otherwise, on first use or after a source change
         log.info("building radixkv's native CPU kernels for %s (first use; about a minute)", isa)
     start = time.perf_counter()
-    module = cpp_extension.load(
-        name=name,
-        sources=[str(s) for s in _SOURCES],
-        extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa], f"-DRADIXKV_ISA_NAME={isa}"],
-        extra_include_paths=[str(_CSRC)],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
+    # torch's own build lock is a file that stays when its holder is killed (Ctrl-C during the
+    # first build, a crashed replica), and every later start then waits on it forever. Every
+    # radixkv builder holds this flock first, which the kernel drops with its holder: holding
+    # it, any torch lock file in the directory is such a leftover and is removed.
+    with open(build_dir / ".radixkv-build.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing a build lock left by a killed process: %s", stale)
+            stale.unlink(missing_ok=True)
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa], f"-DRADIXKV_ISA_NAME={isa}"],
+            extra_include_paths=[str(_CSRC)],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
     if fresh:
         log.info("native CPU kernels for %s built in %.0f s", isa, time.perf_counter() - start)
     return module
