@@ -6,6 +6,7 @@ which radixkv takes at their no-effect values. Issue 24 (sgl-router discovering 
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import socket
 import subprocess
@@ -23,6 +24,13 @@ from radixkv.server.app import create_app
 
 SERVED = "tiny-served"
 ROUTER = shutil.which("sglang-router") or str(Path(sys.executable).parent / "sglang-router")
+# the console script, or its module where the script is not on this venv's PATH (a venv that
+# reaches another's site-packages through a .pth file has the package but not the script)
+LAUNCH = (
+    [ROUTER, "launch"]
+    if Path(ROUTER).exists()
+    else [sys.executable, "-m", "sglang_router.launch_router"]
+)
 
 
 def _free_port() -> int:
@@ -41,10 +49,11 @@ def worker() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def router(worker: str) -> Iterator[str]:
     # the project's setup installs sglang-router (test extras): its absence is a defect to see
-    assert Path(ROUTER).exists(), "sglang-router is not installed (pip install sglang-router)"
+    installed = Path(ROUTER).exists() or importlib.util.find_spec("sglang_router") is not None
+    assert installed, "sglang-router is not installed (pip install sglang-router)"
     port = _free_port()
     proc = subprocess.Popen(
-        [ROUTER, "launch", "--worker-urls", worker, "--host", "127.0.0.1", "--port", str(port),
+        [*LAUNCH, "--worker-urls", worker, "--host", "127.0.0.1", "--port", str(port),
          "--policy", "cache_aware"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
