@@ -5,14 +5,22 @@
 process builds the same weights) and :class:`ByteTokenizer` (token id = byte + 3, with a chat
 template). The soak run (``bench.soak --tiny``) and the fuzz and fault-injection tests use it where
 the SmolLM2 weights are not the point: every request still goes through the real scheduler,
-radix tree, KV pool, tiers and sampler.
+radix tree, KV pool, tiers and sampler. ``save_tiny_model_dir(path)`` writes the same model
+with a Hugging Face byte-level tokenizer of the same ids as a local model directory, which real
+``radixkv serve --model PATH`` processes load (the cluster tests, ``bench_router --model tiny``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ByteTokenizer", "TINY_VOCAB", "tiny_loaded_model"]
+__all__ = [
+    "ByteTokenizer",
+    "TINY_VOCAB",
+    "byte_level_hf_tokenizer",
+    "save_tiny_model_dir",
+    "tiny_loaded_model",
+]
 
 _OFFSET = 3
 TINY_VOCAB = 320
@@ -78,3 +86,43 @@ def tiny_loaded_model(
     hf = LlamaForCausalLM(cfg).eval()
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     return LoadedModel(hf_model=hf, tokenizer=tok, config=cfg, name=name)
+
+
+def byte_level_hf_tokenizer() -> Any:
+    """A Hugging Face fast tokenizer with :class:`ByteTokenizer`'s ids (0 pad, 1 bos, 2 eos,
+    byte ``b`` = ``b + 3``) that ``save_pretrained`` / ``AutoTokenizer`` round-trip."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # one printable character per byte
+    by_byte = {ord(c) if ord(c) < 256 else None: c for c in alphabet}
+    # GPT-2's byte-to-unicode map: bytes outside the printable ranges become U+0100 + n
+    chars, n = [], 0
+    for b in range(256):
+        if b in by_byte:
+            chars.append(by_byte[b])
+        else:
+            chars.append(chr(256 + n))
+            n += 1
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {c: b + _OFFSET for b, c in enumerate(chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return fast
+
+
+def save_tiny_model_dir(path: str, seed: int = 0, max_position_embeddings: int = 512) -> str:
+    """Write the tiny random Llama (``seed``) with :func:`byte_level_hf_tokenizer` as a local
+    Hugging Face directory (config.json, safetensors, tokenizer files) that ``radixkv serve
+    --model PATH`` loads: real replica processes in milliseconds per token. Returns ``path``."""
+    loaded = tiny_loaded_model(seed=seed, max_position_embeddings=max_position_embeddings)
+    loaded.hf_model.save_pretrained(path)
+    byte_level_hf_tokenizer().save_pretrained(path)
+    return path

@@ -12,7 +12,10 @@
    goes to Redis as soon as it is cached, so the other replicas can use it at once; give
    ``--host-write-policy write_back`` after ``--`` to send pages only on eviction); arguments
    after ``--`` go to every replica (a ``--kv-mac-key-file`` there replaces the cluster's);
-3. the router on ``port`` (in this process), once every replica answers ``/health``.
+3. the router on ``port``, once every replica answers ``/health``: ``radixkv router``'s app in
+   this process (``--router radixkv``, the default), or sgl-router as a child process
+   (``--router sglang``: :mod:`radixkv.server.sgl_router_launch`, ``--policy`` mapped to its
+   own, one API key at most, passed in its environment, never on its command line).
 
 Secrets: the Redis password and the KV MAC key are fresh random values per cluster, written to
 files of mode 0600 in a private work directory (0700, removed at stop): ``redis.conf``
@@ -373,6 +376,13 @@ def add_cluster_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--model", default="smollm2", help="model of every replica (default smollm2)")
     p.add_argument("--policy", choices=POLICIES, default="cache_aware")
     p.add_argument(
+        "--router",
+        choices=("radixkv", "sglang"),
+        default="radixkv",
+        help="the front: radixkv's router in this process, or sgl-router (PyPI sglang-router) "
+        "as a child process (one API key at most; default radixkv)",
+    )
+    p.add_argument(
         "--no-remote-cache", action="store_true", help="no Redis: replicas share nothing"
     )
     p.add_argument("--redis-port", type=int, default=0, help="Redis port (default: a free one)")
@@ -426,6 +436,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     import uvicorn
 
     from radixkv.server.router import create_router_app
+    from radixkv.server.sgl_router_launch import serve_sgl_router, sgl_router_key
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -433,19 +444,24 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         cluster = cluster_from_args(args)
         keys = router_keys(cluster.serve_args)
+        if args.router == "sglang":
+            sgl_router_key(keys)  # one key at most: refused before anything starts
     except (ValueError, RuntimeError) as exc:
         print(f"radixkv cluster: {exc}", file=sys.stderr)
         return 2
     try:
         cluster.start()
-        app = create_router_app(cluster.urls, args.policy, **keys)
         logger.info(
-            "cluster: router http://127.0.0.1:%d (%s) -> %s; remote cache %s",
+            "cluster: %s router http://127.0.0.1:%d (%s) -> %s; remote cache %s",
+            args.router,
             args.port,
             args.policy,
             ", ".join(cluster.urls),
             redact_url(cluster.redis_url) if cluster.redis_url else "off",
         )
+        if args.router == "sglang":  # returns only by raising (its exit, Ctrl-C, SIGTERM)
+            serve_sgl_router(cluster.urls, args.port, args.policy, keys, args)
+        app = create_router_app(cluster.urls, args.policy, **keys)
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level=args.log_level.lower())
     except KeyboardInterrupt:
         pass

@@ -293,3 +293,191 @@ def test_the_router_takes_the_replicas_keys(
     }
     with pytest.raises(ValueError, match="API keys"):
         router_keys(["--api-key-file", str(tmp_path / "missing")])
+
+
+# ------------------------------------------------------------------ --router sglang (issue 26)
+
+
+def test_router_flag_defaults_to_radixkv_and_maps_policies_to_sgl_router() -> None:
+    import argparse
+
+    from radixkv.server.cluster import add_cluster_parser
+    from radixkv.server.sgl_router_launch import sgl_router_args
+
+    parser = argparse.ArgumentParser()
+    add_cluster_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["cluster"]).router == "radixkv"
+    assert parser.parse_args(["cluster", "--router", "sglang"]).router == "sglang"
+    urls = ["http://127.0.0.1:9101", "http://127.0.0.1:9102"]
+    for policy in ("cache_aware", "round_robin"):
+        args = sgl_router_args(urls, 9100, policy, 29999)
+        assert args[:4] == ["--worker-urls", *urls, "--host"]
+        assert args[args.index("--policy") + 1] == policy
+        assert args[args.index("--port") + 1] == "9100"
+        # Prometheus on loopback and a port of its own (sgl-router's default is 0.0.0.0:29000)
+        assert args[args.index("--prometheus-host") + 1] == "127.0.0.1"
+        assert args[args.index("--prometheus-port") + 1] == "29999"
+    with pytest.raises(ValueError, match="no policy"):
+        sgl_router_args(urls, 9100, "power_of_two", 29999)
+
+
+def test_sgl_router_gets_the_key_in_its_environment_never_on_its_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One API key goes to sgl-router through the environment (``/proc/PID/cmdline`` is
+    world-readable); several are refused before anything starts (sgl-router checks one key)."""
+    import argparse
+    import types
+
+    from radixkv.server import cluster as cluster_mod
+    from radixkv.server import sgl_router_launch as sgl
+    from radixkv.server.cluster import add_cluster_parser
+
+    started: dict = {}
+
+    def popen(cmd, env=None, **kw):
+        started.update(cmd=cmd, env=env, kw=kw)
+        return types.SimpleNamespace(pid=0, poll=lambda: None, returncode=None)
+
+    monkeypatch.setattr(sgl.subprocess, "Popen", popen)
+    monkeypatch.setattr(sgl.SglRouter, "wait_ready", lambda self, timeout: None)
+    router = sgl.SglRouter(["http://127.0.0.1:9101"], 9100, "round_robin", "sk-secret-1")
+    router.start()
+    router.proc = None  # nothing was started
+    assert "sk-secret-1" not in " ".join(started["cmd"])
+    assert started["cmd"][1:3] == ["-m", "radixkv.server.sgl_router_launch"]
+    assert started["env"][sgl.API_KEY_ENV] == "sk-secret-1"
+    assert started["kw"]["start_new_session"] is True  # its own process group
+    # the child appends the key to sglang_router's own arguments
+    got: list = []
+    fake = types.ModuleType("sglang_router.launch_router")
+    fake.parse_router_args = lambda argv: got.append(list(argv)) or argv  # type: ignore[attr-defined]
+    fake.launch_router = lambda parsed: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang_router.launch_router", fake)
+    monkeypatch.setenv(sgl.API_KEY_ENV, "sk-secret-1")
+    sgl.main(["--port", "9100"])
+    assert got == [["--port", "9100", "--api-key", "sk-secret-1"]]
+    assert sgl.API_KEY_ENV not in os.environ
+
+    assert sgl.sgl_router_key({"api_keys": []}) is None
+    assert sgl.sgl_router_key({"api_keys": ["a"]}) == "a"
+    keys = tmp_path / "keys.txt"
+    keys.write_text("key-a\nkey-b\n")
+    parser = argparse.ArgumentParser()
+    add_cluster_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["cluster", "--router", "sglang", "--", "--api-key-file", str(keys)])
+    monkeypatch.setattr(
+        cluster_mod.Cluster, "start", lambda self: pytest.fail("started with two keys")
+    )
+    assert cluster_mod.run_cluster(args) == 2
+
+
+def test_the_tiny_model_directory_has_the_byte_tokenizers_ids(tmp_path: Path) -> None:
+    """``save_tiny_model_dir`` (the replicas' model in the tests below): its Hugging Face
+    tokenizer encodes and decodes as :class:`ByteTokenizer` does, after a save and a load."""
+    from transformers import AutoTokenizer
+
+    from bench.tiny_model import ByteTokenizer, save_tiny_model_dir
+
+    path = save_tiny_model_dir(str(tmp_path / "tiny"))
+    loaded = AutoTokenizer.from_pretrained(path)
+    for text in ("hello world", "h\u00e9llo\n\n  x\t\u20ac \U0001f642", "The quick brown fox"):
+        ids = loaded.encode(text, add_special_tokens=False)
+        assert ids == ByteTokenizer().encode(text)
+        assert loaded.decode(ids) == text
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (0, 1, 2)
+
+
+def _tiny_model_dir(path: Path) -> str:
+    from bench.tiny_model import save_tiny_model_dir
+
+    return save_tiny_model_dir(str(path))
+
+
+@pytest.mark.slow
+def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: Path) -> None:
+    """``radixkv cluster --router sglang`` on the tiny model (two real replica processes, round
+    robin): a completion through sgl-router answers as a replica does; a replica SIGKILLed under
+    a stream ends that stream with an error, not a hang; the next requests all succeed; Ctrl-C
+    stops sgl-router, the replicas and the cluster."""
+    import psutil
+
+    if importlib.util.find_spec("sglang_router") is None:
+        pytest.fail("sglang-router is not installed (pip install sglang-router)")
+    model_dir = _tiny_model_dir(tmp_path / "tiny")
+    port = free_port()
+    while any(_busy(port + i) for i in range(1, 3)):
+        port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixkv", "cluster", "--router", "sglang", "--replicas", "2"]
+        + ["--port", str(port), "--model", model_dir, "--no-remote-cache"]
+        + ["--policy", "round_robin", "--log-dir", str(tmp_path / "logs")]
+        + ["--log-level", "warning", "--", "--dtype", "float32", "--attention-backend", "torch"],
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    replicas = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "radixkv cluster exited"
+            try:
+                ready = httpx.get(base + "/readiness", timeout=2).json()
+                if ready.get("healthy_workers") == 2:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("the cluster with sgl-router did not come up")
+        model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        via = _complete(base, model)
+        direct = _complete(replicas[0], model)
+        assert via["choices"][0]["text"] == direct["choices"][0]["text"]
+        assert via["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+
+        body = {"model": model, "prompt": "Tell me a story.", "max_tokens": 400}
+        body |= {"ignore_eos": True, "temperature": 0.0, "stream": True}
+        outcome = "completed"
+        t_kill = 0.0
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # in flight on one replica
+            running = [httpx.get(u + "/cache/stats").json()["running"] for u in replicas]
+            victim = running.index(max(running))
+            assert running[victim] == 1, running
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                if str(port + 1 + victim) in child.cmdline():
+                    t_kill = time.monotonic()
+                    child.kill()
+            assert t_kill, "no replica process found"
+            try:
+                rest = list(lines)
+                if "data: [DONE]" not in rest:
+                    outcome = "cut"
+                elif any('"error"' in line for line in rest):
+                    outcome = "error event"
+            except httpx.HTTPError as exc:
+                outcome = type(exc).__name__
+        assert outcome != "completed", "a stream whose replica died finished normally"
+        assert time.monotonic() - t_kill < 30, "the stream hung after its replica died"
+        for i in range(6):  # later requests go to the surviving replica (retried or routed)
+            r = httpx.post(
+                base + "/v1/completions",
+                json={"model": model, "prompt": f"after the kill {i}", "max_tokens": 4},
+                timeout=60,
+            )
+            assert r.status_code == 200, (i, r.text)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the cluster's terminal
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0
+    for url in [base, *replicas]:
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url + "/health", timeout=2)
+    assert (tmp_path / "logs" / "router.log").is_file()

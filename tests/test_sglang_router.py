@@ -6,6 +6,7 @@ which radixkv takes at their no-effect values. Issue 24 (sgl-router discovering 
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import socket
 import subprocess
@@ -23,6 +24,13 @@ from radixkv.server.app import create_app
 
 SERVED = "tiny-served"
 ROUTER = shutil.which("sglang-router") or str(Path(sys.executable).parent / "sglang-router")
+# the console script, or its module where the script is not on this venv's PATH (a venv that
+# reaches another's site-packages through a .pth file has the package but not the script)
+LAUNCH = (
+    [ROUTER, "launch"]
+    if Path(ROUTER).exists()
+    else [sys.executable, "-m", "sglang_router.launch_router"]
+)
 
 
 def _free_port() -> int:
@@ -41,10 +49,11 @@ def worker() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def router(worker: str) -> Iterator[str]:
     # the project's setup installs sglang-router (test extras): its absence is a defect to see
-    assert Path(ROUTER).exists(), "sglang-router is not installed (pip install sglang-router)"
+    installed = Path(ROUTER).exists() or importlib.util.find_spec("sglang_router") is not None
+    assert installed, "sglang-router is not installed (pip install sglang-router)"
     port = _free_port()
     proc = subprocess.Popen(
-        [ROUTER, "launch", "--worker-urls", worker, "--host", "127.0.0.1", "--port", str(port),
+        [*LAUNCH, "--worker-urls", worker, "--host", "127.0.0.1", "--port", str(port),
          "--policy", "cache_aware"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -106,3 +115,29 @@ def test_sglang_fields_asking_for_what_radixkv_does_not_do_are_refused(worker: s
     for field in ("no_stop_trim", "return_hidden_states"):
         r = httpx.post(f"{worker}/v1/completions", json={**base, field: True}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_sgl_router_launched_by_radixkv_checks_the_key_it_never_shows() -> None:
+    """:class:`~radixkv.server.sgl_router_launch.SglRouter` (what ``radixkv cluster --router
+    sglang`` runs) in front of a keyed radixkv server: sgl-router refuses clients without the
+    key or with a wrong one (401), serves the key holder, and its process's command line (which
+    every local user can read) never holds the key."""
+    from radixkv.server.sgl_router_launch import SglRouter
+
+    key = "sk-sgl-launch-test-0123456789"
+    app = create_app(build_tiny_engine(), model_name=SERVED, api_key=key)
+    body = {"model": SERVED, "prompt": "The quick brown fox", "max_tokens": 3}
+    with ServerThread(app) as srv, SglRouter([srv.base_url], _free_port(), api_key=key) as rt:
+        assert rt.proc is not None
+        cmdline = Path(f"/proc/{rt.proc.pid}/cmdline").read_bytes()
+        assert key.encode() not in cmdline and key not in " ".join(rt.command)
+        url = rt.url + "/v1/completions"
+        assert httpx.post(url, json=body, timeout=30).status_code == 401
+        bad = {"Authorization": "Bearer sk-wrong"}
+        assert httpx.post(url, json=body, headers=bad, timeout=30).status_code == 401
+        good = {"Authorization": f"Bearer {key}"}
+        r = httpx.post(url, json=body, headers=good, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+        pid = rt.proc.pid
+    assert rt.proc is None and not Path(f"/proc/{pid}").exists()  # stopped with its context
