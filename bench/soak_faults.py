@@ -16,7 +16,8 @@ churning on the replicas (pin with a short ttl, unpin).
 Faults, in cycles over the run after the warm-up: Redis killed (SIGKILL, data lost) and
 restarted; the disk tier's filesystem filled to the last byte, then freed; replica 1 killed and
 restarted. Each fault has a window (from injection until the component is back); every request
-is filed under the window it started in.
+is filed under a window its run overlapped (a slow reader may learn of a kill after the replica is
+back), else under ``none``.
 
 The report ends with one JSON line: requests, outcomes by kind, wrong answers, p50/p99, RSS
 growth of the replica that is never killed and of the router after warm-up, leaked pages and
@@ -126,7 +127,7 @@ def inject_faults(
         base = start + c * period
         if not at(base + 0.08 * period):
             return
-        clock.open = "redis_down"
+        clock.begin("redis_down")
         clock.mark("redis_killed", cycle=c)
         cluster.kill_redis()
         if not at(base + 0.22 * period):
@@ -134,28 +135,28 @@ def inject_faults(
             return
         cluster.restart_redis()
         clock.mark("redis_restarted", cycle=c)
-        clock.open = None
+        clock.end()
         if disk_full_ok:
             if not at(base + 0.35 * period):
                 return
-            clock.open = "disk_full"
+            clock.begin("disk_full")
             written = fill_disk(cluster.disk_dir)
             clock.mark("disk_filled", cycle=c, filler_mb=round(written / 2**20, 1))
             stopped = not at(base + 0.5 * period)
             os.unlink(os.path.join(cluster.disk_dir, "filler.bin"))
             clock.mark("disk_freed", cycle=c)
-            clock.open = None
+            clock.end()
             if stopped:
                 return
         if not at(base + 0.6 * period):
             return
-        clock.open = "replica_killed"
+        clock.begin("replica_killed")
         clock.mark("replica_killed", cycle=c, replica=1)
         cluster.kill_replica(1)
         cluster.restart_replica(1)
         clock.mark("replica_restarted", cycle=c, replica=1)
         time.sleep(2.0)  # the router's next health check sees it back
-        clock.open = None
+        clock.end()
 
 
 def _rss_mb(pid: int) -> float:

@@ -2,7 +2,7 @@
 router, slow readers, greedy check requests compared with answers from before any fault, pins
 churning on the replicas, and the RSS of the processes that are never killed, sampled.
 
-Every request's outcome is filed under the fault window open when it started
+Every request's outcome is filed under a fault window it overlapped
 (:class:`FaultClock`). Outcome kinds: ``ok``; ``check_same`` / ``check_tie`` / ``check_wrong``;
 caused by the client on purpose (``client_timeout``, ``stream_dropped``); documented pin answers
 (``pin_409`` ...); ``error_*`` (an answer that names its cause: JSON with an ``error`` object, or
@@ -48,7 +48,7 @@ CHECK_MAX_TOKENS = 12
 
 @dataclass
 class Outcomes:
-    """Every request's outcome, filed by the fault window it started in (``none`` outside)."""
+    """Every request's outcome, filed by a fault window it overlapped (``none``: no fault)."""
 
     by_window: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     latencies: list[float] = field(default_factory=list)
@@ -63,16 +63,42 @@ class Outcomes:
 
 
 class FaultClock:
-    """Which fault window is open now (set by the fault thread, read by the clients)."""
+    """The fault windows (set by the fault thread, read by the clients): each is a name and the
+    span from injection until the component is back."""
+
+    #: when a request overlaps several windows, it is filed under the first of these it meets
+    PRECEDENCE = ("replica_killed", "redis_down", "disk_full")
 
     def __init__(self) -> None:
-        self.open: str | None = None
+        self.spans: list[list[Any]] = []  # [name, opened, closed or None]
         self.events: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
         self._lock = threading.Lock()
 
+    def begin(self, name: str) -> None:
+        with self._lock:
+            self.spans.append([name, time.monotonic(), None])
+
+    def end(self) -> None:
+        with self._lock:
+            if self.spans and self.spans[-1][2] is None:
+                self.spans[-1][2] = time.monotonic()
+
     def now(self) -> str:
-        return self.open or "none"
+        """The window open now, or ``none``."""
+        with self._lock:
+            open_ = [s[0] for s in self.spans[-1:] if s[2] is None]
+        return open_[0] if open_ else "none"
+
+    def during(self, started: float) -> str:
+        """The window a request that ran from ``started`` until now belongs to: one it
+        overlapped (by :data:`PRECEDENCE`; a slow reader may learn of a replica kill long after
+        the replica is back), else ``none``."""
+        with self._lock:
+            hit = {
+                n for n, a, b in self.spans if a <= time.monotonic() and (b is None or b >= started)
+            }
+        return next((n for n in self.PRECEDENCE if n in hit), "none")
 
     def mark(self, what: str, **detail: Any) -> None:
         with self._lock:
@@ -212,24 +238,19 @@ async def drive(t: Traffic, deadline: float, clock: FaultClock, out: Outcomes) -
         httpx.AsyncClient() as direct,
     ):
 
-        def where(start_window: str) -> str:
-            """A request belongs to the fault window open when it started, else to the one
-            open when it ended (a stream cut by a replica kill started before the kill)."""
-            return start_window if start_window != "none" else clock.now()
-
         async def worker(wid: int) -> None:
             rng = random.Random(t.seed * 1000 + wid)
             while time.monotonic() < deadline:
-                start_window, started = clock.now(), time.monotonic()
+                started = time.monotonic()
                 roll = rng.random()
                 if roll < 0.12:  # a greedy check
                     prompt = rng.choice(prompts)
                     got = await greedy(http, prompt)
                     if isinstance(got, tuple):
-                        out.add(where(start_window), *got)
+                        out.add(clock.during(started), *got)
                         continue
                     verdict = compare_greedy(t.reference[prompt], got, t.tie_margin)
-                    out.add(where(start_window), f"check_{verdict}")
+                    out.add(clock.during(started), f"check_{verdict}")
                     if verdict == "wrong":
                         want = t.reference[prompt]["tokens"]
                         out.wrong.append(
@@ -238,13 +259,12 @@ async def drive(t: Traffic, deadline: float, clock: FaultClock, out: Outcomes) -
                 elif roll < 0.18:  # a slow reader (not in the latencies)
                     path, body, _ = _request(rng, t.tiny)
                     body["stream"] = True
-                    out.add(
-                        where(start_window), *await _read_stream(http, path, body, None, pause=0.3)
-                    )
+                    read = await _read_stream(http, path, body, None, pause=0.3)
+                    out.add(clock.during(started), *read)
                     continue
                 else:
                     kind, detail = await _generation(http, rng, t.tiny)
-                    out.add(where(start_window), kind, detail)
+                    out.add(clock.during(started), kind, detail)
                     if kind != "ok":
                         continue
                 out.latencies.append(time.monotonic() - started)
@@ -253,7 +273,7 @@ async def drive(t: Traffic, deadline: float, clock: FaultClock, out: Outcomes) -
             rng = random.Random(t.seed + 7)
             while time.monotonic() < deadline:
                 await asyncio.sleep(rng.uniform(0.5, 2.0))
-                url, window = rng.choice(t.replicas), clock.now()
+                url, started = rng.choice(t.replicas), time.monotonic()
                 what = "pin" if rng.random() < 0.7 else "unpin"
                 body: dict[str, Any] = {"text": pin_text(rng, t.tiny)}
                 if what == "pin":
@@ -261,13 +281,17 @@ async def drive(t: Traffic, deadline: float, clock: FaultClock, out: Outcomes) -
                 try:
                     r = await direct.post(f"{url}/cache/{what}", json=body, timeout=120)
                 except httpx.HTTPError as exc:
-                    out.add(window, "error_pin_unreachable", f"{url}: {type(exc).__name__}")
+                    out.add(
+                        clock.during(started),
+                        "error_pin_unreachable",
+                        f"{url}: {type(exc).__name__}",
+                    )
                     continue
                 documented = r.status_code == 200 or (
                     r.status_code in (404, 409, 503) and _clear_error(r.status_code, r.text)
                 )
                 kind = f"{what}_{r.status_code}"
-                out.add(window, kind if documented else f"error_{kind}", r.text)
+                out.add(clock.during(started), kind if documented else f"error_{kind}", r.text)
 
         async def rss_sampler() -> None:
             while t.rss and time.monotonic() < deadline:

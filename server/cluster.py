@@ -12,9 +12,10 @@
    goes to Redis as soon as it is cached, so the other replicas can use it at once; give
    ``--host-write-policy write_back`` after ``--`` to send pages only on eviction); arguments
    after ``--`` go to every replica (a ``--kv-mac-key-file`` there replaces the cluster's);
-3. the router on ``port``, once every replica answers ``/health``: ``radixkv router``'s app in
-   this process (``--router radixkv``, the default), or sgl-router as a child process
-   (``--router sglang``: :mod:`radixkv.server.sgl_router_launch`, ``--policy`` mapped to its
+3. the router on ``port``, once every replica answers ``/health``: sgl-router as a child process
+   (``--router sglang``, and ``auto``, the default, without tenants: :func:`choose_router`), or
+   ``radixkv router``'s app in this process (``--router radixkv``; ``auto`` with several keys or
+   tenants) (sgl-router: :mod:`radixkv.server.sgl_router_launch`, ``--policy`` mapped to its
    own, one API key at most, passed in its environment, never on its command line).
 
 Secrets: the Redis password and the KV MAC key are fresh random values per cluster, written to
@@ -55,6 +56,7 @@ from .redaction import redact_argv, redact_url
 
 __all__ = [
     "Cluster",
+    "choose_router",
     "add_cluster_parser",
     "cluster_from_args",
     "free_port",
@@ -377,10 +379,12 @@ def add_cluster_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--policy", choices=POLICIES, default="cache_aware")
     p.add_argument(
         "--router",
-        choices=("radixkv", "sglang"),
-        default="radixkv",
-        help="the front: radixkv's router in this process, or sgl-router (PyPI sglang-router) "
-        "as a child process (one API key at most; default radixkv)",
+        choices=("auto", "radixkv", "sglang"),
+        default="auto",
+        help="the front: sgl-router (PyPI sglang-router) as a child process, or radixkv's "
+        "router in this process; auto (the default) takes sgl-router (as good or better on "
+        "bench_router: hit rate, TTFT, throughput) unless the replicas have several API keys "
+        "or tenants (--salt-from-api-key), which only radixkv's router checks and keeps apart",
     )
     p.add_argument(
         "--no-remote-cache", action="store_true", help="no Redis: replicas share nothing"
@@ -430,6 +434,17 @@ def router_keys(serve_args: Sequence[str]) -> dict[str, Any]:
     }
 
 
+def choose_router(choice: str, keys: dict[str, Any]) -> str:
+    """``auto``: sgl-router (bench_router: as good or better than radixkv's on hit rate, TTFT
+    and throughput at 2 and 4 replicas), unless the replicas take several API keys or tenants
+    (``--salt-from-api-key``): sgl-router checks one key and its prefix tree is shared by all
+    callers, radixkv's router checks every key and keeps each tenant's prompts apart."""
+    if choice != "auto":
+        return choice
+    tenants = len(keys["api_keys"]) > 1 or bool(keys["salt_from_api_key"])
+    return "radixkv" if tenants else "sglang"
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     """Start everything, serve the router until Ctrl-C, stop everything. Returns the exit
     code."""
@@ -444,6 +459,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         cluster = cluster_from_args(args)
         keys = router_keys(cluster.serve_args)
+        args.router = choose_router(args.router, keys)
         if args.router == "sglang":
             sgl_router_key(keys)  # one key at most: refused before anything starts
     except (ValueError, RuntimeError) as exc:

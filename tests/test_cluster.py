@@ -298,7 +298,7 @@ def test_the_router_takes_the_replicas_keys(
 # ------------------------------------------------------------------ --router sglang (issue 26)
 
 
-def test_router_flag_defaults_to_radixkv_and_maps_policies_to_sgl_router() -> None:
+def test_router_flag_defaults_to_auto_and_maps_policies_to_sgl_router() -> None:
     import argparse
 
     from radixkv.server.cluster import add_cluster_parser
@@ -306,7 +306,7 @@ def test_router_flag_defaults_to_radixkv_and_maps_policies_to_sgl_router() -> No
 
     parser = argparse.ArgumentParser()
     add_cluster_parser(parser.add_subparsers(dest="command"))
-    assert parser.parse_args(["cluster"]).router == "radixkv"
+    assert parser.parse_args(["cluster"]).router == "auto"
     assert parser.parse_args(["cluster", "--router", "sglang"]).router == "sglang"
     urls = ["http://127.0.0.1:9101", "http://127.0.0.1:9102"]
     for policy in ("cache_aware", "round_robin"):
@@ -481,3 +481,14 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         with pytest.raises(httpx.HTTPError):
             httpx.get(url + "/health", timeout=2)
     assert (tmp_path / "logs" / "router.log").is_file()
+
+
+def test_auto_picks_sgl_router_unless_there_are_tenants() -> None:
+    from radixkv.server.cluster import choose_router, router_keys
+
+    assert choose_router("auto", router_keys([])) == "sglang"
+    assert choose_router("auto", router_keys(["--api-key", "k1"])) == "sglang"
+    assert choose_router("auto", router_keys(["--api-key", "k1", "--api-key", "k2"])) == "radixkv"
+    salted = router_keys(["--api-key", "k1", "--salt-from-api-key"])
+    assert choose_router("auto", salted) == "radixkv"
+    assert choose_router("radixkv", router_keys([])) == "radixkv"
