@@ -8,10 +8,11 @@
 2. ``N`` ``radixkv serve`` processes on ``port+1 .. port+N``, each pinned to its own share of
    the CPUs (``os.sched_setaffinity``; ``OMP_NUM_THREADS`` set to match), each with
    ``--remote-cache redis://127.0.0.1:REDIS/0``, ``--kv-mac-key-file`` (one secret for all of
-   them: the MAC of the pages they share) and ``--host-write-policy write_through`` (a prefix
-   goes to Redis as soon as it is cached, so the other replicas can use it at once; give
-   ``--host-write-policy write_back`` after ``--`` to send pages only on eviction); arguments
-   after ``--`` go to every replica (a ``--kv-mac-key-file`` there replaces the cluster's);
+   them: the MAC of the pages they share); the remote tier's own default write policy
+   (``write_through``) sends a prefix to Redis as soon as it is cached, so the other replicas
+   can use it at once (``--remote-write-policy write_back`` after ``--`` sends pages only on
+   eviction); arguments after ``--`` go to every replica (a ``--kv-mac-key-file`` there
+   replaces the cluster's);
 3. the router on ``port``, once every replica answers ``/health``: sgl-router as a child process
    (``--router sglang``, and ``auto``, the default, without tenants: :func:`choose_router`), or
    ``radixkv router``'s app in this process (``--router radixkv``; ``auto`` with several keys or
@@ -273,8 +274,6 @@ class Cluster:
             key_file = self.kv_mac_key_file
             if key_file is not None:
                 cmd += ["--kv-mac-key-file", key_file]
-            if "--host-write-policy" not in self.serve_args:
-                cmd += ["--host-write-policy", "write_through"]
         return cmd + self.serve_args
 
     def _start_replica(self, i: int) -> None:

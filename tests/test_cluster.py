@@ -91,14 +91,24 @@ def test_cluster_command_shares_prefixes_and_stops_on_ctrl_c(tmp_path) -> None:
         for url in replicas:  # each replica runs on its own CPU set
             assert httpx.get(url + "/health").status_code == 200
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the cluster's terminal
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _ctrl_c(proc, 60)
+    _assert_all_down(proc, [base, *replicas])
+
+
+def _ctrl_c(proc: subprocess.Popen, timeout: float) -> None:
+    """Ctrl-C in the cluster's terminal (its process group); SIGKILL after ``timeout`` s."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _assert_all_down(proc: subprocess.Popen, urls: list[str]) -> None:
+    """The cluster exited cleanly and nothing answers on its ports any more."""
     assert proc.returncode == 0
-    for url in [base, *replicas]:
+    for url in urls:
         with pytest.raises(httpx.HTTPError):
             httpx.get(url + "/health", timeout=2)
 
@@ -127,25 +137,24 @@ def test_replica_command_lines_with_the_remote_cache() -> None:
     c = _cluster("--replicas", "2", "--port", "9100", "--redis-port", "6390")
     key_file = c.kv_mac_key_file  # one secret for every replica, in the cluster's work dir
     remote = ["--remote-cache", "redis://127.0.0.1:6390/0", "--kv-mac-key-file", key_file]
-    remote += ["--host-write-policy", "write_through"]
     assert c.redis_url == f"redis://:{c.redis_password}@127.0.0.1:6390/0"
     assert c.replica_command(0) == SERVE + ["--port", "9101", "--host", "127.0.0.1"] + remote
     assert c.replica_command(1) == SERVE + ["--port", "9102", "--host", "127.0.0.1"] + remote
     assert os.stat(key_file).st_mode & 0o777 == 0o600
     c.stop()
     assert not os.path.exists(key_file)  # the secrets go with the cluster
-    # a write policy after -- replaces the write-through default; the rest is passed on
+    # no write policy of the cluster's own: the remote tier's default (write_through) shares
     c = _cluster("--replicas", "1", "--port", "9100", "--redis-port", "6390", "--")
-    assert c.replica_command(0)[-2:] == ["--host-write-policy", "write_through"]
+    assert not any("write-policy" in a for a in c.replica_command(0))
     c.stop()
     c = _cluster(
         "--replicas", "1", "--port", "9100", "--redis-port", "6390", "--model", "m",
-        "--", "--host-write-policy", "write_back", "--dtype", "float32",
+        "--", "--remote-write-policy", "write_back", "--dtype", "float32",
         "--kv-mac-key-file", "/etc/radixkv/kv.key",
     )  # fmt: skip
     assert c.replica_command(0) == [sys.executable, "-m", "radixkv", "serve", "--model", "m"] + [
         "--port", "9101", "--host", "127.0.0.1", "--remote-cache", "redis://127.0.0.1:6390/0",
-        "--host-write-policy", "write_back", "--dtype", "float32",
+        "--remote-write-policy", "write_back", "--dtype", "float32",
         "--kv-mac-key-file", "/etc/radixkv/kv.key",
     ]  # fmt: skip
     assert c.work_dir is None  # the given key file is used: the cluster writes none
@@ -470,16 +479,8 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
             )
             assert r.status_code == 200, (i, r.text)
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the cluster's terminal
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0
-    for url in [base, *replicas]:
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(url + "/health", timeout=2)
+        _ctrl_c(proc, 90)
+    _assert_all_down(proc, [base, *replicas])
     assert (tmp_path / "logs" / "router.log").is_file()
 
 

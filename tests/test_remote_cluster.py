@@ -13,6 +13,7 @@ import redis_cluster_fixture
 import torch
 from redis_cluster_fixture import LocalCluster
 from redis_fixture import free_port
+from test_remote_tier import make_engine
 from test_tiers import _tiny, greedy
 
 from radixkv.cache.disk_store import HEADER, chain_hashes
@@ -26,15 +27,6 @@ redis_cluster = redis_cluster_fixture.redis_cluster  # a real 3-master cluster p
 @pytest.fixture(scope="module")
 def tiny():
     return _tiny(1234, "tiny-remote-cluster")
-
-
-def make_engine(model, url: str, **knobs):
-    from radixkv import Engine
-
-    knobs.setdefault("page_size", P)
-    knobs.setdefault("dtype", "float32")
-    knobs.setdefault("kv_cache_tokens", 4096)
-    return Engine(model, remote_cache_url=url, **knobs)
 
 
 def prompt(seed: int, n: int = 196) -> list[int]:
