@@ -8,7 +8,10 @@ put in the wanted tier before each request:
 * ``recompute``: nothing cached (device and host flushed, disk files removed);
 * ``device``: the prefix is in the device tree (a previous request computed it);
 * ``host``: device-evicted, so it lives in host pages (write-back) and is loaded back;
-* ``disk``: then host-evicted, so it lives in files only (writes finished) and is read back.
+* ``disk``: then host-evicted, so it lives in files only (writes finished) and is read back;
+* ``remote`` (with ``--remote``: a local ``redis-server`` started for the run, the pages written
+  through to it): device and host flushed, disk files removed, so it is read from Redis only
+  (loopback: what a replica on the same machine pays; over a network add the transfer time).
 
 Cases are interleaved (each repetition runs all four) because the machine is shared; the table
 reports medians and the ratios to recompute. Targets: host <= 1/3, disk <= 1/2 of recompute.
@@ -17,6 +20,7 @@ Usage (from the repo root)::
 
     .venv/bin/python bench/bench_tiers.py                 # SmolLM2, 5 repetitions
     .venv/bin/python bench/bench_tiers.py --repeats 3 --json
+    .venv/bin/python bench/bench_tiers.py --remote          # also from a local Redis
 """
 
 from __future__ import annotations
@@ -59,13 +63,17 @@ def question(engine: Engine, n: int) -> list[int]:
     return engine.tokenize(f" Question {n}: may I renew item number {1000 + 37 * n} twice?")
 
 
-def place(engine: Engine, prefix: list[int], case: str, n: int) -> None:
+def place(engine: Engine, prefix: list[int], case: str, n: int, redis_url: str | None) -> None:
     """Put ``prefix`` in the tier of ``case`` (it was cached on the device by the caller)."""
     tiers = engine.tiers
     assert tiers is not None
-    if case == "recompute":
-        engine.flush_cache()
+    if case in ("recompute", "remote"):
+        engine.flush_cache()  # waits for queued writes: Redis has the prefix
         tiers.clear_disk()
+        if case == "recompute" and redis_url:  # not in Redis either
+            import redis as redis_lib
+
+            redis_lib.Redis.from_url(redis_url).flushdb()
         return
     if case == "device":
         return
@@ -93,19 +101,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.dtype:
         knobs["dtype"] = args.dtype
+    redis = None
+    cases = CASES + (("remote",) if args.remote else ())
+    if args.remote:
+        from radixkv.server.cluster import Cluster
+
+        redis = Cluster(replicas=0, remote_cache=True).start()  # Redis alone
+        knobs.update(remote_cache_url=redis.redis_url, kv_mac_key_file=redis.kv_mac_key_file)
     engine = Engine(args.model, **knobs)
     prefix = make_prefix(engine, args.prefix_tokens)
-    times: dict[str, list[float]] = {c: [] for c in CASES}
+    times: dict[str, list[float]] = {c: [] for c in cases}
     tiers_seen: dict[str, dict[str, int]] = {}
     n = 0
     # warm-up: one recompute and one hit of each kind, not measured
     for rep in range(args.repeats + 1):
-        for case in CASES:
+        for case in cases:
             engine.flush_cache()
             engine.tiers.clear_disk()  # type: ignore[union-attr]
             n += 1
             ttft(engine, prefix + question(engine, n))  # compute the prefix on the device
-            place(engine, prefix, case, n)
+            place(engine, prefix, case, n, redis.redis_url if redis is not None else None)
             n += 1
             t, by_tier = ttft(engine, prefix + question(engine, n))
             engine.check_integrity()
@@ -114,7 +129,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tiers_seen[case] = by_tier
     engine.tiers.close()  # type: ignore[union-attr]
     tmp.cleanup()
-    med = {c: statistics.median(times[c]) for c in CASES}
+    if redis is not None:
+        redis.stop()
+    med = {c: statistics.median(times[c]) for c in cases}
     base = med["recompute"]
     return {
         "model": engine.model_name,
@@ -123,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "page_size": args.page_size,
         "repeats": args.repeats,
         "ttft_s": med,
-        "ratio_to_recompute": {c: med[c] / base for c in CASES},
+        "ratio_to_recompute": {c: med[c] / base for c in cases},
         "cached_by_tier": tiers_seen,
         "targets_met": {
             "host<=1/3": med["host"] <= base / 3,
@@ -139,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: the machine's)")
+    ap.add_argument("--remote", action="store_true", help="also serve it from a local Redis")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     res = run(args)
@@ -150,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         f"page {res['page_size']}, median of {res['repeats']}"
     )
     print(f"{'served from':<12} {'TTFT ms':>9} {'x recompute':>12}  cached tokens by tier")
-    for c in CASES:
+    for c in res["ttft_s"]:
         print(
             f"{c:<12} {res['ttft_s'][c] * 1e3:>9.1f} {res['ratio_to_recompute'][c]:>12.3f}  "
             f"{res['cached_by_tier'].get(c)}"

@@ -53,6 +53,7 @@ from radixkv.cache.kv_mac import KEY_FILE_NAME, create_secret_file
 from radixkv.cache.private_files import write_new_file
 from radixkv.cache.remote_store import PASSWORD_ENV
 
+from .ports import free_port
 from .redaction import redact_argv, redact_url
 
 __all__ = [
@@ -66,13 +67,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def split_cores(n: int, cores: Sequence[int] | None = None) -> list[list[int]]:
@@ -147,7 +141,7 @@ class Cluster:
         if remote_cache and not re.fullmatch(r"[0-9]+[a-zA-Z]{0,2}", redis_maxmemory):
             raise ValueError(f"--redis-maxmemory {redis_maxmemory!r} is not a size like 1gb")
         self.n = replicas
-        self.core_groups = split_cores(replicas, cores)
+        self.core_groups = split_cores(replicas, cores) if replicas else []  # 0: Redis alone
         self.ports = [base_port + 1 + i if base_port else free_port() for i in range(replicas)]
         self.model = model
         self.serve_args = list(serve_args)

@@ -95,7 +95,7 @@ class SglRouter:
         log_dir: str | None = None,
         log_level: str = "warning",
     ) -> None:
-        from .cluster import free_port
+        from .ports import free_port
 
         self.urls = list(urls)
         self.port = port

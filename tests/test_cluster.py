@@ -91,8 +91,8 @@ def test_cluster_command_shares_prefixes_and_stops_on_ctrl_c(tmp_path) -> None:
         for url in replicas:  # each replica runs on its own CPU set
             assert httpx.get(url + "/health").status_code == 200
     finally:
-        _ctrl_c(proc, 60)
-    _assert_all_down(proc, [base, *replicas])
+        _ctrl_c(proc, 120)
+    _assert_all_down(proc, [base, *replicas], tmp_path)
 
 
 def _ctrl_c(proc: subprocess.Popen, timeout: float) -> None:
@@ -105,9 +105,11 @@ def _ctrl_c(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait()
 
 
-def _assert_all_down(proc: subprocess.Popen, urls: list[str]) -> None:
-    """The cluster exited cleanly and nothing answers on its ports any more."""
-    assert proc.returncode == 0
+def _assert_all_down(proc: subprocess.Popen, urls: list[str], log_dir: Path) -> None:
+    """The cluster exited cleanly and nothing answers on its ports any more (else the tail of
+    each process's log says why)."""
+    logs = {p.name: p.read_text(errors="replace")[-1500:] for p in log_dir.glob("*.log")}
+    assert proc.returncode == 0, logs
     for url in urls:
         with pytest.raises(httpx.HTTPError):
             httpx.get(url + "/health", timeout=2)
@@ -479,8 +481,8 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
             )
             assert r.status_code == 200, (i, r.text)
     finally:
-        _ctrl_c(proc, 90)
-    _assert_all_down(proc, [base, *replicas])
+        _ctrl_c(proc, 120)
+    _assert_all_down(proc, [base, *replicas], tmp_path / "logs")
     assert (tmp_path / "logs" / "router.log").is_file()
 
 
