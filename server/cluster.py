@@ -449,6 +449,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Ctrl-C stops the cluster even when it was started with SIGINT ignored (a background job
+    # of a non-interactive shell inherits that): Python installs no handler then, and the
+    # sgl-router front (unlike uvicorn, which installs its own) would never see the interrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cluster = cluster_from_args(args)
         keys = router_keys(cluster.serve_args)
