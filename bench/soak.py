@@ -39,6 +39,8 @@ from typing import Any
 
 import httpx
 
+from bench.soak_measure import percentile, wait_idle
+
 SALTS = ["tenant-a", "tenant-b", "tenant-c", None]
 WORDS = (  # noqa: SIM905 - thirty words, one per line would be 30 lines
     "river mountain cloud lantern harbor meadow copper velvet signal orbit "
@@ -351,14 +353,6 @@ async def _drive(
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
-
-
 def run_soak(
     minutes: float = 5.0,
     *,
@@ -392,13 +386,7 @@ def run_soak(
             rss_series.append(server.rss())
         elapsed = time.monotonic() - t0
         # idle: the engine drains, then the invariants and the page accounting
-        deadline = time.monotonic() + 120
-        stats: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            stats = httpx.get(f"{server.base_url}/cache/stats", timeout=30).json()
-            if stats.get("running") == 0 and stats.get("waiting") == 0:
-                break
-            time.sleep(0.2)
+        stats = wait_idle(server.base_url)
         integrity = httpx.get(f"{server.base_url}/cache/integrity", timeout=60).json()
         rss_end = server.rss()
         health = httpx.get(f"{server.base_url}/health", timeout=10).status_code
@@ -413,8 +401,8 @@ def run_soak(
                 "server_errors": dict(tally.server_errors),
                 "server_error_examples": tally.examples,
                 "admin_calls": dict(tally.admin),
-                "latency_p50_s": round(_percentile(tally.latencies, 50), 3),
-                "latency_p99_s": round(_percentile(tally.latencies, 99), 3),
+                "latency_p50_s": round(percentile(tally.latencies, 50), 3),
+                "latency_p99_s": round(percentile(tally.latencies, 99), 3),
                 "rss_after_warmup_mb": round(rss_start / 2**20, 1),
                 "rss_end_mb": round(rss_end / 2**20, 1),
                 "rss_growth_pct": round(100.0 * (rss_end - rss_start) / rss_start, 2),

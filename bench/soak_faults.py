@@ -44,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from bench.soak import _percentile
+from bench.soak_measure import percentile, wait_idle
 from bench.soak_traffic import FaultClock, Outcomes, Traffic, check_prompts, drive, greedy
 from radixkv.server.cluster import Cluster, free_port, wait_healthy
 
@@ -169,16 +169,6 @@ def _rss_mb(pid: int) -> float:
     return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
 
 
-def _wait_idle(url: str, timeout: float = 120.0) -> dict[str, Any]:
-    deadline, stats = time.monotonic() + timeout, {}
-    while time.monotonic() < deadline:
-        stats = httpx.get(f"{url}/cache/stats", timeout=30).json()
-        if stats.get("running") == 0 and stats.get("waiting") == 0:
-            break
-        time.sleep(0.2)
-    return stats
-
-
 def run_fault_soak(
     minutes: float = 30.0,
     *,
@@ -280,7 +270,7 @@ def run_fault_soak(
         asyncio.run(drive(traffic, end, clock, out))
         stop.set()
         faults.join(timeout=900)
-        idle = [_wait_idle(u) for u in cluster.urls]
+        idle = [wait_idle(u) for u in cluster.urls]
         integrity = [httpx.get(f"{u}/cache/integrity", timeout=60).json() for u in cluster.urls]
         rss1 = {"replica0": _rss_mb(pid0), "router": _rss_mb(router_pid)}
         report.update(summarise(out, clock, idle, integrity, rss0, rss1, t0, rss_growth_limit_pct))
@@ -335,8 +325,8 @@ def summarise(
         "unclear_failures": unclear,
         "failures_outside_replica_kills": outside_kill,
         "error_examples": out.examples,
-        "latency_p50_s": round(_percentile(out.latencies, 50), 3),
-        "latency_p99_s": round(_percentile(out.latencies, 99), 3),
+        "latency_p50_s": round(percentile(out.latencies, 50), 3),
+        "latency_p99_s": round(percentile(out.latencies, 99), 3),
         "rss_after_warmup_mb": rss0,
         "rss_end_mb": rss1,
         "rss_growth_pct": growth,

@@ -6,14 +6,13 @@ password apply as on one server."""
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import redis_cluster_fixture
 import torch
 from redis_cluster_fixture import LocalCluster
 from redis_fixture import free_port
-from test_remote_tier import make_engine
+from test_remote_tier import _wait, make_engine
 from test_tiers import _tiny, greedy
 
 from radixkv.cache.disk_store import HEADER, chain_hashes
@@ -47,15 +46,6 @@ def flushall(cluster: LocalCluster) -> None:
 
 def per_shard(cluster: LocalCluster) -> dict[int, int]:
     return {port: cluster.client(port).dbsize() for port in cluster.procs}
-
-
-def _wait(cond, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +120,9 @@ def test_a_shard_killed_mid_run_misses_then_comes_back(tiny, golden, redis_clust
     finally:
         redis_cluster.restart(port)  # same port, same nodes.conf: it owns its slots again
     for e in (a, b):
-        assert _wait(lambda e=e: e.tiers.remote.stats()["shards_down"] == 0), e.stats()["tiers"]
+        assert _wait(lambda e=e: e.tiers.remote.stats()["shards_down"] == 0, 15.0), e.stats()[
+            "tiers"
+        ]
         assert e.tiers.remote.stats()["came_back"] == 1
     fresh = prompt(5)  # the restarted shard is empty: a new prompt shows its pages come back
     run(a, fresh)
