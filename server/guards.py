@@ -12,6 +12,13 @@ the size of the body.
   body is read; a body without one (chunked) is read up to the limit and refused past it, so
   no request makes the server buffer or parse more than ``max_body_bytes``.
 
+After a 413 the client is usually still sending. Closing a socket with unread data makes the
+kernel send a reset, which can reach the client before it has read the 413, so it sees
+"connection reset" instead of the error. A declared body of up to :data:`DRAIN_FACTOR` times the
+limit is therefore drained: the connection stays open, and uvicorn reads the rest and throws it
+away without buffering it, as nginx's lingering close does. A larger body, or a chunked one of
+unknown length, is answered and the connection closed.
+
 Both answer in the server's error shape (:func:`radixkv.server.protocol.error_body`).
 """
 
@@ -23,7 +30,7 @@ from typing import Any
 
 from .protocol import error_body
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "LOOPBACK_HOSTS", "RequestGuard", "host_name"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DRAIN_FACTOR", "LOOPBACK_HOSTS", "RequestGuard", "host_name"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -33,6 +40,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 """8 MiB: hundreds of times a full-context prompt as text or token ids."""
+
+DRAIN_FACTOR = 8
+"""An oversized body declared at most this many times the limit is read and discarded after the
+413 (so the client sees the answer); a larger one closes the connection."""
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -88,7 +99,8 @@ class RequestGuard:
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit() or int(length) > limit:
-                await _refuse(send, 413, _too_large(limit), "body_too_large")
+                drain = length.isdigit() and int(length) <= DRAIN_FACTOR * limit
+                await _refuse(send, 413, _too_large(limit), "body_too_large", close=not drain)
                 return
             await self.app(scope, receive, send)  # the server reads exactly Content-Length
             return
@@ -118,17 +130,15 @@ def _too_large(limit: int) -> str:
     return f"The request body is larger than {limit} bytes (--max-body-bytes)"
 
 
-async def _refuse(send: Send, status: int, message: str, code: str) -> None:
+async def _refuse(send: Send, status: int, message: str, code: str, *, close: bool = True) -> None:
+    """Answer ``status``; ``close`` False keeps the connection, so the server reads and discards
+    what the client is still sending instead of resetting it."""
     payload = json.dumps(error_body(message, code=code)).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
