@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from structured_cases import CHOICES, REGEXES, SCHEMAS
 
 from radixkv import Engine, SamplingParams, StructuredOutputs
@@ -251,3 +253,25 @@ def test_compile_cache_and_a_failed_compile_in_the_engine_queue(engine: Engine) 
     text = "".join(o.new_text for o in outs if o.request_id == "so-good")
     assert re.fullmatch(r"[0-9]{4}", text), text
     engine.check_integrity()
+
+
+def test_bitmask_fill_ahead_serves_unmoved_rows_and_refills_moved_ones(engine: Engine) -> None:
+    """The step's bitmask fill runs during the forward (``prefetch``); ``mask`` must take only
+    rows whose matcher has not moved since and fill the rest itself."""
+    rt = engine.grammars
+    spec = StructuredOutputs(json=SCHEMAS[0][1])
+    seqs = [SimpleNamespace(grammar=rt.start(greedy(spec))) for _ in range(3)]
+    for s in seqs:
+        s.grammar.future.result()
+    zeros = torch.zeros(3, engine.vocab_size)
+    fresh = rt.mask(zeros.clone(), seqs)  # no fill-ahead: filled here
+    rt.prefetch(seqs)
+    rt._ahead.future.result()
+    rt._ahead.bitmask[0] = 0  # a marker: row 0 must come from the fill-ahead (all masked)
+    assert not seqs[1].grammar.accept(int(fresh[1].argmax()))  # row 1 moves after the prefetch
+    ahead = rt.mask(zeros.clone(), seqs)
+    assert torch.isinf(ahead[0]).all()
+    assert torch.equal(ahead[2], fresh[2])
+    refilled = rt.mask(zeros.clone(), seqs)  # row 1 at its new state, filled here
+    assert torch.equal(ahead[1], refilled[1]) and not torch.equal(ahead[1], fresh[1])
+    assert rt._ahead is None

@@ -256,6 +256,11 @@ class Engine:
         )
         if self.virtual_layout is not None:
             self.virtual_layout.before_forward(fb, [seq for seq, _ in batch.entries])
+        self.grammars.prefetch(  # the rows that sample this step; filled during the forward
+            seq
+            for seq, n in batch.entries
+            if seq.num_computed + n >= seq.num_tokens and seq.gang is None
+        )
         logits = self.runner.forward(fb, return_all_logits=all_rows)
         if all_rows:  # some prompt wants its logprobs: every row was computed
             logits = collect_prompt_logprobs(logits, batch.entries, self.token_texts)

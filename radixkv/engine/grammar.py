@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import json
 import re
 import threading
@@ -275,6 +276,16 @@ class GrammarState:
         return bool(m.is_terminated())
 
 
+@dataclasses.dataclass
+class _FillAhead:
+    """A bitmask fill running on the worker thread: ``rows`` maps ``id(matcher)`` to its row in
+    ``bitmask`` and the ``accepted`` count it was filled at."""
+
+    future: cf.Future[Any]
+    bitmask: torch.Tensor
+    rows: dict[int, tuple[int, int]]
+
+
 class StructuredRuntime:
     """The engine's side of structured outputs (module docstring). The compiler pool is made on
     the first constrained request, so an engine that never sees one never loads xgrammar."""
@@ -287,6 +298,9 @@ class StructuredRuntime:
         self._pool: GrammarCompilerPool | None = None
         self._bitmask: torch.Tensor | None = None
         self._batch: Any = None  # xgrammar BatchGrammarMatcher, made on first use
+        self._ahead: _FillAhead | None = None  # the fill started by prefetch(), if any
+        self._ahead_pool: cf.ThreadPoolExecutor | None = None
+        self._ahead_bitmask: torch.Tensor | None = None
 
     @property
     def pool(self) -> GrammarCompilerPool:
@@ -341,13 +355,49 @@ class StructuredRuntime:
         cf.wait(pending, timeout=timeout, return_when=cf.FIRST_COMPLETED)
         return True
 
+    def prefetch(self, seqs: Iterable[Sequence]) -> None:
+        """Start filling the bitmasks of ``seqs``' constrained rows on a worker thread, so that
+        the fill runs while the forward pass does (xgrammar releases the GIL; vLLM and SGLang
+        overlap the same way). Called with the sequences that will sample this step, before
+        their forward; :meth:`mask` takes a row from it only when that row's matcher has not
+        moved since (same matcher, same ``accepted``), and fills any other row itself."""
+        self._drop_ahead()
+        if self._pool is None:  # no request has ever had a constraint
+            return
+        rows = [s for s in seqs if s.grammar is not None and s.grammar.ready]
+        if not rows:
+            return
+        import xgrammar as xgr
+
+        if self._ahead_pool is None:
+            self._ahead_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="radixkv-bitmask")
+        matchers = [s.grammar.live_matcher() for s in rows]
+        if self._ahead_bitmask is None or self._ahead_bitmask.shape[0] < len(rows):
+            self._ahead_bitmask = xgr.allocate_token_bitmask(max(len(rows), 64), self.vocab_size)
+        bitmask = self._ahead_bitmask[: len(rows)]  # free again: the last fill-ahead was taken
+        batch = xgr.BatchGrammarMatcher(max_threads=1)  # the forward has the other threads
+        self._ahead = _FillAhead(
+            self._ahead_pool.submit(batch.batch_fill_next_token_bitmask, matchers, bitmask),
+            bitmask,
+            {id(m): (i, s.grammar.accepted) for i, (s, m) in enumerate(zip(rows, matchers))},
+        )
+
+    def _drop_ahead(self) -> None:
+        """Wait for an unused fill-ahead and forget it (its matchers must not be filled and
+        advanced at once)."""
+        if self._ahead is not None:
+            cf.wait([self._ahead.future])
+            self._ahead = None
+
     def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """``logits [B, vocab]`` (row ``i`` is ``seqs[i]``'s) with every constrained row masked
         to its grammar's allowed tokens, in place when float32 (one fill per row into one
         bitmask, one apply for all rows); returned as is when no row is constrained."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
+            self._drop_ahead()
             return logits
+        constrained = rows
         import xgrammar as xgr
 
         if logits.dtype != torch.float32:
@@ -356,13 +406,40 @@ class StructuredRuntime:
         if self._bitmask is None or self._bitmask.shape[0] < b:
             self._bitmask = xgr.allocate_token_bitmask(max(b, 64), self.vocab_size)
         bitmask = self._bitmask[:b]
-        if self._batch is None:  # one C++ call fills every constrained row (no per-row Python)
-            self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
-        matchers = [seqs[i].grammar.live_matcher() for i in rows]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        rows = self._take_ahead(bitmask, seqs, rows)
+        if rows:  # one C++ call fills every row the fill-ahead did not (no per-row Python)
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
+            matchers = [seqs[i].grammar.live_matcher() for i in rows]
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(
-            logits, bitmask, vocab_size=self.vocab_size, indices=None if len(rows) == b else rows
+            logits,
+            bitmask,
+            vocab_size=self.vocab_size,
+            indices=None if len(constrained) == b else constrained,
         )
         return logits
+
+    def _take_ahead(
+        self, bitmask: torch.Tensor, seqs: list[Sequence], rows: list[int]
+    ) -> list[int]:
+        """Copy into ``bitmask`` the rows of ``rows`` that the fill-ahead filled for the same
+        matcher state; return the rows still to fill."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return rows
+        ahead.future.result()  # a fill error is raised here, on the engine thread
+        src, dst, rest = [], [], []
+        for i in rows:
+            g = seqs[i].grammar
+            hit = ahead.rows.get(id(g.matcher))
+            if hit is not None and hit[1] == g.accepted:
+                src.append(hit[0])
+                dst.append(i)
+            else:
+                rest.append(i)
+        if dst:
+            bitmask[dst] = ahead.bitmask[src]
+        return rest
