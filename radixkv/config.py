@@ -8,6 +8,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # radixkv.model.kv_quant.KV_CACHE_DTYPES
 WRITE_POLICIES = ("write_back", "write_through")
 KV_LAYOUTS = ("paged", "virtual")
 #: URL schemes of ``remote_cache_url`` (radixkv/cache/remote_conn.py parses them).
@@ -38,6 +39,9 @@ class EngineConfig:
     ``write_back`` (sent when they leave the device: fewer writes, later sharing).
     ``kv_layout``: ``paged`` (page table, the default) or ``virtual`` (each running sequence's K/V
     contiguous in virtual memory over a shared memfd page pool; see radixkv/model/virtual_kv.py).
+    ``kv_cache_dtype``: ``auto`` (pages in the model's dtype), ``int8`` or ``fp8_e4m3`` (one
+    code per element and a bfloat16 scale per token and KV head: 1.94x the tokens of bfloat16
+    at head dim 64; radixkv/model/kv_quant.py). Every tier stores the quantized rows as they are.
     ``kv_mac_key_file``: a file (mode 0600) holding the secret (at least 16 bytes) that keys the
     HMAC of every page on disk and in Redis; replicas sharing a Redis must share it. Unset: the
     environment variable ``RADIXKV_KV_MAC_KEY``, else the disk tier's ``kv_mac.key`` (created in
@@ -73,6 +77,7 @@ class EngineConfig:
     remote_write_policy: str = "write_through"
     kv_mac_key_file: str | None = None
     kv_layout: str = "paged"
+    kv_cache_dtype: str = "auto"
     chat_template: str | None = None
     tokenizer: str | None = None
 
@@ -117,6 +122,17 @@ class EngineConfig:
             raise bad("attention_backend", f"choose one of {', '.join(ATTENTION_BACKENDS)}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise bad("dtype", f"choose one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad(
+                "kv_cache_dtype",
+                f"choose one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)",
+            )
+        if self.kv_cache_dtype != "auto" and self.kv_layout == "virtual":
+            raise bad(
+                "kv_cache_dtype",
+                "quantized pages need kv_layout='paged' (the virtual layout stores the model's "
+                "dtype); use kv_layout='paged', or kv_cache_dtype='auto'",
+            )
         if not isinstance(self.host_cache_tokens, int) or self.host_cache_tokens < 0:
             raise bad("host_cache_tokens", "must be an integer >= 0 (0 turns the host tier off)")
         if self.host_write_policy not in WRITE_POLICIES:

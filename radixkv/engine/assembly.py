@@ -25,11 +25,12 @@ from radixkv.cache.radix_tree import RadixTree
 from radixkv.config import EngineConfig
 from radixkv.engine.chat_template import load_chat_template
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.pool_sizing import kv_bytes_per_token, size_kv_pool
+from radixkv.engine.pool_sizing import size_kv_pool
 from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.tokenizer_lock import LockedTokenizer
 from radixkv.engine.virtual_layout import VirtualLayout
+from radixkv.model.kv_quant import is_quantized
 
 if TYPE_CHECKING:
     from radixkv.cache.tiers import TieredCache
@@ -86,6 +87,7 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         attention_backend=cfg.attention_backend,
         kv_layout=cfg.kv_layout,
         max_model_len=cfg.max_model_len,
+        kv_cache_dtype=cfg.kv_cache_dtype,
     )
     num_pages = runner.num_pages
     logger.info(
@@ -93,8 +95,10 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         num_pages * cfg.page_size,
         num_pages,
         cfg.page_size,
-        num_pages * cfg.page_size * kv_bytes_per_token(loaded.config, dtype) / 2**30,
-        str(dtype).removeprefix("torch."),
+        runner.pool.total_bytes / 2**30,
+        str(dtype).removeprefix("torch.")
+        if cfg.kv_cache_dtype == "auto"
+        else f"{cfg.kv_cache_dtype} with per-token scales",
         pool.how,
     )
     allocator = BlockAllocator(num_pages, cfg.page_size)
@@ -156,7 +160,12 @@ def build_tiers(
         else None
     )
     fp = engine_fingerprint(
-        model_name, kv_pool, P, getattr(runner, "model", None), getattr(runner, "hf_config", None)
+        model_name,
+        kv_pool,
+        P,
+        getattr(runner, "model", None),
+        getattr(runner, "hf_config", None),
+        compute_dtype=getattr(runner, "dtype", None),
     )
     mac_key = configured_mac_key(cfg.kv_mac_key_file)  # None: the stores' own default
     disk = None
@@ -188,10 +197,16 @@ def build_tiers(
 
 
 def engine_fingerprint(
-    model_name: str, kv_pool: KVPool, page_size: int, model: Any = None, config: Any = None
+    model_name: str,
+    kv_pool: KVPool,
+    page_size: int,
+    model: Any = None,
+    config: Any = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> bytes:
-    """sha256 over the model name, its config, a sample of its weights, the KV dtype, the page
-    size and the KV layout: files written under one fingerprint are never read under another."""
+    """sha256 over the model name, its config, a sample of its weights, the KV dtype (for
+    quantized pages also their format and the model dtype they were computed in), the page size
+    and the KV layout: files written under one fingerprint are never read under another."""
     h = hashlib.sha256()
     parts = {
         "model": model_name,
@@ -201,6 +216,8 @@ def engine_fingerprint(
         "kv_heads": kv_pool.num_kv_heads,
         "head_dim": kv_pool.head_dim,
     }
+    if is_quantized(kv_pool.dtype):  # rows of codes + a bf16 scale, from which model dtype
+        parts["kv_format"] = f"{kv_pool.dtype}+bf16-scale-per-token-head/{compute_dtype}"
     h.update(json.dumps(parts, sort_keys=True).encode())
     if config is not None:
         try:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from radixkv.config import EngineConfig
+from radixkv.model.kv_quant import kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 __all__ = [
@@ -82,7 +83,8 @@ def fraction_budget_gb(
 
 
 def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token takes over all layers in ``dtype``."""
+    """Bytes of K and V one token takes over all layers in ``dtype`` (a pool's element type:
+    int8 / uint8 count each row's scale too, :mod:`radixkv.model.kv_quant`)."""
     from radixkv.model.kv_pool import KVPool
 
     heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
@@ -104,7 +106,7 @@ def size_kv_pool(
     P = cfg.page_size
     if cfg.kv_cache_tokens is not None:
         return PoolSize(cfg.kv_cache_tokens // P * P, "kv_cache_tokens")
-    per_token = kv_bytes_per_token(loaded.config, dtype)
+    per_token = kv_bytes_per_token(loaded.config, kv_storage_dtype(cfg.kv_cache_dtype, dtype))
     if cfg.kv_cache_memory_gb is not None:
         budget_gb, how, knob = cfg.kv_cache_memory_gb, "kv_cache_memory_gb", "kv_cache_memory_gb"
         cap = None

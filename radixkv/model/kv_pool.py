@@ -2,6 +2,10 @@
 
 A token of a request lives at *slot* ``page * page_size + offset``. Writers use the flat views
 ``[num_pages * page_size, Hkv, D]`` (:meth:`KVPool.k_flat`, :meth:`KVPool.v_flat`).
+
+A pool of ``torch.int8`` or ``torch.uint8`` holds quantized rows (:mod:`radixkv.model.kv_quant`):
+its tensors are ``[num_pages, page_size, Hkv, D + 2]``, each row's scale inside it, so page
+copies, reads and writes move the rows as they are.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from radixkv.model.hugepages import huge_zeros
+from radixkv.model.kv_quant import is_quantized, row_dim
 
 
 class KVPool:
@@ -22,7 +27,8 @@ class KVPool:
         page_size: tokens per page.
         num_kv_heads: KV heads per layer.
         head_dim: size of one head.
-        dtype: element type of the cache.
+        dtype: element type of the cache: a float dtype, or ``torch.int8`` / ``torch.uint8``
+            for int8 / fp8 (e4m3) rows with their scales (:mod:`radixkv.model.kv_quant`).
         device: where the cache lives.
     """
 
@@ -47,8 +53,9 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.row_dim = row_dim(head_dim, dtype)
         self.device = torch.device(device)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_pages, page_size, num_kv_heads, self.row_dim)
         # zeros (not empty) so that padding pages never hold NaNs that a masked read could leak;
         # on the CPU lazily (an anonymous mapping: no start-up fill) and in huge pages, since a
         # decode step reads pages scattered over the pool.
@@ -63,9 +70,9 @@ class KVPool:
     def bytes_per_page_for(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        """Bytes one page takes across all layers (K and V)."""
+        """Bytes one page takes across all layers (K and V), scales included."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
+        return 2 * num_layers * page_size * num_kv_heads * row_dim(head_dim, dtype) * itemsize
 
     @classmethod
     def from_memory_budget(
@@ -95,6 +102,11 @@ class KVPool:
         )
 
     @property
+    def quantized(self) -> bool:
+        """Rows are int8 / fp8 codes with a scale each (:mod:`radixkv.model.kv_quant`)."""
+        return is_quantized(self.dtype)
+
+    @property
     def num_slots(self) -> int:
         """Token capacity of the pool."""
         return self.num_pages * self.page_size
@@ -105,12 +117,12 @@ class KVPool:
         return self.bytes_per_page * self.num_pages
 
     def k_flat(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s K cache as ``[num_slots, Hkv, D]`` (a view)."""
-        return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
+        """Layer ``layer``'s K cache as ``[num_slots, Hkv, row_dim]`` (a view)."""
+        return self.k[layer].view(-1, self.num_kv_heads, self.row_dim)
 
     def v_flat(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s V cache as ``[num_slots, Hkv, D]`` (a view)."""
-        return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
+        """Layer ``layer``'s V cache as ``[num_slots, Hkv, row_dim]`` (a view)."""
+        return self.v[layer].view(-1, self.num_kv_heads, self.row_dim)
 
     def copy_pages(
         self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor
@@ -127,7 +139,8 @@ class KVPool:
                 cache.index_copy_(0, dst_t, cache.index_select(0, src_t))
 
     def read_pages(self, pages: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stack pages of every layer: ``k, v [num_layers, n, page_size, Hkv, D]`` (copies)."""
+        """Stack pages of every layer: ``k, v [num_layers, n, page_size, Hkv, row_dim]``
+        (copies)."""
         idx = torch.as_tensor(pages, dtype=torch.long, device=self.device).flatten()
         k = torch.stack([c.index_select(0, idx) for c in self.k])
         v = torch.stack([c.index_select(0, idx) for c in self.v])
@@ -136,8 +149,13 @@ class KVPool:
     def write_pages(
         self, pages: Sequence[int] | torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Inverse of :meth:`read_pages`: write ``k, v [num_layers, n, ...]`` into ``pages``."""
+        """Inverse of :meth:`read_pages`: write ``k, v [num_layers, n, ...]`` into ``pages``
+        (rows of a quantized pool as stored: codes and scales, never converted)."""
         idx = torch.as_tensor(pages, dtype=torch.long, device=self.device).flatten()
+        if self.quantized and (k.dtype != self.dtype or v.dtype != self.dtype):
+            raise ValueError(
+                f"write_pages: a {self.dtype} pool takes {self.dtype} rows, got {k.dtype}"
+            )
         for layer in range(self.num_layers):
             self.k[layer].index_copy_(0, idx, k[layer].to(self.device, self.dtype))
             self.v[layer].index_copy_(0, idx, v[layer].to(self.device, self.dtype))

@@ -24,6 +24,7 @@ from radixkv.model.attention.base import AttentionBackend, ForwardBatch
 from radixkv.model.attention.factory import make_attention_backend
 from radixkv.model.host_cpu import has_native_bf16
 from radixkv.model.kv_pool import KVPool
+from radixkv.model.kv_quant import is_quantized, kv_storage_dtype
 from radixkv.model.llama import LlamaModel, ModelConfig
 
 __all__ = [
@@ -147,6 +148,8 @@ class ModelRunner:
             :mod:`radixkv.model.virtual_kv`; falls back to paged with a warning where the OS
             page does not divide a KV page, or off Linux/CPU). ``self.virtual`` is set when on.
         max_model_len: longest sequence (sizes the virtual ranges; default the model's context).
+        kv_cache_dtype: ``"auto"`` (pages in ``dtype``), ``"int8"`` or ``"fp8_e4m3"`` (codes
+            with a scale per token and head, :mod:`radixkv.model.kv_quant`).
     """
 
     def __init__(
@@ -163,9 +166,17 @@ class ModelRunner:
         num_threads: int | None = None,
         kv_layout: str = "paged",
         max_model_len: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_dtype = kv_storage_dtype(kv_cache_dtype, self.dtype)
+        if kv_layout == "virtual" and is_quantized(self.kv_dtype):
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} needs kv_layout='paged' (the virtual layout "
+                "stores K/V in the model's dtype); use kv_layout='paged', or kv_cache_dtype='auto'"
+            )
         warn_if_emulated_bf16(self.dtype, self.device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -187,7 +198,7 @@ class ModelRunner:
             page_size,
             self.config.num_kv_heads,
             self.config.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         self.virtual: Any = None
@@ -212,7 +223,7 @@ class ModelRunner:
         else:
             self.pool = KVPool(*pool_args)
             self.backend = make_attention_backend(
-                attention_backend, self.device, self.dtype, self.config.head_dim
+                attention_backend, self.device, self.dtype, self.config.head_dim, self.kv_dtype
             )
         self.attention_backend = self.backend.name
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from radixkv.model.kv_quant import dequantize, is_quantized, quantize
+
 __all__ = ["ForwardBatch", "AttentionBackend", "torch_store_kvcache"]
 
 
@@ -87,11 +89,26 @@ def torch_store_kvcache(
     v_cache: torch.Tensor,
     out_slots: torch.Tensor,
 ) -> None:
-    """Write ``k, v [T, Hkv, D]`` into the slots ``out_slots [T]`` of the paged caches."""
+    """Write ``k, v [T, Hkv, D]`` into the slots ``out_slots [T]`` of the paged caches
+    (quantized on the way into an int8 / fp8 pool, :mod:`radixkv.model.kv_quant`)."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     slots = out_slots if out_slots.dtype == torch.long else out_slots.long()
+    if is_quantized(k_cache):
+        k, v = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def compute_dtype(cache: torch.Tensor, q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the torch paths attend in: the cache's, or the queries' over quantized pages."""
+    return q_dtype if is_quantized(cache) else cache.dtype
+
+
+def read_rows(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cache.index_select(0, index)`` as values of ``dtype`` (dequantized from a quantized
+    pool): the torch paths' gather of pages or slots."""
+    rows = cache.index_select(0, index)
+    return dequantize(rows, dtype) if is_quantized(cache) else rows.to(dtype)
 
 
 class AttentionBackend:

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixkv.model.attention.base import AttentionBackend, ForwardBatch, torch_store_kvcache
+from radixkv.model.attention.base import (
+    AttentionBackend,
+    ForwardBatch,
+    compute_dtype,
+    read_rows,
+    torch_store_kvcache,
+)
 from radixkv.model.attention.prefix_groups import shared_prefix_groups
 from radixkv.model.attention.torch_backend import blockdiag_decode
 
@@ -251,11 +257,11 @@ def _decode_blockdiag(
     """Decode own-parts (one query row per request) through :func:`blockdiag_decode`, which
     beats the fused kernel here: at one row its query tiles are mostly empty."""
     b = part.rows.shape[0]
-    width = k_cache.shape[2] * k_cache.shape[3]
-    keys = k_cache.index_select(0, part.pages).view(b, part.length, width)
-    vals = v_cache.index_select(0, part.pages).view(b, part.length, width)
+    width = k_cache.shape[2] * q.shape[2]
+    keys = read_rows(k_cache, part.pages, q.dtype).view(b, part.length, width)
+    vals = read_rows(v_cache, part.pages, q.dtype).view(b, part.length, width)
     if part.mask is None:
-        part.mask = torch.zeros(b, 1, part.length, dtype=k_cache.dtype).masked_fill_(
+        part.mask = torch.zeros(b, 1, part.length, dtype=q.dtype).masked_fill_(
             ~part.allowed, float("-inf")
         )
     o, lse = blockdiag_decode(
@@ -264,10 +270,11 @@ def _decode_blockdiag(
     return o, lse  # type: ignore[return-value]
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """``[num_pages, P, Hkv, D]`` -> the pages' tokens as ``[Hkv, len * P, D]`` (a view)."""
-    run = cache.index_select(0, pages)
-    return run.view(-1, cache.shape[2], cache.shape[3]).transpose(0, 1)
+def _gather(cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[num_pages, P, Hkv, D]`` -> the pages' tokens as ``[Hkv, len * P, D]`` in ``dtype``
+    (dequantized from a quantized pool)."""
+    run = read_rows(cache, pages, dtype)
+    return run.view(-1, cache.shape[2], run.shape[-1]).transpose(0, 1)
 
 
 def cascade_attention(
@@ -283,7 +290,7 @@ def cascade_attention(
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
-    dtype = k_cache.dtype
+    dtype = compute_dtype(k_cache, q.dtype)
     q = q.to(dtype)
     out = torch.empty(t, hq, d, dtype=dtype)
     lse = torch.empty(t, hq, dtype=torch.float32) if meta.groups else None
@@ -300,8 +307,8 @@ def cascade_attention(
             part.mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(
                 ~allowed, float("-inf")
             )
-        keys = _gather(k_cache, part.pages).view(hkv, b, part.length, d).transpose(0, 1)
-        vals = _gather(v_cache, part.pages).view(hkv, b, part.length, d).transpose(0, 1)
+        keys = _gather(k_cache, part.pages, dtype).view(hkv, b, part.length, d).transpose(0, 1)
+        vals = _gather(v_cache, part.pages, dtype).view(hkv, b, part.length, d).transpose(0, 1)
         qp = _fold_rows(q, part.rows, hkv)
         o, l_ = _flash(qp, keys, vals, 0.0, False, attn_mask=part.mask, scale=sm_scale)
         o, l_ = _unfold_rows(o, l_, n_max, part.valid)
@@ -312,8 +319,8 @@ def cascade_attention(
         out[f.rows] = _causal(q[f.rows], k[f.rows].to(dtype), v[f.rows].to(dtype), sm_scale)
     for grp in meta.groups:
         b, m_max = grp.rows.shape
-        keys = _gather(k_cache, grp.pages).view(hkv, b, grp.num_tokens, d).transpose(0, 1)
-        vals = _gather(v_cache, grp.pages).view(hkv, b, grp.num_tokens, d).transpose(0, 1)
+        keys = _gather(k_cache, grp.pages, dtype).view(hkv, b, grp.num_tokens, d).transpose(0, 1)
+        vals = _gather(v_cache, grp.pages, dtype).view(hkv, b, grp.num_tokens, d).transpose(0, 1)
         o, l_ = _flash(_fold_rows(q, grp.rows, hkv), keys, vals, 0.0, False, scale=sm_scale)
         o_a, lse_a = _unfold_rows(o, l_, m_max, grp.valid)
         o_b = out.index_select(0, grp.real_rows).float()

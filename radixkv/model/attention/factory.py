@@ -8,6 +8,7 @@ import os
 import torch
 
 from radixkv.model.attention.base import AttentionBackend
+from radixkv.model.kv_quant import is_quantized
 
 FP32_MODES = ("native", "cascade", "plain")
 
@@ -24,6 +25,7 @@ def make_attention_backend(
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
     head_dim: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """``"torch"``, ``"triton"`` or ``None`` (triton on CUDA, torch elsewhere).
 
@@ -44,6 +46,8 @@ def make_attention_backend(
     dev = torch.device(device)
     if name is None:
         name = "triton" if dev.type == "cuda" else "torch"
+    if kv_dtype is not None and is_quantized(kv_dtype):
+        return _quantized_backend(name, dtype)
     if name == "torch":
         mode = _fp32_mode() if dtype == torch.float32 else "native"
         if dtype == torch.float32 and (dev.type != "cpu" or mode == "plain"):
@@ -68,4 +72,24 @@ def make_attention_backend(
         from radixkv.model.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    raise ValueError(f"unknown attention_backend {name!r}: use 'torch' or 'triton'")
+
+
+def _quantized_backend(name: str, dtype: torch.dtype) -> AttentionBackend:
+    """The backend over int8 / fp8 pages (:mod:`radixkv.model.kv_quant`): the torch paths
+    dequantize the rows they gather (``RADIXKV_FP32_ATTENTION=plain``: the plain backend, else
+    the cascade)."""
+    if name == "torch":
+        if dtype == torch.float32 and _fp32_mode() == "plain":
+            from radixkv.model.attention.torch_backend import TorchAttentionBackend
+
+            return TorchAttentionBackend()
+        from radixkv.model.attention.cascade_backend import CascadeTorchBackend
+
+        return CascadeTorchBackend()
+    if name == "triton":
+        raise ValueError(
+            "the triton attention backend does not read quantized KV pages yet: use "
+            "attention_backend='torch', or kv_cache_dtype='auto'"
+        )
     raise ValueError(f"unknown attention_backend {name!r}: use 'torch' or 'triton'")

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixkv.model.attention.base import AttentionBackend, ForwardBatch, torch_store_kvcache
+from radixkv.model.attention.base import (
+    AttentionBackend,
+    ForwardBatch,
+    compute_dtype,
+    read_rows,
+    torch_store_kvcache,
+)
+from radixkv.model.kv_quant import is_quantized
 
 _EYE_CACHE: dict[tuple[int, int, torch.dtype, torch.device, float], torch.Tensor] = {}
 
@@ -150,10 +157,13 @@ def _decode_group_attention(
     """Attention of ``q [B, Hq, D]`` (one row per request) over the gathered pages."""
     b, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    dtype = k_cache.dtype
+    dtype = compute_dtype(k_cache, q.dtype)
     n_pages = group.page_idx.numel()
     numel = n_pages * page_size * hkv * d
-    if workspace is not None:
+    if is_quantized(k_cache):
+        kbuf = read_rows(k_cache, group.page_idx, dtype)
+        vbuf = read_rows(v_cache, group.page_idx, dtype)
+    elif workspace is not None:
         kbuf = workspace.get("k", numel, dtype, k_cache.device).view(n_pages, page_size, hkv, d)
         vbuf = workspace.get("v", numel, dtype, k_cache.device).view(n_pages, page_size, hkv, d)
         torch.index_select(k_cache, 0, group.page_idx, out=kbuf)
@@ -210,15 +220,16 @@ def _extend_attention_one(
     sm_scale: float,
 ) -> torch.Tensor:
     """Attention of one request's new rows ``q [n, Hq, D]``; returns ``[n, Hq, D]``."""
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    hkv, d = k_cache.shape[2], q.shape[2]
     hq = q.shape[1]
     if ext.prefix == 0 and k_new is not None and v_new is not None:
         keys, values, mask, causal = k_new, v_new, None, True
     else:
         total = ext.prefix + ext.n
         assert ext.page_idx is not None
-        keys = k_cache.index_select(0, ext.page_idx).view(-1, hkv, d)[:total]
-        values = v_cache.index_select(0, ext.page_idx).view(-1, hkv, d)[:total]
+        dtype = compute_dtype(k_cache, q.dtype)
+        keys = read_rows(k_cache, ext.page_idx, dtype).view(-1, hkv, d)[:total]
+        values = read_rows(v_cache, ext.page_idx, dtype).view(-1, hkv, d)[:total]
         mask, causal = ext.mask, False
     dtype = keys.dtype
     qt = q.to(dtype).transpose(0, 1).unsqueeze(0)
@@ -247,7 +258,7 @@ def _run_torch_attention(
         return _decode_group_attention(q, k_cache, v_cache, dec, sm_scale, workspace)
     if dec is None and len(meta.extends) == 1 and meta.extends[0].n == t:
         return _extend_attention_one(q, k, v, k_cache, v_cache, meta.extends[0], sm_scale)
-    out = torch.zeros(q.shape, dtype=k_cache.dtype, device=q.device)
+    out = torch.zeros(q.shape, dtype=compute_dtype(k_cache, q.dtype), device=q.device)
     if dec is not None:
         out[dec.rows] = _decode_group_attention(
             q[dec.rows], k_cache, v_cache, dec, sm_scale, workspace
@@ -286,7 +297,7 @@ def torch_decode_attention(
         ones,
         list(range(b)),
         k_cache.shape[1],
-        k_cache.dtype,
+        compute_dtype(k_cache, q.dtype),
         q.device,
     )
     # Requests with seq_len 1 have no prefix and land in `extends`: read from the cache anyway.
@@ -321,7 +332,7 @@ def torch_extend_attention(
         ext,
         starts,
         page_size,
-        k_cache.dtype,
+        compute_dtype(k_cache, q.dtype),
         q.device,
         decode_as_group=False,
     )
