@@ -73,13 +73,15 @@ class HostPool:
 
     @classmethod
     def like(cls, kv_pool: KVPool, num_pages: int) -> HostPool:
-        """A host pool with ``kv_pool``'s page layout (pinned when the device is CUDA)."""
+        """A host pool with ``kv_pool``'s page layout (pinned when the device is CUDA); a
+        quantized pool's rows are kept as they are, codes and scale (``head_dim`` is then the
+        row's ``D + 2``, :mod:`radixkv.model.kv_quant`)."""
         return cls(
             num_pages,
             kv_pool.page_size,
             kv_pool.num_layers,
             kv_pool.num_kv_heads,
-            kv_pool.head_dim,
+            getattr(kv_pool, "row_dim", kv_pool.head_dim),
             kv_pool.dtype,
             pin_memory=kv_pool.device.type == "cuda",
         )

@@ -321,7 +321,7 @@ class TieredCache(TierDurability):
                     pool.num_layers,
                     P,
                     pool.num_kv_heads,
-                    pool.head_dim,
+                    getattr(pool, "row_dim", pool.head_dim),  # quantized: codes + scale
                     pool.dtype,
                 )
                 pool.write_pages(disk_pages, k, v)

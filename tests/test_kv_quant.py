@@ -1,0 +1,150 @@
+"""Quantized KV pages (``kv_cache_dtype`` int8 / fp8_e4m3, radixkv/model/kv_quant.py).
+
+* the row format: codes within half a step of a float64 oracle, the scale inside the row, and
+  a zero row stays zero;
+* capacity: a page's bytes at the same geometry, against bfloat16 and float32;
+* the engine: greedy tokens over quantized pages equal from a cold prompt and from the prefix
+  cache, and through the host, disk and Redis tiers, which keep the rows as they are;
+* fingerprints: pages of one KV format (or of one model dtype) never serve another;
+* bad settings are a ``ValueError`` naming the alternative.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis_fixture
+import torch
+from test_tiers import _tiny, assert_idle_clean, cycle_workload, greedy, run_sequential
+
+from radixkv import Engine
+from radixkv.engine.assembly import engine_fingerprint
+from radixkv.model.kv_pool import KVPool
+from radixkv.model.kv_quant import SCALE_BYTES, dequantize, quantize
+
+P = 16
+QUANT = ["int8", "fp8_e4m3"]
+redis_server = redis_fixture.redis_server
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    return _tiny(1234, "tiny-quant")
+
+
+def engine(model: Any, kv: str, **knobs: Any) -> Engine:
+    knobs.setdefault("page_size", P)
+    knobs.setdefault("dtype", "float32")
+    knobs.setdefault("kv_cache_tokens", 4096)
+    return Engine(model, kv_cache_dtype=kv, **knobs)
+
+
+# ------------------------------------------------------------------------------- row format
+@pytest.mark.parametrize("storage", [torch.int8, torch.uint8], ids=["int8", "fp8_e4m3"])
+def test_rows_round_trip_within_their_step(storage: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 64, generator=g, dtype=torch.float64) * 4
+    x[5, 1] = 0.0  # an all-zero row
+    x[7, 2, 9] = 900.0  # an outlier owns its row's scale, not its neighbours'
+    rows = quantize(x.float(), storage)
+    assert rows.shape == (64, 3, 64 + SCALE_BYTES) and rows.dtype == storage
+    back = dequantize(rows, torch.float64)
+    scale = rows[..., 64:].contiguous().view(torch.bfloat16).double()
+    amax = x.abs().amax(-1, keepdim=True)
+    qmax = 127 if storage == torch.int8 else 448
+    assert (scale >= amax / qmax).all()  # no code overflows
+    assert (scale <= amax / qmax * (1 + 2**-7)).all()  # each row's own: the outlier's is its own
+    err = (back - x).abs()
+    if storage == torch.int8:
+        assert (err <= scale / 2 * (1 + 1e-6) + 1e-6 * amax).all()
+    else:  # e4m3 keeps 3 mantissa bits: half a step is 2^-4 of the value (subnormals: absolute)
+        assert (err <= (x.abs() * 2**-4).clamp_min(scale * 2**-9) * (1 + 1e-6)).all()
+    assert back[5, 1].abs().max() == 0
+
+
+def test_a_page_takes_fewer_bytes_scales_included() -> None:
+    geometry = (30, P, 3, 64)  # SmolLM2-135M: 30 layers, 3 KV heads of 64
+    bf16 = KVPool.bytes_per_page_for(*geometry, torch.bfloat16)
+    fp32 = KVPool.bytes_per_page_for(*geometry, torch.float32)
+    for storage in (torch.int8, torch.uint8):
+        q = KVPool.bytes_per_page_for(*geometry, storage)
+        assert q == 2 * 30 * P * 3 * (64 + 2)
+        assert bf16 / q == pytest.approx(128 / 66) and fp32 / q == pytest.approx(256 / 66)
+
+
+# ---------------------------------------------------------------------------------- engine
+@pytest.mark.parametrize("kv", QUANT)
+def test_engine_over_quantized_pages_is_cache_consistent(tiny: Any, kv: str) -> None:
+    prompts = cycle_workload(rounds=2, seed=3)
+    e = engine(tiny, kv)
+    assert e.runner.pool.quantized and e.runner.pool.row_dim == e.runner.pool.head_dim + 2
+    first = run_sequential(e, prompts)
+    stats = e.stats()
+    assert stats["cached_tokens_total"] > 0  # the second round hit the system prompts
+    cold = engine(tiny, kv, enable_prefix_cache=False)
+    assert run_sequential(cold, prompts) == first
+    assert_idle_clean(e)
+
+
+@pytest.mark.parametrize("kv", QUANT)
+def test_host_and_disk_tiers_keep_quantized_rows(tiny: Any, kv: str, tmp_path: Path) -> None:
+    prompts = cycle_workload(rounds=3, seed=5)
+    want = run_sequential(engine(tiny, kv, kv_cache_tokens=16384), prompts)
+    tiered = engine(
+        tiny, kv, kv_cache_tokens=640, host_cache_tokens=4096, disk_cache_dir=str(tmp_path)
+    )
+    assert tiered.tiers.host.k.dtype == tiered.runner.pool.dtype
+    assert run_sequential(tiered, prompts) == want
+    by_tier = tiered.stats()["cached_tokens_by_tier"]
+    assert by_tier.get("host", 0) > 0, by_tier
+    tiered.close()  # makes what the host holds durable on disk
+    fresh = engine(tiny, kv, kv_cache_tokens=640, disk_cache_dir=str(tmp_path))
+    (out,) = fresh.generate([prompts[0]], greedy())
+    assert out.cached_tokens_by_tier.get("disk", 0) > 0
+    assert out.token_ids == want[0]
+    assert fresh.stats()["tiers"]["corrupt_files"] == 0
+    fresh.tiers.close()
+
+
+def test_redis_serves_quantized_rows_to_another_replica(tiny: Any, redis_server: Any) -> None:
+    redis_server.client().flushdb()
+    ids = cycle_workload(rounds=1, seed=9)[0]
+    (want,) = engine(tiny, "int8").generate([ids], greedy())
+    a = engine(tiny, "int8", remote_cache_url=redis_server.url)
+    b = engine(tiny, "int8", remote_cache_url=redis_server.url)
+    a.generate([ids], greedy())
+    a.tiers.sync()
+    (out,) = b.generate([ids], greedy())
+    assert out.cached_tokens_by_tier.get("remote", 0) >= len(ids) - 2 * P
+    assert out.token_ids == want.token_ids
+    assert b.stats()["tiers"]["remote"]["corrupt_values"] == 0
+    # a replica with bf16-format... here float32 pages: a different fingerprint, so it misses
+    c = engine(tiny, "auto", remote_cache_url=redis_server.url)
+    (plain,) = c.generate([ids], greedy())
+    assert plain.cached_tokens_by_tier.get("remote", 0) == 0
+    for x in (a, b, c):
+        x.tiers.close()
+
+
+def test_fingerprint_names_the_kv_format_and_the_model_dtype(tiny: Any) -> None:
+    prints = set()
+    for kv in ("auto", "int8", "fp8_e4m3"):
+        for dtype in ("float32", "bfloat16"):
+            e = engine(tiny, kv, dtype=dtype, kv_cache_tokens=256)
+            pool = e.runner.pool
+            prints.add(
+                engine_fingerprint(
+                    "m", pool, P, compute_dtype=e.runner.dtype, config=e.runner.hf_config
+                )
+            )
+    assert len(prints) == 6
+
+
+# ------------------------------------------------------------------------------ bad settings
+def test_bad_settings_name_the_alternative(tiny: Any) -> None:
+    with pytest.raises(ValueError, match="int8, fp8_e4m3"):
+        engine(tiny, "int4")
+    with pytest.raises(ValueError, match="kv_layout='paged'"):
+        engine(tiny, "int8", kv_layout="virtual")
