@@ -256,10 +256,13 @@ class Engine:
         )
         if self.virtual_layout is not None:
             self.virtual_layout.before_forward(fb, [seq for seq, _ in batch.entries])
-        self.grammars.prefetch(  # the rows that sample this step; filled during the forward
-            seq
-            for seq, n in batch.entries
-            if seq.num_computed + n >= seq.num_tokens and seq.gang is None
+        self.grammars.prefetch(  # the rows that sample this step, unless the last step began it
+            (
+                seq
+                for seq, n in batch.entries
+                if seq.num_computed + n >= seq.num_tokens and seq.gang is None
+            ),
+            keep_started=True,
         )
         logits = self.runner.forward(fb, return_all_logits=all_rows)
         if all_rows:  # some prompt wants its logprobs: every row was computed
@@ -286,6 +289,11 @@ class Engine:
         self.beams.advance_ready(outputs)
         if self.virtual_layout is not None:
             self.virtual_layout.after_step(self.scheduler.running)
+        # the next step's bitmasks for the decoding rows: filled while this step's outputs are
+        # published and the next one is scheduled (single-threaded work) and its forward runs
+        self.grammars.prefetch(
+            s for s in self.scheduler.running if not s.in_prefill and s.gang is None
+        )
         return outputs
 
     def _account_admission(self, seq: Sequence) -> None:

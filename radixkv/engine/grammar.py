@@ -355,12 +355,16 @@ class StructuredRuntime:
         cf.wait(pending, timeout=timeout, return_when=cf.FIRST_COMPLETED)
         return True
 
-    def prefetch(self, seqs: Iterable[Sequence]) -> None:
+    def prefetch(self, seqs: Iterable[Sequence], keep_started: bool = False) -> None:
         """Start filling the bitmasks of ``seqs``' constrained rows on a worker thread, so that
         the fill runs while the forward pass does (xgrammar releases the GIL; vLLM and SGLang
         overlap the same way). Called with the sequences that will sample this step, before
         their forward; :meth:`mask` takes a row from it only when that row's matcher has not
-        moved since (same matcher, same ``accepted``), and fills any other row itself."""
+        moved since (same matcher, same ``accepted``), and fills any other row itself.
+        ``keep_started``: leave a fill already under way (the engine starts the next step's fill
+        at the end of a step, for the rows decoding then, and again before the forward)."""
+        if keep_started and self._ahead is not None:
+            return
         self._drop_ahead()
         if self._pool is None:  # no request has ever had a constraint
             return
