@@ -109,6 +109,12 @@ class ServerMetrics:
             "radixkv_kv_pages_cached", "KV pages held by the prefix cache.", registry=r
         )
         self.pages_free = Gauge("radixkv_kv_pages_free", "Free KV pages.", registry=r)
+        self.kv_bytes_per_token = Gauge(
+            "radixkv_kv_bytes_per_token",
+            "Bytes of K and V one token takes in the pool over all layers, in its KV dtype "
+            "(int8 / fp8 pages count their scales).",
+            registry=r,
+        )
         self.remote_up = Gauge(
             "radixkv_remote_cache_up",
             "1 while the shared remote KV tier (Redis) answers; 0 while it is off or when "
@@ -175,6 +181,7 @@ class ServerMetrics:
             "pages_used": self.pages_used,
             "pages_cached": self.pages_cached,
             "pages_free": self.pages_free,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
             "hit_rate": self.hit_rate,
         }
         for key, gauge in gauges.items():

@@ -83,6 +83,14 @@ def test_engine_over_quantized_pages_is_cache_consistent(tiny: Any, kv: str) -> 
     first = run_sequential(e, prompts)
     stats = e.stats()
     assert stats["cached_tokens_total"] > 0  # the second round hit the system prompts
+    assert stats["kv_cache_dtype"] == kv
+    assert stats["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 2)  # 2 layers, 2 KV heads of 16
+    assert stats["kv_pool_bytes"] == e.runner.pool.total_bytes
+    from radixkv.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.update_from_stats(stats)
+    assert "radixkv_kv_bytes_per_token 144.0" in metrics.render().decode()
     cold = engine(tiny, kv, enable_prefix_cache=False)
     assert run_sequential(cold, prompts) == first
     assert_idle_clean(e)

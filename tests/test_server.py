@@ -705,6 +705,8 @@ def test_serve_flags_map_to_engine_knobs() -> None:
             "/tmp/x",
             "--disk-cache-bytes",
             "1000000",
+            "--kv-cache-dtype",
+            "int8",
         ]
     )
     assert (resolve_model(args)[0], args.host, args.port, args.api_key, args.max_waiting) == (
@@ -727,6 +729,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         "host_cache_tokens": 1024,
         "disk_cache_dir": "/tmp/x",
         "disk_cache_bytes": 1000000,
+        "kv_cache_dtype": "int8",
     }
     covered = set(engine_kwargs(args))
     # the other knobs, and the flags that go to the app rather than the engine

@@ -90,6 +90,21 @@ class StatsSource(Protocol):
     tree: RadixTree
     scheduler: Scheduler
     tiers: Any
+    runner: Any
+
+
+def _kv_format(runner: Any) -> dict[str, Any]:
+    """The pool's KV dtype (``auto``: the model's, named) and its bytes per token, scales
+    included, so capacity reads in tokens for the chosen KV dtype."""
+    pool = getattr(runner, "pool", None)
+    if pool is None:
+        return {}
+    kind = getattr(runner, "kv_cache_dtype", "auto")
+    return {
+        "kv_cache_dtype": str(pool.dtype).removeprefix("torch.") if kind == "auto" else kind,
+        "kv_bytes_per_token": pool.bytes_per_page // pool.page_size,
+        "kv_pool_bytes": pool.total_bytes,
+    }
 
 
 def engine_stats(engine: StatsSource) -> dict[str, Any]:
@@ -102,6 +117,7 @@ def engine_stats(engine: StatsSource) -> dict[str, Any]:
         "running": len(engine.scheduler.running),
         "waiting": len(engine.scheduler.waiting),
         "page_size": engine.page_size,
+        **_kv_format(engine.runner),
         "pages_total": alloc.num_pages,
         "pages_used": alloc.num_used,
         "pages_cached": cached_pages,

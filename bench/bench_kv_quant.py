@@ -1,0 +1,220 @@
+"""Quantized KV pages (``--kv-cache-dtype int8 / fp8_e4m3``) against unquantized ones, side by side
+in one run on SmolLM2-135M-Instruct: accuracy, capacity and the decode step.
+
+* **Capacity**: tokens one GiB of pool holds per KV dtype (the engine's own sizing rule), and
+  the ratios to bfloat16 and float32.
+* **Greedy agreement**: ``--prompts`` (200) chat prompts x ``--tokens`` (64) greedy tokens,
+  generated together; per quantized dtype the share of continuations identical to the
+  unquantized engine's (same model dtype, same batch) and the mean number of tokens before the
+  first divergence (a full continuation counts ``--tokens``).
+* **Logprob error against the float64 oracle**: for the first ``--oracle-prompts`` (8), each
+  generated token's top-5 logprobs from the engine against transformers' float64 forward of the
+  same prompt + continuation; the unquantized engine's own error is the baseline.
+* **Perplexity** of a fixed English text (``bench/data/ppl_text.txt``), prefilled in chunks of
+  32 tokens so that nearly every query attends over cached (quantized) keys; the change against
+  the unquantized pool (target within 1%).
+* **Decode step**: the batch-64 step on 4 x 768 shared + 64 own tokens, greedy, median of the
+  steps with all 64 rows decoding, unquantized vs each quantized dtype (interleaved runs).
+
+Run from the repository root: ``python -m bench.bench_kv_quant`` (``--dtype`` float32 or
+bfloat16, default the host's; ``--skip-speed``, ``--skip-accuracy``). Prints the host's ISA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixkv import Engine, SamplingParams
+from radixkv.model import native
+from radixkv.model.kv_pool import KVPool
+from radixkv.model.kv_quant import kv_storage_dtype
+
+QUANT = ("int8", "fp8_e4m3")
+TEXT = Path(__file__).parent / "data" / "ppl_text.txt"
+TOPICS = [
+    "volcanoes", "the moon", "bread", "bees", "rivers", "chess", "glass", "tea", "whales",
+    "maps", "bridges", "rain", "copper", "owls", "deserts", "paper", "trains", "salt",
+    "music", "gardens", "clocks", "ice", "ants", "castles", "wind", "coffee", "sharks",
+    "snow", "bicycles", "forests", "stars", "cheese", "kites", "lightning", "wolves",
+    "islands", "honey", "ships", "mountains", "cotton",
+]  # fmt: skip
+ASKS = [
+    "Tell me three facts about {}.",
+    "Write a short poem about {}.",
+    "Explain {} to a child.",
+    "What is the history of {}?",
+    "Give me a fun question about {}.",
+]
+
+
+def chat_prompts(engine: Engine, n: int) -> list[list[int]]:
+    texts = [ask.format(topic) for ask in ASKS for topic in TOPICS][:n]
+    return [engine.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+
+def capacity(model: Any, dtype: torch.dtype) -> None:
+    cfg = model.config
+    geometry = (
+        cfg.num_hidden_layers,
+        1,
+        cfg.num_key_value_heads,
+        cfg.hidden_size // cfg.num_attention_heads,
+    )
+    per = {
+        name: KVPool.bytes_per_page_for(*geometry, kv_storage_dtype(name, d))
+        for name, d in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+    }
+    for kv in QUANT:
+        per[kv] = KVPool.bytes_per_page_for(*geometry, kv_storage_dtype(kv, dtype))
+    print("capacity per GiB of KV pool (tokens; bytes per token incl. scales):")
+    for name, b in per.items():
+        print(
+            f"  {name:9s} {2**30 // b:9d} tokens  {b:5d} B/token  "
+            f"{per['bfloat16'] / b:.2f}x bf16  {per['float32'] / b:.2f}x fp32"
+        )
+
+
+def agreement(model: Any, dtype: str, n: int, tokens: int) -> dict[str, list[list[int]]]:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    outs: dict[str, list[list[int]]] = {}
+    prompts: list[list[int]] = []
+    for kv in ("auto", *QUANT):
+        e = Engine(
+            model, dtype=dtype, kv_cache_dtype=kv, max_running_requests=n, kv_cache_tokens=65536
+        )
+        prompts = prompts or chat_prompts(e, n)
+        outs[kv] = [o.token_ids for o in e.generate(prompts, params)]
+    print(f"greedy agreement with unquantized KV ({n} prompts x {tokens} tokens, {dtype}):")
+    for kv in QUANT:
+        same = sum(a == b for a, b in zip(outs["auto"], outs[kv]))
+        first = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), tokens)
+            for a, b in zip(outs["auto"], outs[kv])
+        ]
+        print(
+            f"  {kv:9s} identical {same}/{n} ({same / n:.1%}), mean tokens before the first "
+            f"divergence {statistics.mean(first):.1f} of {tokens}"
+        )
+    outs["prompts"] = prompts
+    return outs
+
+
+def oracle_error(model: Any, dtype: str, prompts: list[list[int]], tokens: int) -> None:
+    from radixkv.model.loader import load_model
+
+    oracle = load_model("smollm2", dtype=torch.float32).hf_model.to(torch.float64).eval()
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+    print(
+        f"logprob error against transformers' float64 forward ({len(prompts)} prompts x {tokens} "
+        f"tokens, top-5 per token, {dtype}): max / mean |engine - oracle|"
+    )
+    for kv in ("auto", *QUANT):
+        e = Engine(model, dtype=dtype, kv_cache_dtype=kv, kv_cache_tokens=16384)
+        errs: list[float] = []
+        for out in e.generate(prompts, params):
+            ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+            with torch.no_grad():
+                logits = oracle(torch.tensor([ids])).logits[0].double()
+            ref = torch.log_softmax(logits, -1)
+            start = len(out.prompt_token_ids) - 1
+            for i, step in enumerate(out.outputs[0].logprobs):
+                for tok, lp in step.items():
+                    errs.append(abs(lp.logprob - float(ref[start + i, tok])))
+        label = "unquantized" if kv == "auto" else kv
+        print(f"  {label:11s} {max(errs):.4f} / {statistics.mean(errs):.5f}")
+
+
+def perplexity(model: Any, dtype: str) -> None:
+    text = TEXT.read_text()
+    results = {}
+    for kv in ("auto", *QUANT):
+        e = Engine(
+            model, dtype=dtype, kv_cache_dtype=kv, chunked_prefill_tokens=32, kv_cache_tokens=8192
+        )
+        ids = e.tokenizer.encode(text)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        (out,) = e.generate([ids], params)
+        nll = [-next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+        results[kv] = float(torch.tensor(nll, dtype=torch.float64).mean().exp())
+    base = results["auto"]
+    print(f"perplexity of bench/data/ppl_text.txt ({len(nll) + 1} tokens, chunks of 32, {dtype}):")
+    for kv, ppl in results.items():
+        label = "unquantized" if kv == "auto" else kv
+        print(f"  {label:11s} {ppl:.4f}  ({(ppl / base - 1) * 100:+.2f}%)")
+
+
+def decode_step(model: Any, dtype: str, runs: int) -> None:
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(768)] for _ in range(4)]
+    prompts = [prefixes[i % 4] + [rng.randrange(100, 40000) for _ in range(64)] for i in range(64)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    medians: dict[str, list[float]] = {kv: [] for kv in ("auto", *QUANT)}
+    backends: dict[str, str] = {}
+    for _ in range(runs):
+        for kv in medians:
+            e = Engine(
+                model,
+                dtype=dtype,
+                kv_cache_dtype=kv,
+                max_running_requests=64,
+                kv_cache_tokens=16384,
+            )
+            backends[kv] = type(e.runner.backend).__name__
+            for i, p in enumerate(prompts):
+                e.add_request(f"r{i}", p, params)
+            steps = []
+            while e.has_unfinished():
+                start = time.perf_counter()
+                e.step()
+                took = time.perf_counter() - start
+                s = e.stats()
+                if s["running"] == 64 and s["waiting"] == 0:
+                    steps.append(took)
+            medians[kv].append(statistics.median(steps[3:-2]) * 1e3)
+    base = statistics.median(medians["auto"])
+    print(
+        f"batch-64 decode step (4 x 768 shared + 64 own tokens, {dtype}, medians of {runs} runs):"
+    )
+    for kv, ms in medians.items():
+        m = statistics.median(ms)
+        label = "unquantized" if kv == "auto" else kv
+        print(
+            f"  {label:11s} {m:7.1f} ms  {m / base:.3f}x  ({backends[kv]}; runs {[round(x, 1) for x in ms]})"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--oracle-prompts", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-accuracy", action="store_true")
+    args = parser.parse_args()
+    from radixkv.model.loader import load_model
+    from radixkv.model.runner import default_dtype
+
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype("cpu")
+    name = str(dtype).removeprefix("torch.")
+    print(f"host ISA: {native.host_isa()}, dtype: {name}, torch threads: {torch.get_num_threads()}")
+    model = load_model("smollm2", dtype=dtype)
+    capacity(model, dtype)
+    if not args.skip_accuracy:
+        outs = agreement(model, name, args.prompts, args.tokens)
+        oracle_error(model, name, outs["prompts"][: args.oracle_prompts], args.tokens)
+        perplexity(model, name)
+    if not args.skip_speed:
+        decode_step(model, name, args.runs)
+
+
+if __name__ == "__main__":
+    main()
