@@ -68,7 +68,7 @@ def capacity(model: Any, dtype: torch.dtype) -> None:
         cfg.hidden_size // cfg.num_attention_heads,
     )
     per = {
-        name: KVPool.bytes_per_page_for(*geometry, kv_storage_dtype(name, d))
+        name: KVPool.bytes_per_page_for(*geometry, d)
         for name, d in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
     }
     for kv in QUANT:

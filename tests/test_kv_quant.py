@@ -22,7 +22,7 @@ from test_tiers import _tiny, assert_idle_clean, cycle_workload, greedy, run_seq
 from radixkv import Engine
 from radixkv.engine.assembly import engine_fingerprint
 from radixkv.model.kv_pool import KVPool
-from radixkv.model.kv_quant import SCALE_BYTES, dequantize, quantize
+from radixkv.model.kv_quant import SCALE_BYTES, dequantize, hadamard, quantize
 
 P = 16
 QUANT = ["int8", "fp8_e4m3"]
@@ -156,3 +156,36 @@ def test_bad_settings_name_the_alternative(tiny: Any) -> None:
         engine(tiny, "int4")
     with pytest.raises(ValueError, match="kv_layout='paged'"):
         engine(tiny, "int8", kv_layout="virtual")
+
+
+# --------------------------------------------------------------------------------- rotation
+@pytest.mark.parametrize("d", [16, 64, 80, 96, 128])
+def test_the_rotation_is_orthogonal_up_to_its_block(d: int) -> None:
+    h = hadamard(d).double()
+    b = d & -d
+    assert set(h.unique().tolist()) <= {-1.0, 0.0, 1.0}
+    assert torch.equal(h @ h.T, b * torch.eye(d, dtype=torch.float64))
+
+
+def test_rotating_q_k_v_leaves_attention_unchanged(tiny: Any) -> None:
+    """RotatedKVBackend around an unquantized float32 pool: the same logprobs as without it
+    (the rotation alone, isolated from quantization)."""
+    from radixkv import SamplingParams
+    from radixkv.model.attention.rotated_kv import RotatedKVBackend
+
+    prompts = cycle_workload(rounds=1, seed=2)[:2]
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=3
+    )
+    plain = engine(tiny, "auto", chunked_prefill_tokens=64)
+    rotated = engine(tiny, "auto", chunked_prefill_tokens=64)
+    rotated.runner.backend = RotatedKVBackend(rotated.runner.backend, plain.runner.pool.head_dim)
+    worst = 0.0
+    for a, b in zip(plain.generate(prompts, params), rotated.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        pairs = list(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]))
+        pairs += list(zip(a.outputs[0].logprobs, b.outputs[0].logprobs))
+        for x, y in pairs:
+            assert x.keys() == y.keys()
+            worst = max(worst, *(abs(x[t].logprob - y[t].logprob) for t in x))
+    assert worst < 1e-4, worst

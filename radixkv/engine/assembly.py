@@ -217,7 +217,7 @@ def engine_fingerprint(
         "head_dim": kv_pool.head_dim,
     }
     if is_quantized(kv_pool.dtype):  # rows of codes + a bf16 scale, from which model dtype
-        parts["kv_format"] = f"{kv_pool.dtype}+bf16-scale-per-token-head/{compute_dtype}"
+        parts["kv_format"] = f"hadamard/{kv_pool.dtype}+bf16-scale-per-token-head/{compute_dtype}"
     h.update(json.dumps(parts, sort_keys=True).encode())
     if config is not None:
         try:

@@ -225,6 +225,10 @@ class ModelRunner:
             self.backend = make_attention_backend(
                 attention_backend, self.device, self.dtype, self.config.head_dim, self.kv_dtype
             )
+            if is_quantized(self.kv_dtype):  # pages hold rotated rows (kv_quant's docstring)
+                from radixkv.model.attention.rotated_kv import RotatedKVBackend
+
+                self.backend = RotatedKVBackend(self.backend, self.config.head_dim)
         self.attention_backend = self.backend.name
 
     @property

@@ -1,0 +1,57 @@
+"""The rotation of quantized KV pages (:mod:`radixkv.model.kv_quant`) around any backend.
+
+:class:`RotatedKVBackend` wraps the backend of a quantized pool: per layer it rotates ``q``,
+``k`` and ``v`` by the ±1 Hadamard matrix ``H`` (``H H^T = b I``), lets the wrapped backend store
+``k H``, ``v H`` (quantized) and attend with the softmax scale divided by ``b`` (``qH . kH = b
+q . k``), and rotates the output back (``o H^T / b``). Attention is unchanged up to rounding;
+what is stored has a head's outlier channels spread over all of its channels, which is what
+makes one scale per row cheap in accuracy. Every reader of the pages (native, torch, Triton)
+sees rotated rows and rotated queries and never needs to know.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from radixkv.model.attention.base import AttentionBackend, ForwardBatch
+from radixkv.model.kv_quant import hadamard
+
+__all__ = ["RotatedKVBackend"]
+
+
+class RotatedKVBackend(AttentionBackend):
+    """``inner`` over rotated K/V (module docstring); ``head_dim`` sizes the rotation."""
+
+    def __init__(self, inner: AttentionBackend, head_dim: int) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.module = getattr(inner, "module", None)  # the fused ops follow the inner build
+        self.rotation = hadamard(head_dim)
+        self.block = float(self.rotation[0].abs().sum())
+        self._by_dtype: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def _h(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.dtype, like.device)
+        h = self._by_dtype.get(key)
+        if h is None:  # +-1 entries: exact in every float dtype
+            h = self._by_dtype[key] = self.rotation.to(device=like.device, dtype=like.dtype)
+        return h
+
+    def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> Any:
+        return self.inner.prepare(batch, dtype)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        h = self._h(q)
+        out = self.inner.forward(q @ h, k @ h, v @ h, k_cache, v_cache, meta, sm_scale / self.block)
+        return (out @ self._h(out).T).mul_(1.0 / self.block)
