@@ -3,6 +3,8 @@ in one run on SmolLM2-135M-Instruct: accuracy, capacity and the decode step.
 
 * **Capacity**: tokens one GiB of pool holds per KV dtype (the engine's own sizing rule), and
   the ratios to bfloat16 and float32.
+* **Multi-turn hit rate**: the engine on 16 conversations x 4 rounds (``radixkv.sim.workloads``)
+  at a ``--memory-gb`` pool (0.25 GiB: bfloat16 evicts there), per KV dtype.
 * **Greedy agreement**: ``--prompts`` (200) chat prompts x ``--tokens`` (64) greedy tokens,
   generated together; per quantized dtype the share of continuations identical to the
   unquantized engine's (same model dtype, same batch) and the mean number of tokens before the
@@ -150,6 +152,26 @@ def perplexity(model: Any, dtype: str) -> None:
         print(f"  {label:11s} {ppl:.4f}  ({(ppl / base - 1) * 100:+.2f}%)")
 
 
+def multi_turn_hit_rate(model: Any, dtype: str, memory_gb: float) -> None:
+    """The engine (prefill only: one output token) on 16 conversations x 4 rounds, requests one
+    at a time, at ``--kv-cache-memory-gb`` ``memory_gb`` for every KV dtype."""
+    from radixkv.sim.workloads import multi_turn
+
+    reqs = multi_turn(num_clients=16, num_rounds=4, seed=0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    print(
+        f"multi-turn hit rate (16 conversations x 4 rounds, {sum(len(r['input_ids']) for r in reqs)} "
+        f"prompt tokens) at --kv-cache-memory-gb {memory_gb} ({dtype} model):"
+    )
+    for kv in ("auto", *QUANT):
+        e = Engine(model, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory_gb=memory_gb)
+        for r in reqs:
+            e.generate([r["input_ids"]], params)
+        st = e.stats()
+        label = "unquantized" if kv == "auto" else kv
+        print(f"  {label:11s} pool {e.kv_capacity_tokens:6d} tokens  hit rate {st['hit_rate']:.4f}")
+
+
 def decode_step(model: Any, dtype: str, runs: int) -> None:
     rng = random.Random(0)
     prefixes = [[rng.randrange(100, 40000) for _ in range(768)] for _ in range(4)]
@@ -197,6 +219,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--oracle-prompts", type=int, default=8)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument(
+        "--memory-gb", type=float, default=0.25, help="KV pool of the multi-turn hit-rate run"
+    )
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-accuracy", action="store_true")
     args = parser.parse_args()
@@ -208,6 +233,7 @@ def main() -> None:
     print(f"host ISA: {native.host_isa()}, dtype: {name}, torch threads: {torch.get_num_threads()}")
     model = load_model("smollm2", dtype=dtype)
     capacity(model, dtype)
+    multi_turn_hit_rate(model, name, args.memory_gb)
     if not args.skip_accuracy:
         outs = agreement(model, name, args.prompts, args.tokens)
         oracle_error(model, name, outs["prompts"][: args.oracle_prompts], args.tokens)

@@ -84,6 +84,23 @@ def _run_simulate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"radixkv simulate: cannot read trace: {e}", file=sys.stderr)
         return 2
+    if args.kv_memory_gb is not None:
+        if args.capacity_tokens is not None or args.sweep is not None:
+            print(
+                "radixkv simulate: give --kv-memory-gb or --capacity-tokens/--sweep",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            args.capacity_tokens = _tokens_for_memory(args)
+        except ValueError as e:
+            print(f"radixkv simulate: {e}", file=sys.stderr)
+            return 2
+        print(
+            f"capacity: {args.capacity_tokens} tokens ({args.kv_memory_gb} GiB of "
+            f"{args.kv_cache_dtype} KV, geometry {args.geometry})",
+            file=sys.stderr,
+        )
     if args.sweep is None:
         if args.capacity_tokens is not None and args.capacity_tokens < 0:
             print("radixkv simulate: --capacity-tokens must be >= 0", file=sys.stderr)
@@ -132,6 +149,24 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokens_for_memory(args: argparse.Namespace) -> int:
+    """``--kv-memory-gb`` as tokens (``ValueError`` naming a bad geometry or budget)."""
+    from radixkv.sim.capacity import GEOMETRIES, tokens_for_memory
+
+    geometry = GEOMETRIES.get(args.geometry)
+    if geometry is None:
+        parts = args.geometry.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(
+                f"--geometry {args.geometry!r}: a model ({', '.join(GEOMETRIES)}) or "
+                "LAYERS,KV_HEADS,HEAD_DIM"
+            )
+        geometry = (int(parts[0]), int(parts[1]), int(parts[2]))
+    if not args.kv_memory_gb > 0:
+        raise ValueError("--kv-memory-gb must be > 0")
+    return tokens_for_memory(args.kv_memory_gb, geometry, args.kv_cache_dtype)
+
+
 def _write_html_report(args: argparse.Namespace, trace: list[Any], summary: dict[str, Any]) -> None:
     """``--html``: the dashboard page with the replay's hit rate over time and final tree."""
     from radixkv.server.dashboard import render_page
@@ -176,6 +211,25 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="device KV capacity in tokens (default: unbounded, nothing is ever evicted)",
+    )
+    p.add_argument(
+        "--kv-memory-gb",
+        type=float,
+        default=None,
+        help="device KV capacity as memory (GiB) instead of tokens: converted to tokens for "
+        "--kv-cache-dtype and --geometry",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["float32", "bfloat16", "float16", "int8", "fp8_e4m3"],
+        default="bfloat16",
+        help="with --kv-memory-gb: the KV dtype that sizes a token (int8/fp8 count their "
+        "scales; default bfloat16)",
+    )
+    p.add_argument(
+        "--geometry",
+        default="smollm2",
+        help="with --kv-memory-gb: a model name (smollm2, llama3-8b) or LAYERS,KV_HEADS,HEAD_DIM",
     )
     p.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default 1)")
     p.add_argument("--policy", choices=["lru", "lfu", "fifo"], default="lru")

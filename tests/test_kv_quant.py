@@ -189,3 +189,35 @@ def test_rotating_q_k_v_leaves_attention_unchanged(tiny: Any) -> None:
             assert x.keys() == y.keys()
             worst = max(worst, *(abs(x[t].logprob - y[t].logprob) for t in x))
     assert worst < 1e-4, worst
+
+
+# ------------------------------------------------------------------------------- simulator
+def test_simulator_sizes_a_memory_budget_per_kv_dtype(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``radixkv simulate --kv-memory-gb`` (no torch there) counts a token's bytes as the pool
+    does, and at a budget where bfloat16 evicts on the multi-turn workload, int8 pages hit more."""
+    import json
+
+    from radixkv.cli import main
+    from radixkv.sim.capacity import ELEMENT_BYTES, kv_bytes_per_token
+    from radixkv.sim.workloads import multi_turn, write_jsonl
+
+    storage = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    storage.update(int8=torch.int8, fp8_e4m3=torch.uint8)
+    assert set(storage) == set(ELEMENT_BYTES)
+    for name, dtype in storage.items():
+        for geometry in ((30, 3, 64), (32, 8, 128)):
+            pool = KVPool.bytes_per_page_for(geometry[0], 1, geometry[1], geometry[2], dtype)
+            assert kv_bytes_per_token(*geometry, name) == pool
+    path = tmp_path / "mt.jsonl"
+    write_jsonl(multi_turn(num_clients=16, num_rounds=4, seed=0), path)
+    rates = {}
+    for kv in ("bfloat16", "int8"):
+        args = ["simulate", "--trace", str(path), "--page-size", "16", "--json"]
+        assert main([*args, "--kv-memory-gb", "0.25", "--kv-cache-dtype", kv]) == 0
+        out = json.loads(capsys.readouterr().out)
+        rates[kv] = (out["token_hit_rate"], out["evictions"], out["optimal_hit_rate"])
+    assert rates["bfloat16"][1] > 0 and rates["int8"][1] == 0
+    assert rates["bfloat16"][0] < rates["int8"][0] == rates["int8"][2]
+    assert main(["simulate", "--trace", str(path), "--kv-memory-gb", "1", "--geometry", "3,x"]) == 2
