@@ -61,6 +61,8 @@ def collect_sample(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
             "used": _int(stats.get("pages_used")) * page,
             "cached": _int(stats.get("pages_cached")) * page,
             "capacity": _int(stats.get("pages_total")) * page,
+            "kv_dtype": str(stats.get("kv_cache_dtype", "")),
+            "bytes_per_token": _int(stats.get("kv_bytes_per_token")),
         }
     }
     t = stats.get("tiers") or {}

@@ -423,6 +423,9 @@ def test_cache_stats_history(server: ServerThread) -> None:
     assert last["requests"] == 2 and last["requests_hit"] == 1
     assert last["cached_tokens"] == server.app.state.shared  # type: ignore[attr-defined]
     assert last["tiers"]["device"]["capacity"] == 8192
+    pool = server.app.state.engine.runner.pool  # type: ignore[attr-defined]
+    assert last["tiers"]["device"]["kv_dtype"] == str(pool.dtype).removeprefix("torch.")
+    assert last["tiers"]["device"]["bytes_per_token"] == pool.bytes_per_page // pool.page_size
     assert last["tiers"]["device"]["cached"] == last["tiers"]["device"]["used"] > 0
     later = get(server, f"/cache/stats?history=true&since={seqs[-1]}").json()["history"]
     assert all(s["seq"] > seqs[-1] for s in later)

@@ -257,7 +257,9 @@
       box.appendChild(tierRow("device",
         { value: d.used, text: fmt(d.used) + " tok" }, { value: d.capacity, text: fmt(d.capacity) },
         d.used, [["cached prefixes", fmt(d.cached)], ["in running requests", fmt(inUse)],
-          ["hits", fmt(hits.device || 0) + " tok"], ["evicted", fmt(ev.device || 0) + " tok"]], "cached"));
+          ["hits", fmt(hits.device || 0) + " tok"], ["evicted", fmt(ev.device || 0) + " tok"],
+          ["KV dtype", (d.kv_dtype || "?") + (d.bytes_per_token ? " (" + bytes(d.bytes_per_token) + "/tok)" : "")]],
+        "cached"));
     }
     if (t.host) {
       box.appendChild(tierRow("host",
@@ -269,6 +271,8 @@
       box.appendChild(tierRow("disk",
         { value: t.disk.used_bytes, text: bytes(t.disk.used_bytes) }, { value: t.disk.capacity_bytes, text: bytes(t.disk.capacity_bytes) },
         0, [["files", fmt(t.disk.files)], ["hits", fmt(hits.disk || 0) + " tok"],
+          ["holds", t.device && t.device.bytes_per_token
+            ? "~" + fmt(Math.floor(t.disk.capacity_bytes / t.device.bytes_per_token)) + " tok" : "?"],
           ["loads", fmt(loads.disk || 0) + " (" + fmt(lp.disk || 0) + " pages)"]], "disk"));
     }
     if (t.remote) {
