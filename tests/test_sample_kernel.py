@@ -78,3 +78,29 @@ def test_native_draw_rejects_bad_inputs_with_a_message(isa):
         module.sample_rows(x.double(), torch.ones(2), torch.zeros(2, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="uniforms"):
         module.sample_rows(x, torch.ones(2), torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("vocab", [49152, 5003, 40])
+def test_native_grammar_mask_equals_xgrammars_apply(isa, vocab):
+    """``apply_token_bitmask_`` (the structured-output masks) against xgrammar's own CPU apply:
+    all-allowed, all-disallowed and mixed words, a vocab that ends inside a word, only some
+    rows; and its refusals."""
+    xgr = pytest.importorskip("xgrammar")
+    module = _module(isa)
+    gen = torch.Generator().manual_seed(vocab)
+    b, words = 12, (vocab + 31) // 32
+    logits = torch.randn(b, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (b, words), dtype=torch.int32, generator=gen)
+    bitmask[:, : words // 3] = -1
+    bitmask[:, words // 3 : words // 2] = 0
+    rows = [0, 3, 4, 11]
+    want, got = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab, indices=rows)
+    module.apply_token_bitmask_(got, bitmask, torch.tensor(rows))
+    assert torch.equal(got, want)
+    assert torch.equal(got[1], logits[1])  # a row not listed is untouched
+    with pytest.raises(RuntimeError, match="outside"):
+        module.apply_token_bitmask_(got, bitmask, torch.tensor([b]))
+    with pytest.raises(RuntimeError, match="narrower"):
+        module.apply_token_bitmask_(got, bitmask[:, :1].contiguous(), torch.tensor(rows))

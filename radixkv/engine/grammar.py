@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixkv.engine.structured import MAX_JSON_WHITESPACE, StructuredOutputs
+from radixkv.model import native
 
 if TYPE_CHECKING:
     from radixkv.engine.request import Sequence
@@ -418,6 +419,11 @@ class StructuredRuntime:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
+        elif logits.is_contiguous() and logits.shape[1] == self.vocab_size:
+            module = native.load()
+            if module is not None:  # one multi-threaded pass that skips all-allowed words
+                module.apply_token_bitmask_(logits, bitmask, torch.tensor(constrained))
+                return logits
         xgr.apply_token_bitmask_inplace(
             logits,
             bitmask,

@@ -18,5 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [rows, 2 * n] bf16 tensor");
   m.def("sample_rows", &sample_rows,
         "Inverse-CDF draw per row of float32 logits at a temperature (the sampler's plain rows)");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_,
+        "logits[r, j] = -inf where bit j of bitmask[r] is 0, r in rows (xgrammar's layout), in place");
   m.def("rope_", &rope_, "In-place rotate-half RoPE on the first heads of each bf16 row");
 }

@@ -122,3 +122,51 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temperatu
   });
   return out;
 }
+
+// Grammar masks (radixkv/engine/grammar.py): for each r in rows, logits[r, j] = -inf wherever
+// bit j of bitmask[r] is 0, in place (xgrammar's apply with indices). A bitmask row is ceil(V / 32) int32 words, bit b of word w standing
+// for token 32 w + b (xgrammar's layout). A word of all ones is skipped, a word of zeros filled
+// with vector stores, a mixed word walks its zero bits; rows run in parallel. This replaces
+// xgrammar's CPU apply, which visits every element on one thread.
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask,
+                          const at::Tensor& rows) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.is_contiguous(),
+              "apply_token_bitmask_: logits must be a contiguous CPU float32 [B, V] tensor");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous(),
+              "apply_token_bitmask_: bitmask must be a contiguous int32 [N, W] tensor");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "apply_token_bitmask_: rows must be a contiguous int64 [n] tensor");
+  const int64_t B = logits.size(0), V = logits.size(1), W = bitmask.size(1);
+  TORCH_CHECK(W * 32 >= V, "apply_token_bitmask_: the bitmask is narrower than the vocabulary");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < B && r[i] < bitmask.size(0),
+                "apply_token_bitmask_: a row is outside the logits or the bitmask");
+  }
+  float* x = logits.data_ptr<float>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const vf neg = splat(-INFINITY);
+  at::parallel_for(0, rows.numel(), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = x + r[i] * V;
+      const uint32_t* m = bits + r[i] * W;
+      for (int64_t w = 0; w * 32 < V; ++w) {
+        const uint32_t word = m[w];
+        if (word == 0xffffffffu) continue;
+        float* p = row + w * 32;
+        if (word == 0u && (w + 1) * 32 <= V) {
+          for (int k = 0; k < 32; k += VW) storev(p + k, neg);
+          continue;
+        }
+        uint32_t off = ~word;  // the disallowed tokens of this word
+        while (off != 0u) {
+          const int b = __builtin_ctz(off);
+          if (w * 32 + b >= V) break;
+          p[b] = -INFINITY;
+          off &= off - 1;
+        }
+      }
+    }
+  });
+}
