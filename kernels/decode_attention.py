@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .store_kv import check_kv_cache, check_query, dot_config, tile_dot
+from .store_kv import (
+    check_kv_cache,
+    check_query,
+    dot_config,
+    kv_read_config,
+    load_kv_tile,
+    tile_dot,
+)
 
 __all__ = ["choose_num_kv_splits", "decode_attention"]
 
@@ -83,6 +90,9 @@ def _decode_stage1_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KV_ROUND_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -114,8 +124,8 @@ def _decode_stage1_kernel(
         mask_n = offs_n < end
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
         slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        k_t = tl.load(
-            k_head + slot[None, :] * stride_ks + offs_d[:, None], mask=mask_n[None, :], other=0.0
+        k_t = load_kv_tile(
+            k_head, slot, stride_ks, mask_n, q, HEAD_DIM, True, KV_QUANT, KV_FP8, KV_ROUND_BF16
         )
         qk = tile_dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * sm_scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -123,8 +133,8 @@ def _decode_stage1_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + slot[:, None] * stride_vs + offs_d[None, :], mask=mask_n[:, None], other=0.0
+        v = load_kv_tile(
+            v_head, slot, stride_vs, mask_n, q, HEAD_DIM, False, KV_QUANT, KV_FP8, KV_ROUND_BF16
         )
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
@@ -201,8 +211,10 @@ def decode_attention(
 
     Args:
         q: ``[B, Hq, D]`` query of each request's one new token (fp32, bf16 or fp16).
-        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]``, same dtype as ``q``;
-            ``Hq = Hkv * group`` (query head ``h`` reads KV head ``h // group``).
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]``, same dtype as ``q``, or quantized
+            rows ``[num_pages, page_size, Hkv, D + 2]`` (int8 / uint8 e4m3, :mod:`.store_kv`),
+            attended as ``code * scale`` in ``q``'s dtype; ``Hq = Hkv * group`` (query head
+            ``h`` reads KV head ``h // group``).
         page_table: ``[B, max_pages]`` int32 page ids, padded (padding is never read).
         seq_lens: ``[B]`` int32, tokens of each request in the cache (the new one included), >= 1.
         sm_scale: softmax scale, usually ``D ** -0.5``.
@@ -281,6 +293,7 @@ def decode_attention(
         NUM_SPLITS=num_kv_splits,
         DOT_PRECISION=dot_precision,
         DOT_UPCAST=dot_upcast,
+        **kv_read_config(k_cache, q.dtype),
         num_warps=4,
         num_stages=2,
     )

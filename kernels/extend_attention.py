@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .store_kv import check_kv_cache, check_query, dot_config, tile_dot
+from .store_kv import (
+    check_kv_cache,
+    check_query,
+    dot_config,
+    kv_read_config,
+    load_kv_tile,
+    tile_dot,
+)
 
 __all__ = ["extend_attention"]
 
@@ -45,16 +52,18 @@ def _extend_inner(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KV_ROUND_BF16: tl.constexpr,
 ):
     """Online-softmax pass over key positions ``[lo, hi)`` of one request."""
-    offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
         slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        k_t = tl.load(
-            k_head + slot[None, :] * stride_ks + offs_d[:, None], mask=mask_n[None, :], other=0.0
+        k_t = load_kv_tile(
+            k_head, slot, stride_ks, mask_n, q, HEAD_DIM, True, KV_QUANT, KV_FP8, KV_ROUND_BF16
         )
         qk = tile_dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * sm_scale_log2
         if CAUSAL:
@@ -66,8 +75,8 @@ def _extend_inner(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + slot[:, None] * stride_vs + offs_d[None, :], mask=mask_n[:, None], other=0.0
+        v = load_kv_tile(
+            v_head, slot, stride_vs, mask_n, q, HEAD_DIM, False, KV_QUANT, KV_FP8, KV_ROUND_BF16
         )
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
@@ -101,6 +110,9 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KV_ROUND_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
     hq = tl.program_id(1)
@@ -151,6 +163,9 @@ def _extend_kernel(
         False,
         DOT_PRECISION,
         DOT_UPCAST,
+        KV_QUANT,
+        KV_FP8,
+        KV_ROUND_BF16,
     )
     diag_end = tl.minimum(full_end + BLOCK_M, prefix + ext_len)
     acc, l_i, m_i = _extend_inner(
@@ -173,6 +188,9 @@ def _extend_kernel(
         True,
         DOT_PRECISION,
         DOT_UPCAST,
+        KV_QUANT,
+        KV_FP8,
+        KV_ROUND_BF16,
     )
 
     out = acc / l_i[:, None]  # every row sees at least key ``full_end`` (itself or earlier)
@@ -198,8 +216,10 @@ def extend_attention(
     Args:
         q: ``[T, Hq, D]`` queries of every request's new tokens, request after request
             (fp32, bf16 or fp16).
-        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]``, same dtype as ``q``, already holding
-            the new tokens' K/V at positions ``prefix_lens[b] .. prefix_lens[b]+extend_lens[b]-1``.
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]``, same dtype as ``q`` (or quantized
+            rows ``[..., D + 2]``, int8 / uint8 e4m3, :mod:`.store_kv`, attended as
+            ``code * scale`` in ``q``'s dtype), already holding the new tokens' K/V at positions
+            ``prefix_lens[b] .. prefix_lens[b]+extend_lens[b]-1``.
         page_table: ``[B, max_pages]`` int32 page ids, padded (padding is never read).
         prefix_lens: ``[B]`` int32, cached tokens before the new ones.
         extend_lens: ``[B]`` int32, new tokens per request (0 allowed).
@@ -273,6 +293,7 @@ def extend_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision,
         DOT_UPCAST=dot_upcast,
+        **kv_read_config(k_cache, q.dtype),
         num_warps=4 if d <= 64 else 8,
         num_stages=2,
     )

@@ -7,6 +7,13 @@ contiguous attention in ``tests/test_kernels.py``.
 
 KV layout: ``k_cache, v_cache [num_pages, page_size, Hkv, D]``; token ``pos`` of request ``b``
 lives in page ``page_table[b, pos // page_size]`` at offset ``pos % page_size``.
+
+Quantized caches (``torch.int8`` codes, or ``torch.uint8`` holding float8 e4m3 bits) are
+``[num_pages, page_size, Hkv, D + 2]``: each ``(token, head)`` row is ``D`` codes and then its
+scale as a little-endian bfloat16, value ``code * scale``. That contract is
+``radixkv.model.kv_quant``'s (which this package may not import: it sits below ``radixkv.model``);
+:func:`quantize_rows_ref` and :func:`dequantize_rows_ref` restate it in plain torch, and the tests
+hold them to ``kv_quant``'s bytes.
 """
 
 from __future__ import annotations
@@ -14,11 +21,53 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "KV_QMAX",
+    "KV_SCALE_BYTES",
     "decode_attention_ref",
+    "dequantize_rows_ref",
     "extend_attention_ref",
     "gather_kv_ref",
+    "is_quantized_cache",
+    "quantize_rows_ref",
     "store_kvcache_ref",
 ]
+
+#: Bytes of a quantized row's scale (a bfloat16), after its ``D`` codes.
+KV_SCALE_BYTES = 2
+#: Quantized cache dtypes -> the largest code: int8 codes, or float8 e4m3 bits in ``uint8``.
+KV_QMAX = {torch.int8: 127.0, torch.uint8: 448.0}
+
+
+def is_quantized_cache(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` holds quantized rows (codes + a bf16 scale) rather than values."""
+    return cache.dtype in KV_QMAX
+
+
+def quantize_rows_ref(x: torch.Tensor, storage_dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``x [..., D]`` (any float dtype) as quantized rows ``[..., D + 2]``: the scale is
+    ``absmax / qmax`` widened by ``2^-8`` and rounded to bfloat16, the codes ``x * (1 / scale)``
+    rounded (int8: half to even, clamped to +-127; e4m3: clamped to +-448, then rounded)."""
+    qmax = KV_QMAX[storage_dtype]
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) * ((1.0 + 2.0**-8) / qmax)).to(torch.bfloat16)
+    sf = scale.float()
+    inv = torch.where(sf > 0, 1.0 / sf.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    y = xf * inv
+    if storage_dtype == torch.int8:
+        codes = y.round().clamp(-qmax, qmax).to(torch.int8)
+    else:
+        codes = y.clamp(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([codes, scale.view(storage_dtype)], dim=-1)
+
+
+def dequantize_rows_ref(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Quantized rows ``[..., D + 2]`` back to values ``[..., D]`` in ``dtype``."""
+    d = rows.shape[-1] - KV_SCALE_BYTES
+    scale = rows[..., d:].contiguous().view(torch.bfloat16).float()
+    codes = rows[..., :d]
+    if rows.dtype == torch.uint8:
+        codes = codes.contiguous().view(torch.float8_e4m3fn)
+    return (codes.float() * scale).to(dtype)
 
 
 def store_kvcache_ref(
@@ -28,8 +77,11 @@ def store_kvcache_ref(
     v_cache: torch.Tensor,
     out_slots: torch.Tensor,
 ) -> None:
-    """Write ``k[t], v[t]`` ([T, Hkv, D]) to slot ``out_slots[t]`` of the caches, in place."""
+    """Write ``k[t], v[t]`` ([T, Hkv, D]) to slot ``out_slots[t]`` of the caches, in place
+    (quantized by :func:`quantize_rows_ref` into a quantized cache)."""
     page_size = k_cache.shape[1]
+    if is_quantized_cache(k_cache):
+        k, v = quantize_rows_ref(k, k_cache.dtype), quantize_rows_ref(v, v_cache.dtype)
     for t, slot in enumerate(out_slots.tolist()):
         page, offset = divmod(int(slot), page_size)
         k_cache[page, offset] = k[t].to(k_cache.dtype)
@@ -42,7 +94,8 @@ def gather_kv_ref(
     page_row: torch.Tensor,
     length: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the first ``length`` tokens of one request as contiguous float32 ``[length, Hkv, D]``.
+    """Return the first ``length`` tokens of one request as contiguous float32 ``[length, Hkv, D]``
+    (dequantized from a quantized cache).
 
     ``page_row`` is the request's row of the page table.
     """
@@ -55,10 +108,13 @@ def gather_kv_ref(
         offset = pos % page_size
         ks.append(k_cache[page, offset])
         vs.append(v_cache[page, offset])
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    quantized = is_quantized_cache(k_cache)
+    hkv, d = k_cache.shape[2], k_cache.shape[3] - (KV_SCALE_BYTES if quantized else 0)
     if not ks:
         empty = torch.empty(0, hkv, d, dtype=torch.float32, device=k_cache.device)
         return empty, empty.clone()
+    if quantized:
+        return dequantize_rows_ref(torch.stack(ks)), dequantize_rows_ref(torch.stack(vs))
     return torch.stack(ks).float(), torch.stack(vs).float()
 
 
