@@ -374,3 +374,50 @@ def test_wrappers_check_quantized_caches() -> None:
     with pytest.raises(AssertionError, match="float"):
         k = torch.zeros(1, 1, 64, dtype=torch.int8, device=DEVICE)
         store_kvcache(k, k, cache, cache, torch.zeros(1, dtype=torch.long, device=DEVICE))
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+@pytest.mark.parametrize("storage", list(STORAGE.values()), ids=list(STORAGE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backend_matches_torch_backend_over_quantized_pages(
+    storage: torch.dtype, dtype: torch.dtype
+) -> None:
+    """The factory's backends over a quantized pool, Triton and torch, given the same step
+    (requests with a cached prefix: every key is read back from the pages in both): the same
+    bytes stored, the same attention within the compute dtype's noise."""
+    from radixkv.model.attention.factory import make_attention_backend
+    from radixkv.model.attention.triton_backend import TritonAttentionBackend
+    from radixkv.model.runner import RequestSlice, build_forward_batch
+
+    page_size, hkv, group, d = 16, 2, 2, 64
+    reqs = [RequestSlice([1] * 5, 20, [4, 1]), RequestSlice([1], 37, [0, 5, 3])]
+    batch = build_forward_batch(reqs, page_size, DEVICE)
+    batch.page_size = page_size
+    gen = torch.Generator().manual_seed(21)
+    # zeros, as the pool starts (the torch paths read whole pages, masked tails included)
+    caches = [torch.zeros(7, page_size, hkv, d + KV_SCALE_BYTES, dtype=storage) for _ in "kv"]
+    for cache in caches:  # the prefixes, as quantize writes them
+        flat = cache.view(-1, hkv, d + KV_SCALE_BYTES)
+        for r in reqs:
+            pos = torch.arange(r.prefix_len)
+            pages = torch.tensor(r.pages)
+            flat[pages[pos // page_size] * page_size + pos % page_size] = quantize(
+                _rows(r.prefix_len, hkv, d, gen).to(dtype), storage
+            )
+    t = batch.num_tokens
+    q = torch.randn(t, hkv * group, d, generator=gen).to(dtype).to(DEVICE)
+    k, v = _rows(t, hkv, d, gen).to(dtype).to(DEVICE), _rows(t, hkv, d, gen).to(dtype).to(DEVICE)
+    outs, stored = {}, {}
+    for name in ("triton", "torch"):
+        backend = make_attention_backend(name, DEVICE, dtype, d, kv_dtype=storage)
+        assert isinstance(backend, TritonAttentionBackend) == (name == "triton")
+        k_cache, v_cache = (c.clone().to(DEVICE) for c in caches)
+        meta = backend.prepare(batch, dtype)
+        outs[name] = backend.forward(q, k, v, k_cache, v_cache, meta, d**-0.5)
+        stored[name] = (k_cache.cpu(), v_cache.cpu())
+    for a, b in zip(stored["triton"], stored["torch"], strict=True):
+        assert torch.equal(a, b)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(outs["triton"].cpu().float(), outs["torch"].cpu().float(), **tol)

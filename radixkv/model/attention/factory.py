@@ -78,7 +78,7 @@ def make_attention_backend(
 def _quantized_backend(name: str, dtype: torch.dtype) -> AttentionBackend:
     """The backend over int8 / fp8 pages (:mod:`radixkv.model.kv_quant`): the torch paths
     dequantize the rows they gather (``RADIXKV_FP32_ATTENTION=plain``: the plain backend, else
-    the cascade)."""
+    the cascade); the Triton kernels quantize as they store and dequantize as they read."""
     if name == "torch":
         if dtype == torch.float32 and _fp32_mode() == "plain":
             from radixkv.model.attention.torch_backend import TorchAttentionBackend
@@ -88,8 +88,7 @@ def _quantized_backend(name: str, dtype: torch.dtype) -> AttentionBackend:
 
         return CascadeTorchBackend()
     if name == "triton":
-        raise ValueError(
-            "the triton attention backend does not read quantized KV pages yet: use "
-            "attention_backend='torch', or kv_cache_dtype='auto'"
-        )
+        from radixkv.model.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     raise ValueError(f"unknown attention_backend {name!r}: use 'torch' or 'triton'")

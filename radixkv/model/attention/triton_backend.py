@@ -1,5 +1,9 @@
 """The Triton paged attention backend (``"triton"``, the CUDA default): calls
-``radixkv.kernels`` (store_kvcache, decode_attention, extend_attention)."""
+``radixkv.kernels`` (store_kvcache, decode_attention, extend_attention).
+
+Over a quantized pool (int8 / fp8 pages, :mod:`radixkv.model.kv_quant`) the kernels quantize the
+new rows as they store them and dequantize the rows they read, attending in the queries' dtype.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch
+from radixkv.model.kv_quant import is_quantized
 
 
 @dataclass
@@ -67,13 +72,9 @@ class TritonAttentionBackend(AttentionBackend):
         sm_scale: float,
     ) -> torch.Tensor:
         kern = self.kernels
-        kern.store_kvcache(
-            k.to(k_cache.dtype).contiguous(),
-            v.to(v_cache.dtype).contiguous(),
-            k_cache,
-            v_cache,
-            meta.out_slots,
-        )
+        if not is_quantized(k_cache):  # a quantized cache takes the rows as they are
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        kern.store_kvcache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.out_slots)
         qc = q.contiguous()
         if meta.all_decode:
             return kern.decode_attention(
