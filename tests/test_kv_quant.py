@@ -221,3 +221,27 @@ def test_simulator_sizes_a_memory_budget_per_kv_dtype(
     assert rates["bfloat16"][1] > 0 and rates["int8"][1] == 0
     assert rates["bfloat16"][0] < rates["int8"][0] == rates["int8"][2]
     assert main(["simulate", "--trace", str(path), "--kv-memory-gb", "1", "--geometry", "3,x"]) == 2
+
+
+@pytest.mark.parametrize("kv", QUANT)
+@pytest.mark.parametrize("mode", ["cascade", "plain"])
+def test_a_prompt_gives_the_same_logprobs_cold_and_from_the_cache(
+    tiny: Any, kv: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold prompt attends over its stored (quantized) rows, as a later request that finds
+    them cached does: the second request's logprobs equal the first's."""
+    from radixkv import SamplingParams
+
+    monkeypatch.setenv("RADIXKV_FP32_ATTENTION", mode)
+    e = engine(tiny, kv)
+    prompt = cycle_workload(rounds=1, seed=4)[0][:100]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=4)
+    (cold,) = e.generate([prompt], params)
+    (hit,) = e.generate([prompt], params)
+    assert hit.cached_tokens > 0 and hit.outputs[0].token_ids == cold.outputs[0].token_ids
+    worst = max(
+        abs(a[t].logprob - b[t].logprob)
+        for a, b in zip(cold.outputs[0].logprobs, hit.outputs[0].logprobs)
+        for t in a
+    )
+    assert worst < 1e-4, worst
