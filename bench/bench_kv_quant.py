@@ -25,9 +25,7 @@ bfloat16, default the host's; ``--skip-speed``, ``--skip-accuracy``). Prints the
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -173,13 +171,13 @@ def multi_turn_hit_rate(model: Any, dtype: str, memory_gb: float) -> None:
 
 
 def decode_step(model: Any, dtype: str, runs: int) -> None:
-    rng = random.Random(0)
-    prefixes = [[rng.randrange(100, 40000) for _ in range(768)] for _ in range(4)]
-    prompts = [prefixes[i % 4] + [rng.randrange(100, 40000) for _ in range(64)] for i in range(64)]
+    from bench.bench_step import full_batch_step_ms, shared_prefix_prompts
+
+    prompts = shared_prefix_prompts()
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     medians: dict[str, list[float]] = {kv: [] for kv in ("auto", *QUANT)}
     backends: dict[str, str] = {}
-    for _ in range(runs):
+    for _ in range(runs):  # interleaved: a shared host's drift hits every dtype alike
         for kv in medians:
             e = Engine(
                 model,
@@ -188,18 +186,9 @@ def decode_step(model: Any, dtype: str, runs: int) -> None:
                 max_running_requests=64,
                 kv_cache_tokens=16384,
             )
-            backends[kv] = type(e.runner.backend).__name__
-            for i, p in enumerate(prompts):
-                e.add_request(f"r{i}", p, params)
-            steps = []
-            while e.has_unfinished():
-                start = time.perf_counter()
-                e.step()
-                took = time.perf_counter() - start
-                s = e.stats()
-                if s["running"] == 64 and s["waiting"] == 0:
-                    steps.append(took)
-            medians[kv].append(statistics.median(steps[3:-2]) * 1e3)
+            inner = getattr(e.runner.backend, "inner", e.runner.backend)
+            backends[kv] = type(inner).__name__
+            medians[kv].append(full_batch_step_ms(e, prompts, params))
     base = statistics.median(medians["auto"])
     print(
         f"batch-64 decode step (4 x 768 shared + 64 own tokens, {dtype}, medians of {runs} runs):"
@@ -208,7 +197,8 @@ def decode_step(model: Any, dtype: str, runs: int) -> None:
         m = statistics.median(ms)
         label = "unquantized" if kv == "auto" else kv
         print(
-            f"  {label:11s} {m:7.1f} ms  {m / base:.3f}x  ({backends[kv]}; runs {[round(x, 1) for x in ms]})"
+            f"  {label:11s} {m:7.1f} ms  {m / base:.3f}x  ({backends[kv]}; runs "
+            f"{[round(x, 1) for x in ms]})"
         )
 
 

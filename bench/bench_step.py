@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 STARTUP = """
 import sys, time, torch
@@ -88,6 +89,29 @@ def first_touch(runs: int) -> None:
     )
 
 
+def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
+    """64 prompts: 4 random 768-token prefixes, each with 16 prompts of 64 own tokens."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(768)] for _ in range(4)]
+    return [prefixes[i % 4] + [rng.randrange(100, 40000) for _ in range(64)] for i in range(64)]
+
+
+def full_batch_step_ms(engine: Any, prompts: list[list[int]], params: Any) -> float:
+    """Run ``prompts`` to the end; the median step (ms) while all of them decode together,
+    without the first 3 and the last 2 such steps."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    steps = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        took = time.perf_counter() - start
+        stats = engine.stats()
+        if stats["running"] == len(prompts) and stats["waiting"] == 0:
+            steps.append(took)
+    return statistics.median(steps[3:-2]) * 1e3
+
+
 def decode_step(runs: int, dtype_name: str | None) -> None:
     import torch
 
@@ -100,9 +124,7 @@ def decode_step(runs: int, dtype_name: str | None) -> None:
     dtype_name = str(dtype).removeprefix("torch.")
     print(f"host ISA: {native.host_isa()}, dtype: {dtype_name}, threads: {torch.get_num_threads()}")
     model = load_model("smollm2", dtype=dtype)
-    rng = random.Random(0)
-    prefixes = [[rng.randrange(100, 40000) for _ in range(768)] for _ in range(4)]
-    prompts = [prefixes[i % 4] + [rng.randrange(100, 40000) for _ in range(64)] for i in range(64)]
+    prompts = shared_prefix_prompts()
     cases = {
         "greedy": SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
         "temperature 1.0": SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True),
@@ -111,17 +133,7 @@ def decode_step(runs: int, dtype_name: str | None) -> None:
     for _ in range(runs):
         for name, params in cases.items():
             engine = Engine(model, dtype=dtype_name, max_running_requests=64)
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"r{i}", prompt, params)
-            steps = []
-            while engine.has_unfinished():
-                start = time.perf_counter()
-                engine.step()
-                took = time.perf_counter() - start
-                stats = engine.stats()
-                if stats["running"] == 64 and stats["waiting"] == 0:
-                    steps.append(took)
-            medians[name].append(statistics.median(steps[3:-2]) * 1e3)
+            medians[name].append(full_batch_step_ms(engine, prompts, params))
     greedy, sampled = (statistics.median(medians[n]) for n in cases)
     print(
         f"batch-64 decode step: greedy {greedy:.1f} ms, temperature 1.0 {sampled:.1f} ms, "
