@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from bench.soak_measure import percentile, wait_idle
+from bench.soak_measure import percentile, read_stream, wait_idle
 
 SALTS = ["tenant-a", "tenant-b", "tenant-c", None]
 WORDS = (  # noqa: SIM905 - thirty words, one per line would be 30 lines
@@ -245,36 +245,13 @@ async def _one_generation(
         tally.latencies.append(time.monotonic() - started)
         return
     drop_after = rng.randint(1, 4) if rng.random() < 1 / 3 else None
-    chunks = 0
-    done = False
-    try:
-        async with http.stream("POST", path, json=body, timeout=300.0) as r:
-            if r.status_code != 200:
-                await r.aread()
-                tally.server_error(f"http_{r.status_code}", f"{path}: {r.text}")
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[len("data: ") :]
-                if payload == "[DONE]":
-                    done = True
-                    break
-                if payload.startswith('{"error"'):
-                    tally.server_error("stream_error_event", f"{path}: {payload}")
-                    return
-                chunks += 1
-                if drop_after is not None and chunks >= drop_after:
-                    tally.client_errors["stream_dropped"] += 1
-                    return  # closing the connection mid-stream
-    except httpx.HTTPError as exc:
-        tally.server_error("stream_connection", f"{path}: {type(exc).__name__}: {exc}")
-        return
-    if drop_after is not None and not done:
+    read = await read_stream(http, path, body, drop_after)
+    if read.kind == "dropped" or (read.kind == "without_done" and drop_after is not None):
         tally.client_errors["stream_dropped"] += 1
         return
-    if not done:
-        tally.server_error("stream_without_done", f"{path} after {chunks} chunks")
+    if read.kind != "ok":
+        name = f"http_{read.status}" if read.kind == "http_error" else f"stream_{read.kind}"
+        tally.server_error(name, read.detail)
         return
     tally.served += 1
     tally.by_endpoint[path + " (stream)"] += 1

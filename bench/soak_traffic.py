@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from bench.soak import SHARED_PREFIXES, _request
+from bench.soak_measure import read_stream
 
 __all__ = [
     "FaultClock",
@@ -134,32 +135,24 @@ async def _generation(http: httpx.AsyncClient, rng: random.Random, tiny: bool) -
     return await _read_stream(http, path, body, drop_after, pause=0.0)
 
 
+#: The fault soak's names for how a stream ended (read_stream's kinds).
+_STREAM_OUTCOMES = {
+    "ok": "ok",
+    "error_event": "error_clear_stream_event",
+    "dropped": "stream_dropped",
+    "connection": "unclear_stream_connection",
+    "without_done": "unclear_stream_without_done",
+}
+
+
 async def _read_stream(
     http: httpx.AsyncClient, path: str, body: dict[str, Any], drop_after: int | None, pause: float
 ) -> tuple[str, str]:
-    chunks = 0
-    try:
-        async with http.stream("POST", path, json=body, timeout=300.0) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                kind = "error_clear" if _clear_error(r.status_code, text) else "unclear_body"
-                return f"{kind}_{r.status_code}", f"{path}: {text}"
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[len("data: ") :]
-                if payload == "[DONE]":
-                    return "ok", path
-                if payload.startswith('{"error"'):
-                    return "error_clear_stream_event", f"{path}: {payload}"
-                chunks += 1
-                if drop_after is not None and chunks >= drop_after:
-                    return "stream_dropped", path
-                if pause:
-                    await asyncio.sleep(pause)
-    except httpx.HTTPError as exc:
-        return "unclear_stream_connection", f"{path}: {type(exc).__name__}: {exc}"
-    return "unclear_stream_without_done", f"{path} after {chunks} chunks"
+    read = await read_stream(http, path, body, drop_after, pause)
+    if read.kind == "http_error":
+        kind = "error_clear" if _clear_error(read.status, read.text) else "unclear_body"
+        return f"{kind}_{read.status}", read.detail
+    return _STREAM_OUTCOMES[read.kind], read.detail
 
 
 def check_prompts(tiny: bool) -> list[str]:
