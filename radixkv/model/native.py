@@ -57,6 +57,7 @@ _SOURCES = [
 _HEADERS = [
     _CSRC / "cpu_attention.h",
     _CSRC / "cpu_fused.h",
+    _CSRC / "cpu_kv_quant.h",
     _CSRC / "cpu_sample.h",
     _CSRC / "cpu_vec.h",
     _CSRC / "cpu_work.h",

@@ -1,5 +1,7 @@
-// Paged attention with float32 math over float32, bfloat16 or float16 KV pools, with
-// shared-prefix (cascade) groups, for any x86 ISA level (built per level by native.py).
+// Paged attention with float32 math over float32, bfloat16 or float16 KV pools, or quantized ones
+// (int8 / float8 e4m3 codes with a bfloat16 scale per row, cpu_kv_quant.h: rows of D + 2 bytes,
+// dequantized exactly into the same float32 scratch), with shared-prefix (cascade) groups, for any
+// x86 ISA level (built per level by native.py).
 //
 // Same contract as paged_attention (cpu_attention.cpp): query token t of request b (absolute
 // position prefix_b + t) attends to keys 0 .. prefix_b + t of that request, read in place through
@@ -25,6 +27,7 @@
 // width (16 floats with AVX-512, 8 otherwise), so one source serves every ISA level.
 
 #include "cpu_attention.h"
+#include "cpu_kv_quant.h"
 #include "cpu_vec.h"
 #include "cpu_work.h"
 
@@ -62,7 +65,9 @@ constexpr int kRowBlock = 64;   // query rows per shared-prefix work item
 constexpr int kDChunk = 64;     // head-dim floats kept in registers by the P V loop
 constexpr int kDV = kDChunk / VW;
 
-enum class KV { F32, BF16, F16 };
+// I8 / FP8: quantized rows (cpu_kv_quant.h), D codes and a bfloat16 scale, dequantized exactly
+// into the float32 scratch as the half-precision pools are converted.
+enum class KV { F32, BF16, F16, I8, FP8 };
 
 inline float bf16_bits_to_float(uint16_t x) {
   const uint32_t u = static_cast<uint32_t>(x) << 16;
@@ -71,10 +76,12 @@ inline float bf16_bits_to_float(uint16_t x) {
   return f;
 }
 
-// dst[0 .. n) = float32 of src[0 .. n).
+// dst[0 .. n) = float32 of the row at src (n elements; a quantized row's scale follows them).
 template <KV T>
 inline void to_float(const void* src, float* dst, int n) {
-  if constexpr (T == KV::F32) {
+  if constexpr (T == KV::I8 || T == KV::FP8) {
+    radixkv_kvq::dequant_row<T == KV::FP8>(src, n, dst);
+  } else if constexpr (T == KV::F32) {
     std::memcpy(dst, src, n * sizeof(float));
   } else if constexpr (T == KV::BF16) {
     const uint16_t* s = static_cast<const uint16_t*>(src);
@@ -92,9 +99,11 @@ inline void to_float(const void* src, float* dst, int n) {
   }
 }
 
+// Bytes of one (token, head) row of d elements in the pool.
 template <KV T>
-constexpr int64_t elem_size() {
-  return T == KV::F32 ? 4 : 2;
+constexpr int64_t row_bytes(int64_t d) {
+  if constexpr (T == KV::I8 || T == KV::FP8) return d + radixkv_kvq::kScaleBytes;
+  return d * (T == KV::F32 ? 4 : 2);
 }
 
 struct Problem {
@@ -276,9 +285,8 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
   constexpr int D = DT;
   constexpr int RW = 2 * VW;
   const int64_t rp = (nrows + RW - 1) / RW * RW;
-  const int64_t es = elem_size<T>();
-  const int64_t token_bytes = p.hkv * p.d * es;
-  const int64_t head_bytes = h * p.d * es;
+  const int64_t token_bytes = p.hkv * row_bytes<T>(p.d);
+  const int64_t head_bytes = h * row_bytes<T>(p.d);
   float* qt = sc.qt.data();
   float* st = sc.st.data();
   float* mrow = sc.mrow.data();
@@ -401,9 +409,8 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
     }
   }
   const int D = DT ? DT : static_cast<int>(p.d);
-  const int64_t es = elem_size<T>();
-  const int64_t token_bytes = p.hkv * p.d * es;
-  const int64_t head_bytes = h * p.d * es;
+  const int64_t token_bytes = p.hkv * row_bytes<T>(p.d);
+  const int64_t head_bytes = h * row_bytes<T>(p.d);
   alignas(64) float s[kKeyBlock];
   for (int64_t kb = lo; kb < hi; kb += kKeyBlock) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb));
@@ -624,6 +631,12 @@ void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV 
       case KV::F16:
         run_any<KV::F16>(p, gr, it, sc);
         break;
+      case KV::I8:
+        run_any<KV::I8>(p, gr, it, sc);
+        break;
+      case KV::FP8:
+        run_any<KV::FP8>(p, gr, it, sc);
+        break;
     }
   });
 }
@@ -646,13 +659,21 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
     kv = KV::BF16;
   } else if (k_cache.scalar_type() == at::kHalf) {
     kv = KV::F16;
+  } else if (k_cache.scalar_type() == at::kChar) {
+    kv = KV::I8;
+  } else if (k_cache.scalar_type() == at::kByte) {
+    kv = KV::FP8;
   } else {
-    TORCH_CHECK(false, "paged_attention_f32: the caches must be float32, bfloat16 or float16");
+    TORCH_CHECK(false,
+                "paged_attention_f32: the caches must be float32, bfloat16 or float16, or "
+                "quantized (int8, or uint8 holding float8_e4m3fn bits)");
   }
+  const bool quantized = kv == KV::I8 || kv == KV::FP8;
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_attention_f32: k_cache and v_cache dtypes differ");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_attention_f32: q [T, Hq, D], caches [pages, page_size, Hkv, D]");
+              "paged_attention_f32: q [T, Hq, D], caches [pages, page_size, Hkv, D] (D + 2 "
+              "when quantized)");
   TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.dim() == 2,
               "paged_attention_f32: page_table must be int32 [B, max_pages]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -664,7 +685,8 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
               "paged_attention_f32: one prefix_len, extend_len, extend_start and page row per "
               "request");
   const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0 && d <= 512,
+  TORCH_CHECK(k_cache.size(3) == d + (quantized ? radixkv_kvq::kScaleBytes : 0) &&
+                  hq % hkv == 0 && d <= 512,
               "paged_attention_f32: head shapes disagree (or head dim > 512)");
   const int64_t page_size = k_cache.size(1);
   const int64_t num_pages = k_cache.size(0);
