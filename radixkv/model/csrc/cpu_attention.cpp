@@ -25,10 +25,19 @@
 // exact log-sum-exp merge of the two parts. The portable path ignores the groups (it reads every
 // request's whole prefix), which computes the same attention.
 //
+// Quantized pools (int8 or float8 e4m3 codes with a bfloat16 scale per row, cpu_kv_quant.h, rows
+// of D + 2 bytes: about half of bf16's bytes read): the AVX512-BF16 path converts, per key block
+// and KV head, the block's K codes into a small bf16 scratch (a code is exact in bf16) and runs
+// the same dot products over it, multiplying each key's score by its row's scale; V's codes are
+// packed straight into the P V pair layout, and each key's P is multiplied by its V row's scale
+// before P is rounded to bf16. So the only roundings are bf16 pages' own (P, and the output): no
+// K/V value is rounded. The portable path dequantizes each row to float32 (exact).
+//
 // A portable scalar path (any CPU, any head dim) computes the same thing; the AVX512 path needs a
 // head dim that is a multiple of 32 and at most 256.
 
 #include "cpu_attention.h"
+#include "cpu_kv_quant.h"
 #include "cpu_work.h"
 
 #include <ATen/Parallel.h>
@@ -70,10 +79,15 @@ inline bf16 float_to_bf16(float f) {  // round to nearest even (NaN stays NaN)
   return static_cast<bf16>(u >> 16);
 }
 
+// How the pool stores K/V: bf16 rows, or quantized rows (D codes + a bf16 scale).
+enum class Quant { None, I8, FP8 };
+
 struct Problem {
   const bf16* q;
-  const bf16* k_cache;
-  const bf16* v_cache;
+  const char* k_cache;
+  const char* v_cache;
+  Quant quant;
+  int64_t row_bytes;  // bytes of one (token, head) row: 2 D, or D + 2 when quantized
   const int32_t* page_table;
   bf16* out;
   int64_t table_stride;
@@ -108,20 +122,37 @@ struct Item {
   int64_t cost;
 };
 
-// Offset (in elements) of key `pos` of request `b`, KV head `h`, in the cache.
+// Offset (in bytes) of key `pos` of request `b`, KV head `h`, in the cache.
 inline int64_t key_offset(const Problem& p, int64_t b, int64_t pos, int64_t h) {
   const int64_t page = p.page_table[b * p.table_stride + pos / p.page_size];
-  return ((page * p.page_size + pos % p.page_size) * p.hkv + h) * p.d;
+  return ((page * p.page_size + pos % p.page_size) * p.hkv + h) * p.row_bytes;
 }
 
 // ------------------------------------------------------------------------------------------
 // Portable path
 // ------------------------------------------------------------------------------------------
 
+// dst[0 .. d) = float32 values of the K or V row at `row`.
+inline void row_to_float(const Problem& p, const char* row, float* dst) {
+  switch (p.quant) {
+    case Quant::None: {
+      const bf16* src = reinterpret_cast<const bf16*>(row);
+      for (int64_t i = 0; i < p.d; ++i) dst[i] = bf16_to_float(src[i]);
+      break;
+    }
+    case Quant::I8:
+      radixkv_kvq::dequant_row<false>(row, p.d, dst);
+      break;
+    case Quant::FP8:
+      radixkv_kvq::dequant_row<true>(row, p.d, dst);
+      break;
+  }
+}
+
 // One own-part item (k0 = 0, no groups) over every key of each entry.
 void run_item_scalar(const Problem& p, const Item& it, const Entries& en) {
   const int64_t d = p.d, G = p.group;
-  std::vector<float> qrow(d), acc(d), scores;
+  std::vector<float> qrow(d), acc(d), kv(d), scores;
   for (int64_t e = it.e0; e < it.e0 + it.ne; ++e) {
     const int64_t tok = en.tok[e];
     const int64_t nkeys = en.limit[e] + 1;
@@ -133,9 +164,9 @@ void run_item_scalar(const Problem& p, const Item& it, const Entries& en) {
       for (int64_t i = 0; i < d; ++i) qrow[i] = bf16_to_float(qp[i]);
       float mx = -INFINITY;
       for (int64_t j = 0; j < nkeys; ++j) {
-        const bf16* kp = p.k_cache + key_offset(p, it.req, j, kvh);
+        row_to_float(p, p.k_cache + key_offset(p, it.req, j, kvh), kv.data());
         float s = 0.f;
-        for (int64_t i = 0; i < d; ++i) s += qrow[i] * bf16_to_float(kp[i]);
+        for (int64_t i = 0; i < d; ++i) s += qrow[i] * kv[i];
         scores[j] = s * p.scale_log2;
         mx = std::max(mx, scores[j]);
       }
@@ -144,8 +175,8 @@ void run_item_scalar(const Problem& p, const Item& it, const Entries& en) {
       for (int64_t j = 0; j < nkeys; ++j) {
         const float w = std::exp2(scores[j] - mx);
         l += w;
-        const bf16* vp = p.v_cache + key_offset(p, it.req, j, kvh);
-        for (int64_t i = 0; i < d; ++i) acc[i] += w * bf16_to_float(vp[i]);
+        row_to_float(p, p.v_cache + key_offset(p, it.req, j, kvh), kv.data());
+        for (int64_t i = 0; i < d; ++i) acc[i] += w * kv[i];
       }
       bf16* op = p.out + (tok * p.hq + qh) * d;
       for (int64_t i = 0; i < d; ++i) op[i] = float_to_bf16(acc[i] / l);
@@ -204,11 +235,75 @@ struct Scratch {
   std::vector<bf16> vpack;    // [kKeyBlock / 2][D][2], pairs of keys interleaved
   std::vector<float> o;       // [rows][D], lanes in vpack order
   std::vector<float> m, l;    // [rows]
-  std::vector<int64_t> koff;   // [kKeyBlock] token row offsets of this key block
+  std::vector<int64_t> koff;   // [kKeyBlock] token row offsets (bytes) of this key block
   std::vector<int64_t> knext;  // [kKeyBlock] those of the next block
+  // quantized pools: one head's K codes of the block as bf16 (exact), their byte offsets, and
+  // the per-key factors of the scores (sm_scale log2 e times the K row's scale) and of P (the
+  // V row's scale)
+  std::vector<bf16> kq;       // [kKeyBlock][D]
+  std::vector<int64_t> qoff;  // [kKeyBlock] bytes, padded keys repeating the last real one
+  std::vector<float> ks, vs;  // [kKeyBlock]
 };
 
-// Element offsets of the token rows kb .. kb + nk - 1 under the page-table row `row` (padded
+// 16 codes of a quantized row as float32 values (exact, without the row's scale).
+template <bool FP8>
+inline __m512 codes16(const char* p) {
+  if constexpr (FP8) {
+    return radixkv_kvq::codes16_fp8(p);
+  } else {
+    return radixkv_kvq::codes16_i8(p);
+  }
+}
+
+// K of one head (at byte `head_off` of each token row) for the nk keys at byte offsets `off` of
+// a quantized pool: the codes into dst [nk][D] as bf16 (exact: at most 8 significant bits) and
+// ks[j] = `mul` * the row's scale (ks past nk repeat the last).
+template <int D, bool FP8>
+inline void k_codes_bf16(const char* base, const int64_t* off, int nk, int nk16, int64_t head_off,
+                         float mul, bf16* dst, float* ks) {
+  for (int j = 0; j < nk; ++j) {
+    const char* row = base + off[j] + head_off;
+    ks[j] = mul * radixkv_kvq::row_scale(row, D);
+    for (int c = 0; c < D / 32; ++c) {
+      const __m512 lo = codes16<FP8>(row + 32 * c), hi = codes16<FP8>(row + 32 * c + 16);
+      _mm512_storeu_si512(dst + j * D + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+  for (int j = nk; j < nk16; ++j) ks[j] = ks[nk - 1];
+}
+
+// V of one head for the nk keys at byte offsets `off` (padded keys repeat a real one), in pairs
+// of keys: vpack[jp][16 c + i] = the bf16 pair (key 2 jp, key 2 jp + 1) of dim 16 c + i (lanes
+// in head-dim order; the bf16 path's unpack order differs), and vs[j] = the row's scale (0 past
+// nk, where P is 0). The codes are exact in bf16, so a float32's top half is its bf16.
+template <int D, bool FP8>
+inline void v_codes_pack(const char* base, const int64_t* off, int nk, int nk16, int64_t head_off,
+                         bf16* vpack, float* vs) {
+  for (int jp = 0; jp < nk16 / 2; ++jp) {
+    const char* va = base + off[2 * jp] + head_off;
+    const char* vb = base + off[2 * jp + 1] + head_off;
+    const bool second_valid = 2 * jp + 1 < nk;
+    vs[2 * jp] = 2 * jp < nk ? radixkv_kvq::row_scale(va, D) : 0.f;
+    vs[2 * jp + 1] = second_valid ? radixkv_kvq::row_scale(vb, D) : 0.f;
+    bf16* dst = vpack + jp * 2 * D;
+    for (int c = 0; c < D / 16; ++c) {
+      const __m512i a = _mm512_castps_si512(codes16<FP8>(va + 16 * c));
+      const __m512i b =
+          second_valid ? _mm512_castps_si512(codes16<FP8>(vb + 16 * c)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 32 * c, _mm512_or_si512(b, _mm512_srli_epi32(a, 16)));
+    }
+  }
+}
+
+// Prefetches every cache line of bytes [lo, lo + n).
+inline void prefetch_lines(const char* lo, int64_t n) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(lo) + n;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(lo) & ~uintptr_t{63}; a < end; a += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+  }
+}
+
+// Byte offsets of the token rows kb .. kb + nk - 1 under the page-table row `row` (padded
 // to nk16 by repeating the last), walking it without a division per key.
 inline void fill_token_offsets(const Problem& p, const int32_t* row, int64_t kb, int nk, int nk16,
                                int64_t token_stride, int64_t* dst) {
@@ -243,6 +338,13 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
   sc.l.resize(rows);
   sc.koff.resize(kKeyBlock);
   sc.knext.resize(kKeyBlock);
+  const bool quant = p.quant != Quant::None;
+  if (quant) {
+    sc.kq.resize(kKeyBlock * D);
+    sc.qoff.resize(kKeyBlock);
+    sc.vs.resize(kKeyBlock);
+  }
+  sc.ks.assign(kKeyBlock, p.scale_log2);
   // Row r of the scratch is q row (tok[e] * hq + (h0 + hh) * G + g) for r = hh * head_rows +
   // e * G + g; its running state starts empty or where the group's shared part left it.
   auto qrow = [&](int64_t r) {
@@ -267,9 +369,8 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
       std::memset(&sc.o[r * D], 0, D * sizeof(float));
     }
   }
-  const __m512 scale = _mm512_set1_ps(p.scale_log2);
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-  const int64_t token_stride = p.hkv * D;
+  const int64_t token_stride = p.hkv * p.row_bytes;  // bytes
   const int64_t kv_end = it.k1;
   int64_t first_entry = 0;
   for (int64_t kb = it.k0; kb < kv_end; kb += kKeyBlock) {
@@ -285,22 +386,40 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
       const int nk16_next = (nk_next + 15) & ~15;
       fill_token_offsets(p, table, kb + kKeyBlock, nk_next, nk16_next, token_stride,
                          sc.knext.data());
-      const int64_t first = it.h0 * D * 2, bytes = it.nh * D * 2;  // byte range of a row
+      // The item's heads are `bytes` from byte `first` of a token row (a quantized row of D + 2
+      // bytes starts off a cache line: prefetch_lines counts lines from the aligned-down start).
+      const int64_t first = it.h0 * p.row_bytes, bytes = it.nh * p.row_bytes;
       for (int j = 0; j < nk_next; ++j) {
-        const char* kr = reinterpret_cast<const char*>(p.k_cache + sc.knext[j]) + first;
-        const char* vr = reinterpret_cast<const char*>(p.v_cache + sc.knext[j]) + first;
-        for (int64_t off = 0; off < bytes; off += 64) {
-          _mm_prefetch(kr + off, _MM_HINT_T0);
-          _mm_prefetch(vr + off, _MM_HINT_T0);
-        }
+        prefetch_lines(p.k_cache + sc.knext[j] + first, bytes);
+        prefetch_lines(p.v_cache + sc.knext[j] + first, bytes);
       }
+    }
+    if (quant) {  // offsets into the K code scratch
+      for (int j = 0; j < nk16; ++j) sc.qoff[j] = std::min(j, nk - 1) * D * 2;
     }
     // Entries whose last visible key precedes this block see none of it.
     while (first_entry < it.ne && lim[first_entry] < kb) ++first_entry;
     for (int64_t hh = 0; hh < it.nh; ++hh) {
-      const int64_t head_off = (it.h0 + hh) * D;
-      const bf16* kbase = p.k_cache + head_off;
-      const bf16* vbase = p.v_cache + head_off;
+      const int64_t head_off = (it.h0 + hh) * p.row_bytes;
+      const char* kbase = p.k_cache + head_off;
+      const char* vbase = p.v_cache + head_off;
+      const int64_t* koff = sc.koff.data();
+      if (quant) {  // K codes into the scratch, V codes straight into vpack, scales aside
+        // (ks: sm_scale log2 e times K's scale per key; vs: V's scale per key)
+        float* ks = sc.ks.data();
+        float* vs = sc.vs.data();
+        if (p.quant == Quant::FP8) {
+          k_codes_bf16<D, true>(p.k_cache, koff, nk, nk16, head_off, p.scale_log2, sc.kq.data(),
+                                ks);
+          v_codes_pack<D, true>(p.v_cache, koff, nk, nk16, head_off, sc.vpack.data(), vs);
+        } else {
+          k_codes_bf16<D, false>(p.k_cache, koff, nk, nk16, head_off, p.scale_log2, sc.kq.data(),
+                                 ks);
+          v_codes_pack<D, false>(p.v_cache, koff, nk, nk16, head_off, sc.vpack.data(), vs);
+        }
+        kbase = reinterpret_cast<const char*>(sc.kq.data());
+        koff = sc.qoff.data();
+      }
       const int64_t r_begin = hh * head_rows + first_entry * G;
       const int64_t r_end = (hh + 1) * head_rows;
       // ---- S = Q K^T, scaled, masked; online softmax; P in bf16 -------------------------
@@ -313,14 +432,14 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
         for (int j0 = 0; j0 < nk16; j0 += 16) {
           __m512 acc[16];
           for (int j = 0; j < 16; ++j) {
-            const bf16* kp = kbase + sc.koff[j0 + j];
+            const bf16* kp = reinterpret_cast<const bf16*>(kbase + koff[j0 + j]);
             __m512 a = _mm512_setzero_ps();
             for (int c = 0; c < QV; ++c) {
               a = _mm512_dpbf16_ps(a, as_bh(qv[c]), as_bh(_mm512_loadu_si512(kp + 32 * c)));
             }
             acc[j] = a;
           }
-          __m512 sv = _mm512_mul_ps(reduce16(acc), scale);
+          __m512 sv = _mm512_mul_ps(reduce16(acc), _mm512_loadu_ps(&sc.ks[j0]));
           const int64_t valid = std::min<int64_t>({16, nk - j0, limit - j0 + 1});
           const __mmask16 keep =
               valid >= 16 ? __mmask16(0xffff)
@@ -343,8 +462,10 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
           const __mmask16 live = _mm512_cmp_ps_mask(sv, neg_inf, _CMP_NEQ_OQ);
           const __m512 pv = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(sv, mv)));
           lsum = _mm512_add_ps(lsum, pv);
+          // quantized V: P V = (P times the V row's scale) times its codes
+          const __m512 pw = quant ? _mm512_mul_ps(pv, _mm512_loadu_ps(&sc.vs[j0])) : pv;
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j0),
-                              (__m256i)_mm512_cvtneps_pbh(pv));
+                              (__m256i)_mm512_cvtneps_pbh(pw));
         }
         const float alpha = m_old == -INFINITY ? 0.f : std::exp2(m_old - m_new);
         sc.l[r] = sc.l[r] * alpha + _mm512_reduce_add_ps(lsum);
@@ -359,11 +480,11 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
       }
       // ---- V pairs interleaved: vpack[jp][c] = keys 2jp, 2jp+1 for 16 lanes of vector c --
       // Padded keys (past nk) repeat a real key with P = 0 exactly; a missing second key of a
-      // pair is zero.
-      for (int jp = 0; jp < npairs; ++jp) {
+      // pair is zero. (Quantized pools: packed from the codes above.)
+      for (int jp = 0; jp < (quant ? 0 : npairs); ++jp) {
         const bool second_valid = 2 * jp + 1 < nk;
-        const bf16* va = vbase + sc.koff[2 * jp];
-        const bf16* vb = vbase + sc.koff[2 * jp + 1];
+        const bf16* va = reinterpret_cast<const bf16*>(vbase + koff[2 * jp]);
+        const bf16* vb = reinterpret_cast<const bf16*>(vbase + koff[2 * jp + 1]);
         bf16* dst = &sc.vpack[jp * 2 * D];
         for (int c = 0; c < QV; ++c) {
           const __m512i a = _mm512_loadu_si512(va + 32 * c);
@@ -416,14 +537,15 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
   }
   // ---- out = O / l, lanes back in head-dim order ------------------------------------------
   // Vector c covers the 32-dim chunk c / 2; its lane L holds dim 8 * (L / 4) + L % 4, plus 4
-  // for the odd (unpackhi) vector.
+  // for the odd (unpackhi) vector. Quantized pools pack V in head-dim order: dim 16 c + L.
   for (int64_t r = 0; r < rows; ++r) {
     bf16* dst = p.out + qrow(r) * D;
     const float inv = 1.f / sc.l[r];
     const float* orow = &sc.o[r * D];
     for (int c = 0; c < OV; ++c) {
       for (int lane = 0; lane < 16; ++lane) {
-        const int dim = 32 * (c / 2) + 8 * (lane / 4) + 4 * (c % 2) + lane % 4;
+        const int dim =
+            quant ? 16 * c + lane : 32 * (c / 2) + 8 * (lane / 4) + 4 * (c % 2) + lane % 4;
         dst[dim] = float_to_bf16(orow[16 * c + lane] * inv);
       }
     }
@@ -474,11 +596,17 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            double sm_scale, std::vector<int64_t> group_members,
                            std::vector<int64_t> group_offsets, std::vector<int64_t> group_shared) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: tensors must be on the CPU");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "paged_attention: q and the caches must be bfloat16");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 &&
+                  (kv_type == at::kBFloat16 || kv_type == at::kChar || kv_type == at::kByte) &&
+                  v_cache.scalar_type() == kv_type,
+              "paged_attention: q must be bfloat16, the caches bfloat16 or quantized (int8, or "
+              "uint8 holding float8_e4m3fn bits), both of one dtype");
+  const Quant quant =
+      kv_type == at::kChar ? Quant::I8 : (kv_type == at::kByte ? Quant::FP8 : Quant::None);
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_attention: q [T, Hq, D], caches [pages, page_size, Hkv, D]");
+              "paged_attention: q [T, Hq, D], caches [pages, page_size, Hkv, D] (D + 2 when "
+              "quantized)");
   TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.dim() == 2,
               "paged_attention: page_table must be int32 [B, max_pages]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -489,7 +617,9 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                   static_cast<int64_t>(extend_starts.size()) == B && page_table.size(0) >= B,
               "paged_attention: one prefix_len, extend_len, extend_start and page row per request");
   const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "paged_attention: head shapes disagree");
+  const int64_t row_elems = quant == Quant::None ? d : d + radixkv_kvq::kScaleBytes;
+  TORCH_CHECK(k_cache.size(3) == row_elems && hq % hkv == 0,
+              "paged_attention: head shapes disagree");
   const int64_t page_size = k_cache.size(1);
   const int64_t num_pages = k_cache.size(0);
   const int32_t* tab = page_table.data_ptr<int32_t>();
@@ -513,8 +643,10 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   auto out = at::empty_like(q);
   Problem p{};
   p.q = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
-  p.k_cache = reinterpret_cast<const bf16*>(k_cache.data_ptr<at::BFloat16>());
-  p.v_cache = reinterpret_cast<const bf16*>(v_cache.data_ptr<at::BFloat16>());
+  p.k_cache = static_cast<const char*>(k_cache.data_ptr());
+  p.v_cache = static_cast<const char*>(v_cache.data_ptr());
+  p.quant = quant;
+  p.row_bytes = quant == Quant::None ? 2 * d : row_elems;
   p.page_table = tab;
   p.out = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
   p.table_stride = stride;
