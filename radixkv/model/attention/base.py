@@ -15,7 +15,7 @@ import torch
 
 from radixkv.model.kv_quant import dequantize, is_quantized, quantize
 
-__all__ = ["ForwardBatch", "AttentionBackend", "torch_store_kvcache"]
+__all__ = ["ForwardBatch", "AttentionBackend", "stored_kv", "torch_store_kvcache"]
 
 
 @dataclass
@@ -97,6 +97,28 @@ def torch_store_kvcache(
         k, v = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def stored_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new tokens' ``k, v`` as the pool holds them (after :func:`torch_store_kvcache`): as
+    given, or read back (dequantized) from a quantized pool. A path that attends to the new
+    tokens from ``k, v`` rather than from the pages (a fresh prompt's causal attention) uses
+    these, so a token sees the same K/V whether its keys are in this step or cached: the
+    result does not depend on chunking or on what the prefix cache held, and it equals the
+    native kernels', which read every key from the pages."""
+    if not is_quantized(k_cache):
+        return k, v
+    slots = out_slots if out_slots.dtype == torch.long else out_slots.long()
+    hkv, row = k_cache.shape[2], k_cache.shape[3]
+    k = read_rows(k_cache.view(-1, hkv, row), slots, k.dtype)
+    v = read_rows(v_cache.view(-1, hkv, row), slots, v.dtype)
+    return k, v
 
 
 def compute_dtype(cache: torch.Tensor, q_dtype: torch.dtype) -> torch.dtype:

@@ -29,11 +29,11 @@ from radixkv.model.attention.base import (
     ForwardBatch,
     compute_dtype,
     read_rows,
+    stored_kv,
     torch_store_kvcache,
 )
 from radixkv.model.attention.prefix_groups import shared_prefix_groups
 from radixkv.model.attention.torch_backend import blockdiag_decode
-from radixkv.model.kv_quant import is_quantized
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -317,14 +317,7 @@ def cascade_attention(
         if lse is not None:
             lse.index_copy_(0, part.real_rows, l_)
     for f in meta.fresh:  # never in a shared group (nothing cached), so no lse is needed
-        if is_quantized(k_cache):  # the stored rows, as every later reader sees them (and the
-            # native and Triton kernels here): a prompt gives the same whether cold or cached
-            slots = meta.out_slots[f.rows]
-            kf = read_rows(k_cache.view(-1, hkv, k_cache.shape[3]), slots, dtype)
-            vf = read_rows(v_cache.view(-1, hkv, v_cache.shape[3]), slots, dtype)
-        else:
-            kf, vf = k[f.rows].to(dtype), v[f.rows].to(dtype)
-        out[f.rows] = _causal(q[f.rows], kf, vf, sm_scale)
+        out[f.rows] = _causal(q[f.rows], k[f.rows].to(dtype), v[f.rows].to(dtype), sm_scale)
     for grp in meta.groups:
         b, m_max = grp.rows.shape
         keys = _gather(k_cache, grp.pages, dtype).view(hkv, b, grp.num_tokens, d).transpose(0, 1)
@@ -362,4 +355,5 @@ class CascadeTorchBackend(AttentionBackend):
         sm_scale: float,
     ) -> torch.Tensor:
         torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots)
+        k, v = stored_kv(k, v, k_cache, v_cache, meta.out_slots)
         return cascade_attention(q, k, v, k_cache, v_cache, meta, sm_scale)

@@ -25,6 +25,7 @@ from radixkv.model.attention.base import (
     ForwardBatch,
     compute_dtype,
     read_rows,
+    stored_kv,
     torch_store_kvcache,
 )
 from radixkv.model.kv_quant import is_quantized
@@ -381,8 +382,5 @@ class TorchAttentionBackend(AttentionBackend):
         sm_scale: float,
     ) -> torch.Tensor:
         torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots)
-        if is_quantized(k_cache):  # a fresh prompt attends over its stored rows, as later reads
-            hkv, width = k_cache.shape[2], k_cache.shape[3]
-            k = read_rows(k_cache.view(-1, hkv, width), meta.out_slots, q.dtype)
-            v = read_rows(v_cache.view(-1, hkv, width), meta.out_slots, q.dtype)
+        k, v = stored_kv(k, v, k_cache, v_cache, meta.out_slots)
         return _run_torch_attention(q, k, v, k_cache, v_cache, meta, sm_scale, self.workspace)
