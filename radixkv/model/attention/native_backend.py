@@ -6,11 +6,17 @@ walking the page table instead of gathering pages into a contiguous copy. They h
 extends after a cached prefix and fresh prompts in the same call, with flash-style online softmax
 and float32 accumulation.
 
-- :class:`NativeAttentionBackend` (``csrc/cpu_attention.cpp``): bfloat16 pools, AVX512-BF16 dot
-  products; only on hosts with AVX512-BF16 and a fast head dim.
+- :class:`NativeAttentionBackend` (``csrc/cpu_attention.cpp``): bfloat16 queries over bfloat16
+  or quantized pools, AVX512-BF16 dot products; only on hosts with AVX512-BF16 and a fast head
+  dim.
 - :class:`NativeCascadeBackend` (``csrc/cpu_attention_f32.cpp``): float32 math over float32,
-  bfloat16 or float16 pools (converted in registers), any head dim, built for AVX-512, AVX2+FMA
-  or the portable baseline.
+  bfloat16, float16 or quantized pools (converted in registers), any head dim, built for
+  AVX-512, AVX2+FMA or the portable baseline.
+
+Quantized pools (int8 or fp8 e4m3 codes with a bfloat16 scale per token and KV head,
+:mod:`radixkv.model.kv_quant`, rows of ``D + 2`` bytes) are read in place by both kernels,
+which dequantize each row in registers (``code * scale``, exact in float32); the head dim is
+q's last dim, never the pool's. The backends' store quantizes the new K/V on the way in.
 
 Both take the step's shared-prefix groups (:mod:`radixkv.model.attention.prefix_groups`): each
 group's shared K/V is read once per KV head for the query rows of all its members stacked (a
@@ -44,7 +50,8 @@ NATIVE_MIN_SHARED_TOKENS = 16
 
 
 def native_attention_supported(dtype: torch.dtype, head_dim: int | None = None) -> bool:
-    """Whether the native kernel serves this pool: bfloat16, built, and a fast head dim."""
+    """Whether the native bf16 kernel's fast path serves a model of ``dtype`` (bfloat16), built,
+    with a fast head dim (the pool may be bfloat16 or quantized)."""
     if dtype != torch.bfloat16:
         return False
     module = native.load()
@@ -87,7 +94,9 @@ def native_paged_attention(
     module: Any | None = None,
     groups: list[PrefixGroup] | None = None,
 ) -> torch.Tensor:
-    """``q [T, Hq, D] -> o [T, Hq, D]`` (bf16) over the pages; new K/V must already be stored.
+    """``q [T, Hq, D] -> o [T, Hq, D]`` (bf16) over bfloat16 or quantized pages
+    (``[pages, page_size, Hkv, D + 2]`` int8 / uint8, :mod:`radixkv.model.kv_quant`); new K/V
+    must already be stored.
 
     Same contract as :func:`radixkv.model.attention.base.torch_extend_attention` (causal over each
     request's new tokens, full over its cached prefix), with plain lists for the lengths.
@@ -125,7 +134,8 @@ class NativeAttnMeta:
 
 
 class NativeAttentionBackend(AttentionBackend):
-    """CPU backend over the native paged-attention kernel (bfloat16 pools).
+    """CPU backend over the native paged-attention kernel (bfloat16 queries; bfloat16 or
+    quantized pools).
 
     The native build is chosen once, at construction (``isa``, else the default level of
     :func:`radixkv.model.native.load`); :attr:`isa` names it.
@@ -184,8 +194,9 @@ class NativeAttentionBackend(AttentionBackend):
 
 
 def native_cascade_supported(dtype: torch.dtype) -> bool:
-    """Whether the float32-math kernel serves this pool dtype (and the kernels are built)."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    """Whether the float32-math kernel serves this pool dtype (and the kernels are built):
+    float32, bfloat16, float16, or quantized (int8, or uint8 holding fp8 e4m3 bits)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8):
         return False
     module = native.load()
     return module is not None and hasattr(module, "paged_attention_f32")
@@ -203,7 +214,8 @@ def native_paged_attention_f32(
     groups: list[PrefixGroup] | None = None,
     module: Any | None = None,
 ) -> torch.Tensor:
-    """``q [T, Hq, D] -> o [T, Hq, D]`` (float32) over float32/bf16/fp16 pages, in place.
+    """``q [T, Hq, D] -> o [T, Hq, D]`` (float32) over float32/bf16/fp16 or quantized pages
+    (``[pages, page_size, Hkv, D + 2]`` int8 / uint8, :mod:`radixkv.model.kv_quant`), in place.
 
     Same contract as :func:`native_paged_attention`; ``groups`` (see
     :func:`radixkv.model.attention.prefix_groups.shared_prefix_groups`) name requests whose
