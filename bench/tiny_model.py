@@ -65,9 +65,13 @@ def tiny_loaded_model(
     tokenizer: Any = None,
     vocab_size: int = TINY_VOCAB,
     name: str = "tiny-llama",
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
 ) -> Any:
     """The tiny random Llama as a ``LoadedModel`` (float32, ``seed``), with ``tokenizer``
-    (default :class:`ByteTokenizer`)."""
+    (default :class:`ByteTokenizer`). Head dim ``hidden_size / num_attention_heads`` (16 by
+    default; e.g. ``hidden_size=256`` gives 64, a head dim the native bf16 kernel's fast path
+    serves); 2 KV heads."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -75,10 +79,10 @@ def tiny_loaded_model(
 
     cfg = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=num_attention_heads,
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,
     )
