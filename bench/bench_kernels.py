@@ -9,6 +9,10 @@ On the CPU: the fp32 torch attention backend (``radixkv.model.attention.base.tor
 default) against a naive attention over contiguous per-request K/V (torch SDPA, same dtype), with
 the time ratio.
 
+The shared-prefix decode burst (:func:`bench_cpu_groups`) also times both native kernels over the
+same K/V stored as quantized pages (``int8`` and ``fp8_e4m3`` rows of :mod:`radixkv.model.kv_quant`,
+dequantized in registers) against bf16 pages; ``--groups-only`` runs that section alone.
+
 Run from the repository root: ``python bench/bench_kernels.py`` (``--iters N`` to change repeats).
 """
 
@@ -262,7 +266,10 @@ def _i32(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-def bench_cpu(iters: int) -> None:
+def bench_cpu(iters: int, groups_only: bool = False) -> None:
+    if groups_only:
+        bench_cpu_groups(iters)
+        return
     for backend in load_cpu_backends():
         bench_cpu_backend(iters, *backend)
     print("ratio = paged backend time / naive contiguous time (lower is better; 1.0 = parity)")
@@ -273,8 +280,10 @@ def bench_cpu_groups(iters: int) -> None:
     """The shared-prefix decode burst (issue 31's shape, SmolLM2's heads): 64 decodes on 4
     prefixes of 768 shared tokens + 80 own each, one layer, with and without the step's
     shared-prefix groups, for the bf16 kernel (AVX512-BF16 path where the build has it) and the
-    float32-math kernel over the same bf16 pages."""
+    float32-math kernel over the same bf16 pages; then both kernels over those K/V quantized
+    (int8, fp8 e4m3: about half the bytes), with and without the groups."""
     from radixkv.model import native
+    from radixkv.model.kv_quant import quantize
 
     module = native.load()
     if module is None:
@@ -314,6 +323,32 @@ def bench_cpu_groups(iters: int) -> None:
             f"{name:>20}: no groups {plain:.3f} ms, groups {grouped:.3f} ms, "
             f"{plain / grouped:.2f}x (max |diff| {err:.1e})"
         )
+    print(
+        "quantized pages (ratio = quantized time / bf16-page time of the same kernel and groups; "
+        "max |diff| against the kernel over bf16 pages)"
+    )
+    pools = [
+        (label, quantize(k, storage), quantize(v, storage))
+        for label, storage in (("int8", torch.int8), ("fp8_e4m3", torch.uint8))
+    ]
+    kernels = [
+        ("bf16 kernel", lambda k, v, gr: module.paged_attention(q, k, v, table, *lens, *gr)),
+        (
+            "float32-math kernel",
+            lambda k, v, gr: module.paged_attention_f32(qf, k, v, table, *lens, *gr),
+        ),
+    ]
+    for name, run in kernels:
+        for gr_label, gr in (("groups", groups), ("no groups", none)):
+            base = cpu_time_ms(lambda run=run, gr=gr: run(k, v, gr), iters)
+            ref = run(k, v, gr).float()
+            for label, kq, vq in pools:
+                ms = cpu_time_ms(lambda run=run, gr=gr, kq=kq, vq=vq: run(kq, vq, gr), iters)
+                err = (run(kq, vq, gr).float() - ref).abs().max().item()
+                print(
+                    f"{name:>20}, {gr_label:>9}: bf16 pages {base:.3f} ms, {label:>8} pages "
+                    f"{ms:.3f} ms, ratio {ms / base:.2f} (max |diff| {err:.1e})"
+                )
 
 
 def bench_cpu_backend(
@@ -387,12 +422,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=None, help="timed repeats per case")
     parser.add_argument("--cpu", action="store_true", help="run the CPU comparison even on a GPU")
+    parser.add_argument(
+        "--groups-only",
+        action="store_true",
+        help="CPU: only the shared-prefix decode burst (bf16 vs quantized pages)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     if torch.cuda.is_available() and not args.cpu:
         bench_gpu(args.iters or 20)
     else:
-        bench_cpu(args.iters or 5)
+        bench_cpu(args.iters or 5, args.groups_only)
 
 
 if __name__ == "__main__":
