@@ -382,11 +382,13 @@ def test_wrappers_check_quantized_caches() -> None:
 @pytest.mark.parametrize("storage", list(STORAGE.values()), ids=list(STORAGE))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_backend_matches_torch_backend_over_quantized_pages(
-    storage: torch.dtype, dtype: torch.dtype
+    storage: torch.dtype, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The factory's backends over a quantized pool, Triton and torch, given the same step
-    (requests with a cached prefix: every key is read back from the pages in both): the same
-    bytes stored, the same attention within the compute dtype's noise."""
+    """The factory's backends over a quantized pool, Triton and the torch cascade (the native
+    kernels off: they have their own tests), given the same step (requests with a cached prefix:
+    every key is read back from the pages in both): the same bytes stored, the same attention
+    within the compute dtype's noise."""
+    monkeypatch.setenv("RADIXKV_NATIVE", "0")
     from radixkv.model.attention.factory import make_attention_backend
     from radixkv.model.attention.triton_backend import TritonAttentionBackend
     from radixkv.model.runner import RequestSlice, build_forward_batch
