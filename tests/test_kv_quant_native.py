@@ -245,3 +245,49 @@ def test_engine_greedy_matches_torch_cascade(monkeypatch, isa, dtype, hidden, ti
     ref = greedy(torch_engine)
     compared = assert_same_greedy(got, ref, tie)
     assert compared >= sum(len(r.token_ids) for r in ref) // 2, compared
+
+
+# ------------------------------------------------------------------------- the write side
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_native_store_writes_quantizes_bytes(module, kind, dtype) -> None:
+    """``store_kv_quant_`` writes exactly ``kv_quant.quantize``'s bytes (codes and scale) to the
+    given slots and nothing elsewhere: rows of every magnitude, a zero row, a row at the top of the range."""
+    storage = KINDS[kind]
+    g = torch.Generator().manual_seed(5)
+    t, hkv, d = 150, 3, 64
+    k = (torch.randn(t, hkv, d, generator=g) * torch.rand(t, hkv, 1, generator=g) * 30).to(dtype)
+    k[4, 2] = 0.0
+    k[7, 0, :2] = torch.tensor([127.0, 63.5])  # codes at and near the top of the range
+    v = torch.randn(t, hkv, d, generator=g).to(dtype)
+    kc = torch.full((20, 16, hkv, d + 2), 7, dtype=storage)
+    vc = kc.clone()
+    slots = torch.randperm(320, generator=g)[:t]
+    module.store_kv_quant_(k, v, kc, vc, slots)
+    for cache, x in ((kc, k), (vc, v)):
+        flat = cache.view(-1, hkv, d + 2)
+        assert torch.equal(flat[slots], quantize(x, storage))
+        untouched = torch.ones(320, dtype=torch.bool)
+        untouched[slots] = False
+        assert bool((flat[untouched] == 7).all())
+    with pytest.raises(RuntimeError, match="D \\+ 2"):
+        module.store_kv_quant_(k, v, kc[..., :-1].contiguous(), vc[..., :-1].contiguous(), slots)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        module.store_kv_quant_(k[:1], v[:1], kc, vc, torch.tensor([320]))
+
+
+@pytest.mark.parametrize("d", [64, 80, 128])
+def test_native_rotation_is_the_hadamard_product(module, d) -> None:
+    """``hadamard_rows(x, s)`` is ``x @ hadamard(d) * s`` (float64 oracle; one float32 rounding
+    per element for float32, one bf16 rounding for bf16)."""
+    from radixkv.model.kv_quant import hadamard
+
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(40, 9, d, generator=g)
+    want = x.double() @ hadamard(d).double() * 0.25
+    got = module.hadamard_rows(x, 0.25)
+    assert got.dtype == torch.float32
+    assert float((got.double() - want).abs().max()) <= 1e-6 * float(want.abs().max())
+    got16 = module.hadamard_rows(x.bfloat16(), 0.25).double()
+    want16 = x.bfloat16().double() @ hadamard(d).double() * 0.25
+    assert float(((got16 - want16).abs() / want16.abs().clamp_min(1e-3)).max()) <= 2**-8

@@ -52,12 +52,14 @@ _SOURCES = [
     _CSRC / "cpu_attention.cpp",
     _CSRC / "cpu_attention_f32.cpp",
     _CSRC / "cpu_fused.cpp",
+    _CSRC / "cpu_kv_store.cpp",
     _CSRC / "cpu_sample.cpp",
 ]
 _HEADERS = [
     _CSRC / "cpu_attention.h",
     _CSRC / "cpu_fused.h",
     _CSRC / "cpu_kv_quant.h",
+    _CSRC / "cpu_kv_store.h",
     _CSRC / "cpu_sample.h",
     _CSRC / "cpu_vec.h",
     _CSRC / "cpu_work.h",

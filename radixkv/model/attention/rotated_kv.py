@@ -52,6 +52,20 @@ class RotatedKVBackend(AttentionBackend):
         meta: Any,
         sm_scale: float,
     ) -> torch.Tensor:
+        module = self._native(q)
+        if module is not None:  # butterflies in one pass each (csrc/cpu_kv_store.cpp)
+            q, k, v = (module.hadamard_rows(x.contiguous(), 1.0) for x in (q, k, v))
+            out = self.inner.forward(q, k, v, k_cache, v_cache, meta, sm_scale / self.block)
+            # H is symmetric (Sylvester blocks), so H^T = H
+            return module.hadamard_rows(out.contiguous(), 1.0 / self.block)
         h = self._h(q)
         out = self.inner.forward(q @ h, k @ h, v @ h, k_cache, v_cache, meta, sm_scale / self.block)
         return (out @ self._h(out).T).mul_(1.0 / self.block)
+
+    @staticmethod
+    def _native(q: torch.Tensor) -> Any | None:
+        if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        from radixkv.model import native
+
+        return native.load()

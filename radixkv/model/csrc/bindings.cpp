@@ -3,6 +3,7 @@
 
 #include "cpu_attention.h"
 #include "cpu_fused.h"
+#include "cpu_kv_store.h"
 #include "cpu_sample.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,5 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Inverse-CDF draw per row of float32 logits at a temperature (the sampler's plain rows)");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "logits[r, j] = -inf where bit j of bitmask[r] is 0, r in rows (xgrammar's layout), in place");
+  m.def("hadamard_rows", &hadamard_rows,
+        "x H * scale over the last dim (kv_quant.hadamard's +-1 block Hadamard), float32/bf16");
+  m.def("store_kv_quant_", &store_kv_quant_,
+        "Quantize k, v rows as kv_quant.quantize does and write them with their scales to slots");
   m.def("rope_", &rope_, "In-place rotate-half RoPE on the first heads of each bf16 row");
 }

@@ -1,0 +1,159 @@
+// The write side of quantized KV pages (radixkv/model/kv_quant.py), per layer and step:
+//
+//   hadamard_rows(x [..., D] f32/bf16, scale) -> x H * scale, same dtype: H the +-1 block
+//     Hadamard matrix of kv_quant.hadamard (Sylvester blocks of b = D & -D), by the fast
+//     Walsh-Hadamard butterflies in float32 (one rounding to the dtype at the end). The rotation
+//     of q, k, v and of the attention output around a backend over quantized pages.
+//   store_kv_quant_(k, v [T, Hkv, D] f32/bf16, k_cache, v_cache int8/uint8 [pages, P, Hkv, D+2],
+//     slots int64 [T]): each (token, head) row quantized exactly as kv_quant.quantize does
+//     (scale = absmax * ((1 + 2^-8) / qmax) rounded to nearest bf16, code = round-half-even(x / s)
+//     clamped for int8, float8_e4m3fn of x / s clamped to 448 for uint8) and written with its
+//     scale to slot slots[t]: the same bytes as the torch path, checked bit for bit by
+//     tests/test_kv_quant_native.py.
+
+#include "cpu_kv_store.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+template <typename T>
+float load(const T* p) {
+  return static_cast<float>(*p);
+}
+
+void butterflies(float* x, int64_t d) {
+  const int64_t b = d & -d;
+  for (int64_t base = 0; base < d; base += b) {
+    float* y = x + base;
+    for (int64_t len = 1; len < b; len <<= 1) {
+      for (int64_t i = 0; i < b; i += 2 * len) {
+        for (int64_t j = i; j < i + len; ++j) {
+          const float a = y[j], c = y[j + len];
+          y[j] = a + c;
+          y[j + len] = a - c;
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void hadamard_impl(const T* src, T* dst, int64_t rows, int64_t d, float scale) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(d);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t j = 0; j < d; ++j) buf[j] = load(src + r * d + j);
+      butterflies(buf.data(), d);
+      for (int64_t j = 0; j < d; ++j) dst[r * d + j] = static_cast<T>(buf[j] * scale);
+    }
+  });
+}
+
+uint16_t bf16_bits_nearest(float s) {
+  const c10::BFloat16 b(s);  // round to nearest even, as torch's .to(bfloat16)
+  return b.x;
+}
+
+template <typename T, bool kInt8>
+void quantize_rows(const T* x, int64_t rows, int64_t d, const int64_t* row_slot, int64_t hkv,
+                   int8_t* cache) {
+  constexpr float kQmax = kInt8 ? 127.f : 448.f;
+  const float widen = static_cast<float>((1.0 + 1.0 / 256.0) / (kInt8 ? 127.0 : 448.0));
+  const int64_t row_bytes = d + 2;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* src = x + r * d;
+      float amax = 0.f;
+      for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(load(src + j)));
+      const uint16_t sbits = bf16_bits_nearest(amax * widen);
+      const uint32_t wide = static_cast<uint32_t>(sbits) << 16;
+      float sf;
+      std::memcpy(&sf, &wide, sizeof(sf));
+      const float inv = sf > 0.f ? 1.f / sf : 0.f;
+      // row r is token r / hkv, head r % hkv
+      int8_t* dst = cache + (row_slot[r / hkv] * hkv + r % hkv) * row_bytes;
+      for (int64_t j = 0; j < d; ++j) {
+        const float y = load(src + j) * inv;
+        if constexpr (kInt8) {
+          const float q = std::min(kQmax, std::max(-kQmax, std::nearbyint(y)));
+          dst[j] = static_cast<int8_t>(q);
+        } else {
+          const float c = std::min(kQmax, std::max(-kQmax, y));
+          dst[j] = static_cast<int8_t>(c10::Float8_e4m3fn(c).x);
+        }
+      }
+      std::memcpy(dst + d, &sbits, sizeof(sbits));
+    }
+  });
+}
+
+template <typename T>
+void quantize_dispatch(const at::Tensor& x, const int64_t* slots, at::Tensor& cache) {
+  const int64_t hkv = x.size(1), d = x.size(2), rows = x.size(0) * hkv;
+  int8_t* dst = static_cast<int8_t*>(cache.data_ptr());
+  if (cache.scalar_type() == at::kChar) {
+    quantize_rows<T, true>(x.data_ptr<T>(), rows, d, slots, hkv, dst);
+  } else {
+    quantize_rows<T, false>(x.data_ptr<T>(), rows, d, slots, hkv, dst);
+  }
+}
+
+}  // namespace
+
+at::Tensor hadamard_rows(const at::Tensor& x, double scale) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
+              "hadamard_rows: x must be a contiguous CPU tensor [..., D]");
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  auto out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) {
+    hadamard_impl<float>(x.data_ptr<float>(), out.data_ptr<float>(), rows, d, float(scale));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    hadamard_impl<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows,
+                                 d, float(scale));
+  } else {
+    TORCH_CHECK(false, "hadamard_rows: x must be float32 or bfloat16");
+  }
+  return out;
+}
+
+void store_kv_quant_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                     at::Tensor& v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(k.device().is_cpu() && k.dim() == 3 && k.is_contiguous() && v.sizes() == k.sizes() &&
+                  v.is_contiguous() && v.scalar_type() == k.scalar_type(),
+              "store_kv_quant_: k, v must be contiguous CPU [T, Hkv, D] tensors of one dtype");
+  TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
+              "store_kv_quant_: k, v must be float32 or bfloat16");
+  TORCH_CHECK((k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kByte) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "store_kv_quant_: caches must be contiguous int8 / uint8 [pages, P, Hkv, D + 2]");
+  const int64_t T = k.size(0), hkv = k.size(1), d = k.size(2);
+  TORCH_CHECK(k_cache.size(2) == hkv && k_cache.size(3) == d + 2,
+              "store_kv_quant_: a cache row must be D + 2 bytes for ", hkv, " heads of ", d);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T &&
+                  slots.is_contiguous(),
+              "store_kv_quant_: slots must be a contiguous int64 [T] tensor");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "store_kv_quant_: a slot is outside the pool");
+  }
+  if (k.scalar_type() == at::kFloat) {
+    quantize_dispatch<float>(k, s, k_cache);
+    quantize_dispatch<float>(v, s, v_cache);
+  } else {
+    quantize_dispatch<c10::BFloat16>(k, s, k_cache);
+    quantize_dispatch<c10::BFloat16>(v, s, v_cache);
+  }
+}
