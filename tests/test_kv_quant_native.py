@@ -276,10 +276,11 @@ def test_native_store_writes_quantizes_bytes(module, kind, dtype) -> None:
         module.store_kv_quant_(k[:1], v[:1], kc, vc, torch.tensor([320]))
 
 
-@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("d", [24, 64, 80, 128])
 def test_native_rotation_is_the_hadamard_product(module, d) -> None:
     """``hadamard_rows(x, s)`` is ``x @ hadamard(d) * s`` (float64 oracle; one float32 rounding
-    per element for float32, one bf16 rounding for bf16)."""
+    per element for float32, one bf16 rounding for bf16): blocks of 8 (scalar under AVX-512,
+    one vector under AVX2), 16, 64 and 128."""
     from radixkv.model.kv_quant import hadamard
 
     g = torch.Generator().manual_seed(d)

@@ -13,6 +13,8 @@
 
 #include "cpu_kv_store.h"
 
+#include "cpu_vec.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
@@ -31,7 +33,45 @@ float load(const T* p) {
   return static_cast<float>(*p);
 }
 
+// Butterfly stages with len < VW run inside a vector: lane j becomes v[j ^ len] + (j & len ?
+// -v[j] : v[j]); stages with len >= VW add and subtract whole vectors.
+bool butterflies_vec(float* x, int64_t d) {
+  using namespace radixkv_vec;
+  const int64_t b = d & -d;
+  if (b < VW || b > 64 * VW) return false;
+  const int64_t nv = b / VW;
+  vf v[64];
+  vi perm[8];
+  vf sign[8];
+  int stages = 0;
+  for (int len = 1; len < VW; len <<= 1, ++stages) {
+    for (int j = 0; j < VW; ++j) {
+      perm[stages][j] = j ^ len;
+      sign[stages][j] = (j & len) ? -1.f : 1.f;
+    }
+  }
+  for (int64_t base = 0; base < d; base += b) {
+    float* y = x + base;
+    for (int64_t i = 0; i < nv; ++i) v[i] = loadv(y + i * VW);
+    for (int s = 0; s < stages; ++s) {
+      for (int64_t i = 0; i < nv; ++i) v[i] = v[i] * sign[s] + __builtin_shuffle(v[i], perm[s]);
+    }
+    for (int64_t step = 1; step < nv; step <<= 1) {
+      for (int64_t i = 0; i < nv; i += 2 * step) {
+        for (int64_t j = i; j < i + step; ++j) {
+          const vf a = v[j], c = v[j + step];
+          v[j] = a + c;
+          v[j + step] = a - c;
+        }
+      }
+    }
+    for (int64_t i = 0; i < nv; ++i) storev(y + i * VW, v[i]);
+  }
+  return true;
+}
+
 void butterflies(float* x, int64_t d) {
+  if (butterflies_vec(x, d)) return;
   const int64_t b = d & -d;
   for (int64_t base = 0; base < d; base += b) {
     float* y = x + base;
