@@ -77,19 +77,23 @@ class PagedKV:
 
 
 def _naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Causal attention of the last ``Lq`` positions of a contiguous sequence ``k, v [L, Hkv, D]``.
 
     ``q [Lq, Hq, D]`` are the queries of positions ``L-Lq .. L-1``. Independent of the oracles:
-    torch SDPA with its own GQA handling and a bottom-right aligned causal mask.
+    torch SDPA with its own GQA handling and a bottom-right aligned causal mask, in ``dtype``.
     """
     lq, length = q.shape[0], k.shape[0]
     allowed = torch.arange(length)[None, :] <= torch.arange(length - lq, length)[:, None]
     out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1),
-        k.float().transpose(0, 1),
-        v.float().transpose(0, 1),
+        q.to(dtype).transpose(0, 1),
+        k.to(dtype).transpose(0, 1),
+        v.to(dtype).transpose(0, 1),
         attn_mask=allowed,
         scale=scale,
         enable_gqa=True,

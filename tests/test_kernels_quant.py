@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_kernels import _i32, _naive_attention
 
 from radixkv.kernels import decode_attention, extend_attention, store_kvcache, store_kvcache_ref
 from radixkv.kernels.reference import (
@@ -109,21 +109,7 @@ class QuantPagedKV:
 
 def _attention64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """float64 causal attention of the last ``Lq`` positions of ``k, v [L, Hkv, D]``."""
-    lq, length = q.shape[0], k.shape[0]
-    allowed = torch.arange(length)[None, :] <= torch.arange(length - lq, length)[:, None]
-    out = F.scaled_dot_product_attention(
-        q.double().transpose(0, 1),
-        k.double().transpose(0, 1),
-        v.double().transpose(0, 1),
-        attn_mask=allowed,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(0, 1)
-
-
-def _i32(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+    return _naive_attention(q, k, v, scale, torch.float64)
 
 
 def _assert_error_within(got: torch.Tensor, base: torch.Tensor, want: torch.Tensor) -> None:
