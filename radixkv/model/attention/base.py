@@ -94,7 +94,7 @@ def torch_store_kvcache(
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     slots = out_slots if out_slots.dtype == torch.long else out_slots.long()
     if is_quantized(k_cache):
-        module = _native_store(k, k_cache)
+        module = native_module_for(k) if k_cache.is_contiguous() else None
         if module is not None:  # the same bytes in one pass (csrc/cpu_kv_store.cpp)
             module.store_kv_quant_(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)
             return
@@ -103,11 +103,10 @@ def torch_store_kvcache(
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def _native_store(k: torch.Tensor, k_cache: torch.Tensor) -> Any | None:
-    """The native build when it can write these rows into this quantized cache, else None."""
-    if k_cache.device.type != "cpu" or not k_cache.is_contiguous():
-        return None
-    if k.dtype not in (torch.float32, torch.bfloat16):
+def native_module_for(x: torch.Tensor) -> Any | None:
+    """The native CPU build when ``x`` is a float32 / bfloat16 CPU tensor (what its quantized
+    store and Hadamard rotation take), else None (also when the build is unavailable)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     from radixkv.model import native
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from radixkv.model.attention.base import AttentionBackend, ForwardBatch
+from radixkv.model.attention.base import AttentionBackend, ForwardBatch, native_module_for
 from radixkv.model.kv_quant import hadamard
 
 __all__ = ["RotatedKVBackend"]
@@ -52,7 +52,7 @@ class RotatedKVBackend(AttentionBackend):
         meta: Any,
         sm_scale: float,
     ) -> torch.Tensor:
-        module = self._native(q)
+        module = native_module_for(q)
         if module is not None:  # butterflies in one pass each (csrc/cpu_kv_store.cpp)
             q, k, v = (module.hadamard_rows(x.contiguous(), 1.0) for x in (q, k, v))
             out = self.inner.forward(q, k, v, k_cache, v_cache, meta, sm_scale / self.block)
@@ -61,11 +61,3 @@ class RotatedKVBackend(AttentionBackend):
         h = self._h(q)
         out = self.inner.forward(q @ h, k @ h, v @ h, k_cache, v_cache, meta, sm_scale / self.block)
         return (out @ self._h(out).T).mul_(1.0 / self.block)
-
-    @staticmethod
-    def _native(q: torch.Tensor) -> Any | None:
-        if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        from radixkv.model import native
-
-        return native.load()
