@@ -302,6 +302,7 @@ class StructuredRuntime:
         self._ahead: _FillAhead | None = None  # the fill started by prefetch(), if any
         self._ahead_pool: cf.ThreadPoolExecutor | None = None
         self._ahead_bitmask: torch.Tensor | None = None
+        self._ahead_batch: Any = None  # the worker's BatchGrammarMatcher, made on first use
 
     @property
     def pool(self) -> GrammarCompilerPool:
@@ -380,9 +381,12 @@ class StructuredRuntime:
         if self._ahead_bitmask is None or self._ahead_bitmask.shape[0] < len(rows):
             self._ahead_bitmask = xgr.allocate_token_bitmask(max(len(rows), 64), self.vocab_size)
         bitmask = self._ahead_bitmask[: len(rows)]  # free again: the last fill-ahead was taken
-        batch = xgr.BatchGrammarMatcher(max_threads=1)  # the forward has the other threads
+        if self._ahead_batch is None:  # one thread: the forward has the others
+            self._ahead_batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._ahead = _FillAhead(
-            self._ahead_pool.submit(batch.batch_fill_next_token_bitmask, matchers, bitmask),
+            self._ahead_pool.submit(
+                self._ahead_batch.batch_fill_next_token_bitmask, matchers, bitmask
+            ),
             bitmask,
             {id(m): (i, s.grammar.accepted) for i, (s, m) in enumerate(zip(rows, matchers))},
         )
@@ -402,7 +406,6 @@ class StructuredRuntime:
         if not rows:
             self._drop_ahead()
             return logits
-        constrained = rows
         import xgrammar as xgr
 
         if logits.dtype != torch.float32:
@@ -411,24 +414,24 @@ class StructuredRuntime:
         if self._bitmask is None or self._bitmask.shape[0] < b:
             self._bitmask = xgr.allocate_token_bitmask(max(b, 64), self.vocab_size)
         bitmask = self._bitmask[:b]
-        rows = self._take_ahead(bitmask, seqs, rows)
-        if rows:  # one C++ call fills every row the fill-ahead did not (no per-row Python)
+        to_fill = self._take_ahead(bitmask, seqs, rows)
+        if to_fill:  # one C++ call fills every row the fill-ahead did not (no per-row Python)
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
-            matchers = [seqs[i].grammar.live_matcher() for i in rows]
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            matchers = [seqs[i].grammar.live_matcher() for i in to_fill]
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, to_fill)
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         elif logits.is_contiguous() and logits.shape[1] == self.vocab_size:
             module = native.load()
             if module is not None:  # one multi-threaded pass that skips all-allowed words
-                module.apply_token_bitmask_(logits, bitmask, torch.tensor(constrained))
+                module.apply_token_bitmask_(logits, bitmask, torch.tensor(rows))
                 return logits
         xgr.apply_token_bitmask_inplace(
             logits,
             bitmask,
             vocab_size=self.vocab_size,
-            indices=None if len(constrained) == b else constrained,
+            indices=None if len(rows) == b else rows,
         )
         return logits
 
