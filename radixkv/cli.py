@@ -198,6 +198,8 @@ def _write_html_report(args: argparse.Namespace, trace: list[Any], summary: dict
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     """``radixkv simulate``: replay a JSONL trace through the prefix cache (no model, no torch)."""
+    from radixkv.sim.capacity import ELEMENT_BYTES  # torch-free
+
     p = sub.add_parser(
         "simulate",
         help="replay a JSONL request trace through the prefix cache and report hit rates",
@@ -221,7 +223,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=["float32", "bfloat16", "float16", "int8", "fp8_e4m3"],
+        choices=list(ELEMENT_BYTES),
         default="bfloat16",
         help="with --kv-memory-gb: the KV dtype that sizes a token (int8/fp8 count their "
         "scales; default bfloat16)",
