@@ -13,6 +13,7 @@
 
 #include "cpu_kv_store.h"
 
+#include "cpu_kv_quant.h"
 #include "cpu_vec.h"
 
 #include <ATen/Parallel.h>
@@ -35,21 +36,31 @@ float load(const T* p) {
 
 // Butterfly stages with len < VW run inside a vector: lane j becomes v[j ^ len] + (j & len ?
 // -v[j] : v[j]); stages with len >= VW add and subtract whole vectors.
+struct InVectorStages {  // lane permutation and sign of each stage with len < VW
+  radixkv_vec::vi perm[8];
+  radixkv_vec::vf sign[8];
+  int count = 0;
+  InVectorStages() {
+    using radixkv_vec::VW;
+    for (int len = 1; len < VW; len <<= 1, ++count) {
+      for (int j = 0; j < VW; ++j) {
+        perm[count][j] = j ^ len;
+        sign[count][j] = (j & len) ? -1.f : 1.f;
+      }
+    }
+  }
+};
+
 bool butterflies_vec(float* x, int64_t d) {
   using namespace radixkv_vec;
   const int64_t b = d & -d;
   if (b < VW || b > 64 * VW) return false;
+  static const InVectorStages in_vector;  // built once, not per row
+  const vi* perm = in_vector.perm;
+  const vf* sign = in_vector.sign;
+  const int stages = in_vector.count;
   const int64_t nv = b / VW;
   vf v[64];
-  vi perm[8];
-  vf sign[8];
-  int stages = 0;
-  for (int len = 1; len < VW; len <<= 1, ++stages) {
-    for (int j = 0; j < VW; ++j) {
-      perm[stages][j] = j ^ len;
-      sign[stages][j] = (j & len) ? -1.f : 1.f;
-    }
-  }
   for (int64_t base = 0; base < d; base += b) {
     float* y = x + base;
     for (int64_t i = 0; i < nv; ++i) v[i] = loadv(y + i * VW);
@@ -116,12 +127,11 @@ void quantize_rows(const T* x, int64_t rows, int64_t d, const int64_t* row_slot,
       float amax = 0.f;
       for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(load(src + j)));
       const uint16_t sbits = bf16_bits_nearest(amax * widen);
-      const uint32_t wide = static_cast<uint32_t>(sbits) << 16;
-      float sf;
-      std::memcpy(&sf, &wide, sizeof(sf));
-      const float inv = sf > 0.f ? 1.f / sf : 0.f;
       // row r is token r / hkv, head r % hkv
       int8_t* dst = cache + (row_slot[r / hkv] * hkv + r % hkv) * row_bytes;
+      std::memcpy(dst + d, &sbits, sizeof(sbits));
+      const float sf = radixkv_kvq::row_scale(dst, d);  // the scale as every reader decodes it
+      const float inv = sf > 0.f ? 1.f / sf : 0.f;
       for (int64_t j = 0; j < d; ++j) {
         const float y = load(src + j) * inv;
         if constexpr (kInt8) {
@@ -132,7 +142,6 @@ void quantize_rows(const T* x, int64_t rows, int64_t d, const int64_t* row_slot,
           dst[j] = static_cast<int8_t>(c10::Float8_e4m3fn(c).x);
         }
       }
-      std::memcpy(dst + d, &sbits, sizeof(sbits));
     }
   });
 }
