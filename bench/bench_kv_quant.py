@@ -19,7 +19,9 @@ in one run on SmolLM2-135M-Instruct: accuracy, capacity and the decode step.
   steps with all 64 rows decoding, unquantized vs each quantized dtype (interleaved runs).
 
 Run from the repository root: ``python -m bench.bench_kv_quant`` (``--dtype`` float32 or
-bfloat16, default the host's; ``--skip-speed``, ``--skip-accuracy``). Prints the host's ISA.
+bfloat16, default the host's; ``--skip-speed``, ``--skip-accuracy``; ``--rotation-ablation``:
+only the perplexity, with int8 / fp8 also measured without the Hadamard rotation). Prints the
+host's ISA.
 """
 
 from __future__ import annotations
@@ -131,23 +133,30 @@ def oracle_error(model: Any, dtype: str, prompts: list[list[int]], tokens: int) 
         print(f"  {label:11s} {max(errs):.4f} / {statistics.mean(errs):.5f}")
 
 
-def perplexity(model: Any, dtype: str) -> None:
+def perplexity(model: Any, dtype: str, rotation_ablation: bool = False) -> None:
+    """Perplexity per KV dtype; ``rotation_ablation`` adds each quantized dtype without the
+    Hadamard rotation (the wrapped backend alone over the same pages)."""
     text = TEXT.read_text()
+    cases = [("auto", True), *((kv, True) for kv in QUANT)]
+    if rotation_ablation:
+        cases += [(kv, False) for kv in QUANT]
     results = {}
-    for kv in ("auto", *QUANT):
+    for kv, rotated in cases:
         e = Engine(
             model, dtype=dtype, kv_cache_dtype=kv, chunked_prefill_tokens=32, kv_cache_tokens=8192
         )
+        if not rotated:
+            e.runner.backend = e.runner.backend.inner
         ids = e.tokenizer.encode(text)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         (out,) = e.generate([ids], params)
         nll = [-next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-        results[kv] = float(torch.tensor(nll, dtype=torch.float64).mean().exp())
-    base = results["auto"]
+        label = "unquantized" if kv == "auto" else kv + ("" if rotated else ", no rotation")
+        results[label] = float(torch.tensor(nll, dtype=torch.float64).mean().exp())
+    base = results["unquantized"]
     print(f"perplexity of bench/data/ppl_text.txt ({len(nll) + 1} tokens, chunks of 32, {dtype}):")
-    for kv, ppl in results.items():
-        label = "unquantized" if kv == "auto" else kv
-        print(f"  {label:11s} {ppl:.4f}  ({(ppl / base - 1) * 100:+.2f}%)")
+    for label, ppl in results.items():
+        print(f"  {label:22s} {ppl:.4f}  ({(ppl / base - 1) * 100:+.2f}%)")
 
 
 def multi_turn_hit_rate(model: Any, dtype: str, memory_gb: float) -> None:
@@ -214,6 +223,11 @@ def main() -> None:
     )
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument(
+        "--rotation-ablation",
+        action="store_true",
+        help="only the perplexity, with each quantized dtype also run without the rotation",
+    )
     args = parser.parse_args()
     from radixkv.model.loader import load_model
     from radixkv.model.runner import default_dtype
@@ -223,6 +237,9 @@ def main() -> None:
     print(f"host ISA: {native.host_isa()}, dtype: {name}, torch threads: {torch.get_num_threads()}")
     model = load_model("smollm2", dtype=dtype)
     capacity(model, dtype)
+    if args.rotation_ablation:
+        perplexity(model, name, rotation_ablation=True)
+        return
     multi_turn_hit_rate(model, name, args.memory_gb)
     if not args.skip_accuracy:
         outs = agreement(model, name, args.prompts, args.tokens)
