@@ -152,6 +152,10 @@ def test_fingerprint_names_the_kv_format_and_the_model_dtype(tiny: Any) -> None:
 
 # ------------------------------------------------------------------------------ bad settings
 def test_bad_settings_name_the_alternative(tiny: Any) -> None:
+    from radixkv import config
+    from radixkv.model import kv_quant
+
+    assert config.KV_CACHE_DTYPES == kv_quant.KV_CACHE_DTYPES  # the torch-free restatement
     with pytest.raises(ValueError, match="int8, fp8_e4m3"):
         engine(tiny, "int4")
     with pytest.raises(ValueError, match="kv_layout='paged'"):
