@@ -20,8 +20,8 @@ Rotation: K and V are stored rotated by a Hadamard transform of the head dim
 rotated back (``o = o' H^T / b``, ``b`` the block size, with the softmax scale divided by ``b``):
 ``q' . k' = b (q . k)``, so attention is unchanged, while a head's outlier channels (RoPE makes
 a few of K's channels far larger than the rest) are spread over all of its channels and one
-scale per row loses little resolution. Measured on SmolLM2-135M (bf16, ``bench/bench_kv_quant``):
-int8 perplexity +1.16% without the rotation, +0.01% with it.
+scale per row loses little resolution (the standard argument; on SmolLM2 the perplexity of
+``bench/bench_kv_quant --rotation-ablation`` does not resolve a gain: docs/kv-quant.md).
 :class:`~radixkv.model.attention.rotated_kv.RotatedKVBackend` applies it around any backend,
 so the kernels only dequantize (``code * scale``) what they read.
 
