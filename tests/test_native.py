@@ -274,32 +274,48 @@ def test_model_bf16_backends_within_contract(module, llama_d64, backend):
 # -- fused elementwise ops (radixkv/model/csrc/cpu_fused.cpp) ------------------------------------------
 
 
+@pytest.fixture(params=native.runnable_isas())
+def level_module(request):
+    """The native build of every ISA level this host runs (the fused ops are vectorised at the
+    build's width: 16 floats with AVX-512, 8 otherwise)."""
+    m = native.load(request.param)
+    assert m is not None, f"the {request.param} build failed: {native.build_error()}"
+    return m
+
+
 def bf16(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def test_fused_rms_norm_and_residual_add(module):
-    x, w = bf16(37, 576, seed=1), bf16(576, seed=2)
+@pytest.mark.parametrize("h", [576, 45])
+def test_fused_rms_norm_and_residual_add(level_module, h):
+    x, w = bf16(37, h, seed=1), bf16(h, seed=2)
     ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()
-    torch.testing.assert_close(module.rms_norm(x, w, 1e-5).float(), ref, atol=2e-2, rtol=1e-2)
-    residual, delta = bf16(37, 576, seed=3), bf16(37, 576, seed=4)
+    torch.testing.assert_close(level_module.rms_norm(x, w, 1e-5).float(), ref, atol=2e-2, rtol=1e-2)
+    residual, delta = bf16(37, h, seed=3), bf16(37, h, seed=4)
     expect = residual + delta  # the residual stream is rounded to bf16 as in torch
     res = residual.clone()
-    y = module.add_rms_norm(res, delta, w, 1e-5)
+    y = level_module.add_rms_norm(res, delta, w, 1e-5)
     assert torch.equal(res, expect)
     ref = expect.float() * torch.rsqrt(expect.float().pow(2).mean(-1, keepdim=True) + 1e-5)
     torch.testing.assert_close(y.float(), ref * w.float(), atol=2e-2, rtol=1e-2)
 
 
-def test_fused_silu_mul(module):
-    gu = bf16(9, 2 * 1536, seed=5)
-    ref = torch.nn.functional.silu(gu[:, :1536].float()) * gu[:, 1536:].float()
-    torch.testing.assert_close(module.silu_mul(gu).float(), ref, atol=1e-2, rtol=1e-2)
+@pytest.mark.parametrize("n, scale", [(1536, 1.0), (1536, 30.0), (45, 4.0)])
+def test_fused_silu_mul(level_module, n, scale):
+    """Against float64: gates far into both tails (the sigmoid from exp(-|g|) never overflows)
+    and a width that is not a whole number of vectors (the scalar tail)."""
+    gu = (bf16(9, 2 * n, seed=5).double() * scale).to(torch.bfloat16)
+    g, u = gu[:, :n].double(), gu[:, n:].double()
+    ref = g * torch.sigmoid(g) * u
+    got = level_module.silu_mul(gu).double()
+    # one bf16 rounding of the result (2^-8 relative) and float32 arithmetic before it
+    assert ((got - ref).abs() <= ref.abs() * 1.01 * 2**-8 + 1e-30).all()
     with pytest.raises(RuntimeError, match="bfloat16"):
-        module.silu_mul(gu.float())
+        level_module.silu_mul(bf16(2, 8).float())
 
 
-def test_fused_rope_in_place_matches_apply_rope(module):
+def test_fused_rope_in_place_matches_apply_rope(level_module):
     from radixkv.model.llama import ModelConfig, RotaryEmbedding, apply_rope
 
     cfg = ModelConfig(
@@ -316,7 +332,7 @@ def test_fused_rope_in_place_matches_apply_rope(module):
     qkv = bf16(4, 960, seed=6)
     ref = apply_rope(qkv[:, :768].float().view(4, 12, 64), cos, sin)
     out = qkv.clone()
-    module.rope_(out, cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous(), 12, 64)
+    level_module.rope_(out, cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous(), 12, 64)
     torch.testing.assert_close(out[:, :768].float().view(4, 12, 64), ref, atol=2e-2, rtol=1e-2)
     assert torch.equal(out[:, 768:], qkv[:, 768:]), "V columns must be left alone"
 

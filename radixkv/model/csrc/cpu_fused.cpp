@@ -12,6 +12,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu_vec.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +38,37 @@ inline bf16 to_bf(float f) {  // round to nearest even; NaN stays NaN
   return static_cast<bf16>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
+// The same conversions on a vector of the build's width (cpu_vec.h): bit for bit those above.
+using radixkv_vec::vf;
+using radixkv_vec::VW;
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+
+inline vf load_bf(const bf16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline void store_bf(bf16* p, vf f) {
+  vu u;
+  std::memcpy(&u, &f, sizeof(u));
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu nan = (u >> 16) | 0x40u;
+  const vu out = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+  const vh h = __builtin_convertvector(out, vh);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < VW; ++i) s += v[i];
+  return s;
+}
+
 void check_bf16_2d(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 &&
                   t.stride(1) == 1,
@@ -49,22 +82,34 @@ void check_norm_weight(const at::Tensor& w, int64_t h, const char* what) {
 
 bf16* data(const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); }
 
-// y[r] = norm(src[r]) * w for rows [begin, end)
+// y[r] = norm(src[r]) * w for rows [begin, end); whole vectors first, then a scalar tail
 void norm_rows(const bf16* src, int64_t src_stride, const bf16* w, bf16* dst, int64_t h,
                float eps, int64_t begin, int64_t end) {
-  std::vector<float> wf(h);
-  for (int64_t i = 0; i < h; ++i) wf[i] = to_f(w[i]);
+  const int64_t hv = h - h % VW;
   for (int64_t r = begin; r < end; ++r) {
     const bf16* x = src + r * src_stride;
-    float ss = 0.f;
-    for (int64_t i = 0; i < h; ++i) {
-      const float v = to_f(x[i]);
-      ss += v * v;
+    vf acc{};
+    for (int64_t i = 0; i < hv; i += VW) {
+      const vf v = load_bf(x + i);
+      acc += v * v;
     }
+    float ss = hsum(acc);
+    for (int64_t i = hv; i < h; ++i) ss += to_f(x[i]) * to_f(x[i]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
     bf16* y = dst + r * h;
-    for (int64_t i = 0; i < h; ++i) y[i] = to_bf(to_f(x[i]) * inv * wf[i]);
+    for (int64_t i = 0; i < hv; i += VW) store_bf(y + i, load_bf(x + i) * inv * load_bf(w + i));
+    for (int64_t i = hv; i < h; ++i) y[i] = to_bf(to_f(x[i]) * inv * to_f(w[i]));
   }
+}
+
+// silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) <= 1 (never overflows):
+// 1 / (1 + e) for g >= 0, e / (1 + e) below
+inline vf silu_mul_v(vf g, vf u) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const vf neg_abs = g < 0.f ? g : -g;
+  const vf e = radixkv_vec::exp2v(neg_abs * kLog2e);
+  const vf sig = (g < 0.f ? e : radixkv_vec::splat(1.f)) / (1.f + e);
+  return g * sig * u;
 }
 
 constexpr int64_t kRowGrain = 16;
@@ -96,7 +141,9 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Ten
     for (int64_t r = b; r < e; ++r) {
       bf16* dst = res + r * residual.stride(0);
       const bf16* src = xs + r * x.stride(0);
-      for (int64_t i = 0; i < h; ++i) dst[i] = to_bf(to_f(dst[i]) + to_f(src[i]));
+      const int64_t hv = h - h % VW;
+      for (int64_t i = 0; i < hv; i += VW) store_bf(dst + i, load_bf(dst + i) + load_bf(src + i));
+      for (int64_t i = hv; i < h; ++i) dst[i] = to_bf(to_f(dst[i]) + to_f(src[i]));
     }
     norm_rows(res, residual.stride(0), data(weight), data(y), h, static_cast<float>(eps), b, e);
   });
@@ -114,7 +161,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const bf16* g = data(gate_up) + r * gate_up.stride(0);
       const bf16* u = g + n;
       bf16* dst = data(y) + r * n;
-      for (int64_t i = 0; i < n; ++i) {
+      const int64_t nv = n - n % VW;
+      for (int64_t i = 0; i < nv; i += VW) store_bf(dst + i, silu_mul_v(load_bf(g + i), load_bf(u + i)));
+      for (int64_t i = nv; i < n; ++i) {
         const float gv = to_f(g[i]);
         dst[i] = to_bf(gv / (1.f + std::exp(-gv)) * to_f(u[i]));
       }
