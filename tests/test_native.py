@@ -363,3 +363,30 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start(modu
     assert done.returncode == 0, done.stderr[-2000:]
     assert not lock.exists()
     assert "removing a build lock left by a killed process" in done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_store_kv_matches_index_copy_for_strided_rows(level_module, dtype):
+    """The native store writes what index_copy_ writes, from K/V column slices of a fused QKV
+    output (tokens at the QKV row's stride), and refuses a slot outside the pool."""
+    from radixkv.model.attention.base import torch_store_kvcache
+
+    g = torch.Generator().manual_seed(7)
+    t, hq, hkv, d = 13, 4, 2, 8
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    assert not k.is_contiguous()
+    caches = [torch.randn(6, 4, hkv, d, generator=g).to(dtype) for _ in range(2)]
+    slots = torch.randperm(24, generator=g)[:t]
+    expect = [c.clone() for c in caches]
+    expect[0].view(-1, hkv, d).index_copy_(0, slots, k)
+    expect[1].view(-1, hkv, d).index_copy_(0, slots, v)
+    got = [c.clone() for c in caches]
+    level_module.store_kv_(k, v, got[0], got[1], slots)
+    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
+    routed = [c.clone() for c in caches]  # the path every backend's forward takes
+    torch_store_kvcache(k, v, routed[0], routed[1], slots.to(torch.int32))
+    assert torch.equal(routed[0], expect[0]) and torch.equal(routed[1], expect[1])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        level_module.store_kv_(k, v, got[0], got[1], torch.full((t,), 24, dtype=torch.long))

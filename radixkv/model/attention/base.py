@@ -99,8 +99,18 @@ def torch_store_kvcache(
             module.store_kv_quant_(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)
             return
         k, v = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
+    elif k.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous():
+        module = native_module_for(k)
+        if module is not None and _rows_contiguous(k, v):
+            module.store_kv_(k, v, k_cache, v_cache, slots)  # one pass, no copies of k, v
+            return
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _rows_contiguous(*xs: torch.Tensor) -> bool:
+    """Whether each token's ``[Hkv, D]`` row of every ``[T, Hkv, D]`` tensor is contiguous."""
+    return all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in xs)
 
 
 def native_module_for(x: torch.Tensor) -> Any | None:

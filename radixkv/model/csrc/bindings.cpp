@@ -19,11 +19,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [rows, 2 * n] bf16 tensor");
   m.def("sample_rows", &sample_rows,
         "Inverse-CDF draw per row of float32 logits at a temperature (the sampler's plain rows)");
+  m.def("argmax_rows", &argmax_rows,
+        "torch.argmax(logits, -1) of contiguous float32 rows, rows in parallel");
   m.def("apply_token_bitmask_", &apply_token_bitmask_,
         "logits[r, j] = -inf where bit j of bitmask[r] is 0, r in rows (xgrammar's layout), in place");
   m.def("hadamard_rows", &hadamard_rows,
         "x H * scale over the last dim (kv_quant.hadamard's +-1 block Hadamard), float32/bf16");
   m.def("store_kv_quant_", &store_kv_quant_,
         "Quantize k, v rows as kv_quant.quantize does and write them with their scales to slots");
+  m.def("store_kv_", &store_kv_,
+        "Copy k, v token rows [T, Hkv, D] to slots of same-dtype caches (any token stride)");
   m.def("rope_", &rope_, "In-place rotate-half RoPE on the first heads of each bf16 row");
 }

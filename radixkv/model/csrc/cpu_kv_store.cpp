@@ -10,6 +10,10 @@
 //     clamped for int8, float8_e4m3fn of x / s clamped to 448 for uint8) and written with its
 //     scale to slot slots[t]: the same bytes as the torch path, checked bit for bit by
 //     tests/test_kv_quant_native.py.
+//   store_kv_(k, v [T, Hkv, D], k_cache, v_cache [pages, P, Hkv, D] of k's dtype, slots int64
+//     [T]): each token's Hkv x D row copied to slot slots[t] as it is (bf16 / float32 / fp16
+//     pools), tokens at any stride (k, v may be column slices of the fused QKV output), one
+//     pass for both caches instead of two index_copy_ calls and the copies they take.
 
 #include "cpu_kv_store.h"
 
@@ -205,4 +209,41 @@ void store_kv_quant_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cac
     quantize_dispatch<c10::BFloat16>(k, s, k_cache);
     quantize_dispatch<c10::BFloat16>(v, s, v_cache);
   }
+}
+
+void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+               const at::Tensor& slots) {
+  TORCH_CHECK(k.device().is_cpu() && k.dim() == 3 && v.sizes() == k.sizes() &&
+                  v.scalar_type() == k.scalar_type() && k_cache.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
+              "store_kv_: k, v and the caches must be CPU tensors of one dtype, k, v [T, Hkv, D]");
+  const int64_t T = k.size(0), hkv = k.size(1), d = k.size(2);
+  for (const at::Tensor* x : {&k, &v}) {
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == d,
+                "store_kv_: each token's [Hkv, D] row of k and v must be contiguous");
+  }
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.size(2) == hkv && k_cache.size(3) == d,
+              "store_kv_: caches must be contiguous [pages, P, Hkv, D] of k's heads and dim");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T &&
+                  slots.is_contiguous(),
+              "store_kv_: slots must be a contiguous int64 [T] tensor");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "store_kv_: a slot is outside the pool");
+  }
+  const int64_t es = k.element_size(), row = hkv * d * es;
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t kst = k.stride(0) * es, vst = v.stride(0) * es;
+  // a decode step's few KB are not worth waking the threads for; a long prefill's are
+  at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      std::memcpy(kc + s[t] * row, ks + t * kst, row);
+      std::memcpy(vc + s[t] * row, vs + t * vst, row);
+    }
+  });
 }
