@@ -104,3 +104,29 @@ def test_native_grammar_mask_equals_xgrammars_apply(isa, vocab):
         module.apply_token_bitmask_(got, bitmask, torch.tensor([b]))
     with pytest.raises(RuntimeError, match="narrower"):
         module.apply_token_bitmask_(got, bitmask[:, :1].contiguous(), torch.tensor(rows))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_argmax_is_torchs_argmax(isa):
+    """``argmax_rows`` returns torch.argmax's index on every row: ties (the first wins), the
+    maximum in the scalar tail or the last block, rows of -inf, +inf, NaN (the first NaN wins,
+    as in torch), and a vocab that is no multiple of the vector width."""
+    module = _module(isa)
+    gen = torch.Generator().manual_seed(5)
+    b, vocab = 40, 5003
+    logits = torch.randn(b, vocab, generator=gen) * 3
+    logits[0, 7] = logits[0, 4000] = 50.0  # a tie: the first index
+    logits[1, vocab - 1] = 50.0  # in the tail past the last whole vector
+    logits[2, vocab - 70] = 50.0  # in the last blocks
+    logits[3] = float("-inf")  # all -inf: index 0
+    logits[4, 100] = float("inf")
+    logits[5, 300] = float("nan")
+    logits[5, 200] = float("inf")
+    logits[6, 9] = logits[6, 4999] = float("nan")
+    logits[7, :] = 1.0
+    got = module.argmax_rows(logits)
+    assert torch.equal(got, logits.argmax(-1))
+    assert got[:8].tolist() == [7, vocab - 1, vocab - 70, 0, 100, 300, 9, 0]
+    sampler = Sampler(kernels=module)
+    assert sampler.argmax(logits) == logits.argmax(-1).tolist()
+    assert sampler.argmax(logits[:, :-3]) == logits[:, :-3].argmax(-1).tolist()  # not contiguous

@@ -113,6 +113,14 @@ class Sampler:
         """The native build drawing plain CPU rows, or None for the torch ops."""
         return native.load() if self._kernels == "auto" else self._kernels
 
+    def argmax(self, rows: torch.Tensor) -> list[int]:
+        """``rows.argmax(-1)`` as a list: the native ``argmax_rows`` (rows in parallel, the same
+        indices, NaN included) for float32 CPU rows, torch otherwise."""
+        kernels = self._native() if rows.device.type == "cpu" else None
+        if kernels is not None and rows.dtype == torch.float32 and rows.dim() == 2:
+            return kernels.argmax_rows(rows.contiguous()).tolist()
+        return rows.argmax(dim=-1).tolist()
+
     @staticmethod
     def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
         """A generator seeded with ``seed`` (random seed when None)."""
@@ -246,7 +254,7 @@ class Sampler:
         b = len(seqs)
         scores = apply_logits_processors(logits, seqs, self.eos_token_ids)  # logit_bias etc.
         if all(s.params.is_greedy and not s.params.has_penalties for s in seqs):
-            tokens = scores.argmax(dim=-1).tolist()
+            tokens = self.argmax(scores)
         else:
             tokens = self._sample_mixed(scores, seqs)
         # logprobs come from the raw logits, before penalties and temperature (vLLM's default)
@@ -271,7 +279,7 @@ class Sampler:
         tokens = [0] * b
         if greedy:
             rows = penalized if len(greedy) == b else penalized[greedy]
-            for i, tok in zip(greedy, rows.argmax(-1).tolist()):
+            for i, tok in zip(greedy, self.argmax(rows)):
                 tokens[i] = tok
         if not sampled:
             return tokens

@@ -3,6 +3,8 @@
 // their temporaries.
 //
 //   sample_rows(logits [B, V] f32, inv_temperature [B] f32, uniforms [B] f64) -> int64 [B]
+//   argmax_rows(logits [B, V] f32) -> int64 [B]: torch.argmax(logits, -1) exactly (the first
+//     index of the row's largest value; the first NaN where the row has one), rows in parallel
 //
 // Row i: w_j = exp((x_j - max_i) * inv_temperature_i) (2^x by the float32 polynomial of
 // cpu_vec.h; -inf logits weigh exactly 0), total = sum_j w_j, and the token is the first j whose
@@ -118,6 +120,58 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temperatu
       const float m = row_max(row, V);
       weights(row, V, m, inv_t[i] * kLog2e, w.data(), sums.data());
       tok[i] = draw(w.data(), sums.data(), V, u[i]);
+    }
+  });
+  return out;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.is_contiguous(),
+              "argmax_rows: logits must be a contiguous CPU float32 [B, V] tensor");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "argmax_rows: empty vocabulary");
+  auto out = at::empty({B}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* tok = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = x + i * V;
+      // one pass for the largest value (NaNs skipped) and whether any NaN is there
+      int64_t j = 0;
+      vf mv = splat(-INFINITY);
+      vi nan{};
+      for (; j + VW <= V; j += VW) {
+        const vf v = loadv(row + j);
+        mv = v > mv ? v : mv;
+        nan |= v != v;
+      }
+      float m = -INFINITY;
+      bool any_nan = false;
+      for (int k = 0; k < VW; ++k) {
+        m = std::max(m, mv[k]);
+        any_nan |= nan[k] != 0;
+      }
+      for (; j < V; ++j) {
+        m = std::max(m, row[j]);
+        any_nan |= std::isnan(row[j]);
+      }
+      // the first index holding it: whole blocks of 4 vectors tested at once, then one by one
+      auto hit = [&](float v) { return any_nan ? std::isnan(v) : v == m; };
+      const vf target = splat(m);
+      int64_t c = 0;
+      for (; c + 4 * VW <= V; c += 4 * VW) {
+        vi any{};
+        for (int u = 0; u < 4; ++u) {
+          const vf v = loadv(row + c + u * VW);
+          any |= any_nan ? (v != v) : (v == target);
+        }
+        bool found = false;
+        for (int k = 0; k < VW; ++k) found |= any[k] != 0;
+        if (found) break;
+      }
+      while (c < V - 1 && !hit(row[c])) ++c;
+      tok[i] = c;
     }
   });
   return out;

@@ -7,3 +7,5 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temperatu
                        const at::Tensor& uniforms);
 
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
+
+at::Tensor argmax_rows(const at::Tensor& logits);
