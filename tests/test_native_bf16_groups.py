@@ -66,14 +66,22 @@ def test_grouped_decodes_and_extends_match_the_oracle(module, size, page, d):
     assert g_max <= 1.5 * p_max + 1e-3, (g_max, p_max)
 
 
-def test_block_aligned_shared_part_is_bitwise_the_ungrouped_answer(module):
+def test_block_aligned_shared_part_is_the_ungrouped_answer_to_float32_rounding(module):
     """With the shared part a multiple of the kernel's 64-key block, phase A + B visit the same
-    key blocks in the same order as one pass per request: the outputs are equal bit for bit."""
+    key blocks in the same order as one pass per request. Phase A's 150 rows take the GEMM-form
+    scores (16 rows along the lanes) where a decode's 3 rows sum each dot product across lanes,
+    so the scores differ by float32 summation order alone: a few outputs move by a flipped bf16
+    rounding (of P or of the output), nothing more, and both are as close to the oracle."""
     reqs = [(1024 + 20 + b, 1) for b in range(48)] + [(1024, 7), (1100, 30)]
     case = bf16_case(16, 9, 3, 64, reqs, [(range(50), 1024)], seed=5)
     grouped, plain = run(case, module), run(case, module, groups=[])
-    assert torch.equal(grouped, plain)
-    assert errors(grouped, case)[0] < MAX_ERR
+    diff = (grouped.float() - plain.float()).abs()
+    big = torch.maximum(grouped.float().abs(), plain.float().abs())
+    v_max = case.v_cache.float().abs().max().item()
+    assert (diff <= big * 2**-7 + v_max * 2**-8).all()
+    assert (diff > 0).float().mean().item() < 0.01
+    (g_max, g_mean), (p_max, p_mean) = errors(grouped, case), errors(plain, case)
+    assert g_max < MAX_ERR and g_max <= p_max * 1.05 and g_mean <= p_mean * 1.02
 
 
 def test_two_groups_ungrouped_requests_and_a_prefix_that_is_all_shared(module):

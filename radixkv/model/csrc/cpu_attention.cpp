@@ -12,7 +12,12 @@
 //   S = Q K^T  (bf16 dot products, float32 accumulation; AVX512-BF16 vdpbf16ps)
 //   P = exp2((S * scale * log2 e) - m)          (float32, then bf16 for the P V product)
 //   O = O * exp2(m_old - m_new) + P V           (float32 accumulators)
-// and the output is O / l in bf16. Items run on torch's intra-op threads, longest first, taken
+// and the output is O / l in bf16. S is computed row by row (each dot product summed across the
+// lanes) for a KV head with few live rows (decodes: G rows), and as a GEMM tile where a head has
+// kGemmRows or more (a shared prefix's stacked members, prefill blocks): the key block's K is
+// transposed once into bf16 pairs with keys along the lanes, and 6 rows x 64 keys accumulate in
+// registers with one broadcast q pair per row, no horizontal sums. The two differ only in the
+// float32 summation order of each score. Items run on torch's intra-op threads, longest first, taken
 // from a shared counter so causal prefills (whose later blocks cost more) balance.
 //
 // Shared prefixes (the AVX512-BF16 path): a group is a list of requests whose page tables start
@@ -63,6 +68,10 @@ using bf16 = uint16_t;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kKeyBlock = 64;   // keys per online-softmax step
 constexpr int kRowsPerItem = 96;  // query rows (tokens x G heads) per work item
+// A KV head with at least this many live rows in a key block computes its scores 16 rows at a
+// time, rows along the vector lanes (a GEMM tile: no horizontal sums), else row by row.
+constexpr int64_t kGemmRows = 16;
+constexpr int kGemmTile = 6;  // rows per register tile of the GEMM-form scores (6 x 4 vectors)
 
 inline float bf16_to_float(bf16 x) {
   uint32_t u = static_cast<uint32_t>(x) << 16;
@@ -227,6 +236,35 @@ inline __m512 reduce16(__m512* v) {
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
+// In place: v[c] lane r becomes the old v[r] lane c (a 16 x 16 transpose of float32).
+inline void transpose16(__m512* v) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  // lane group L of v[4 i + k] = column 4 L + k of rows 4 i .. 4 i + 3
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    v[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    v[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    v[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    v[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-7, then 8-15
+    for (int k = 0; k < 4; ++k) {
+      t[8 * h + k] = _mm512_shuffle_f32x4(v[8 * h + k], v[8 * h + 4 + k], 0x88);
+      t[8 * h + 4 + k] = _mm512_shuffle_f32x4(v[8 * h + k], v[8 * h + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    v[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+    v[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
+  }
+}
+
+
 // Per-thread scratch (grow-only).
 struct Scratch {
   std::vector<bf16> qbuf;     // [rows][D]
@@ -235,6 +273,7 @@ struct Scratch {
   std::vector<bf16> vpack;    // [kKeyBlock / 2][D][2], pairs of keys interleaved
   std::vector<float> o;       // [rows][D], lanes in vpack order
   std::vector<float> m, l;    // [rows]
+  std::vector<int32_t> kt;    // [D / 2][kKeyBlock]: the key block's K pairs, keys along lanes
   std::vector<int64_t> koff;   // [kKeyBlock] token row offsets (bytes) of this key block
   std::vector<int64_t> knext;  // [kKeyBlock] those of the next block
   // quantized pools: one head's K codes of the block as bf16 (exact), their byte offsets, and
@@ -318,6 +357,43 @@ inline void fill_token_offsets(const Problem& p, const int32_t* row, int64_t kb,
   for (int j = nk; j < nk16; ++j) dst[j] = dst[nk - 1];
 }
 
+// O += P V for the NR rows rt .. rt + NR - 1 (NR a compile-time count, so the tile's
+// accumulators stay in registers; a runtime count spilled them to the stack around every
+// dot-product instruction).
+template <int D, int NR>
+inline void pv_tile(Scratch& sc, int64_t rt, int npairs) {
+  constexpr int OV = D / 16;
+  __m512 acc[NR][OV];
+  for (int i = 0; i < NR; ++i) {
+    for (int c = 0; c < OV; ++c) acc[i][c] = _mm512_loadu_ps(&sc.o[(rt + i) * D + 16 * c]);
+  }
+  for (int jp = 0; jp < npairs; ++jp) {
+    __m512i vv[OV];
+    for (int c = 0; c < OV; ++c) vv[c] = _mm512_loadu_si512(&sc.vpack[jp * 2 * D + 32 * c]);
+    for (int i = 0; i < NR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, &sc.pbuf[(rt + i) * kKeyBlock + 2 * jp], sizeof(pair));
+      const __m512i pb = _mm512_set1_epi32(pair);
+      for (int c = 0; c < OV; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(pb), as_bh(vv[c]));
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    for (int c = 0; c < OV; ++c) _mm512_storeu_ps(&sc.o[(rt + i) * D + 16 * c], acc[i][c]);
+  }
+}
+
+template <int D>
+inline void pv_rows(Scratch& sc, int64_t rt, int nr, int npairs) {
+  switch (nr) {  // nr <= 24 / (D / 16): 6 rows for D = 64, 3 for D = 128
+    case 1: return pv_tile<D, 1>(sc, rt, npairs);
+    case 2: return pv_tile<D, 2>(sc, rt, npairs);
+    case 3: return pv_tile<D, 3>(sc, rt, npairs);
+    case 4: if constexpr (D <= 64) return pv_tile<D, 4>(sc, rt, npairs); break;
+    case 5: if constexpr (D <= 64) return pv_tile<D, 5>(sc, rt, npairs); break;
+    case 6: if constexpr (D <= 64) return pv_tile<D, 6>(sc, rt, npairs); break;
+  }
+}
+
 template <int D>
 void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratch& sc) {
   constexpr int QV = D / 32;        // bf16 vectors per row
@@ -329,8 +405,8 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
   const int64_t* tok = en.tok.data() + it.e0;
   const int64_t* lim = en.limit.data() + it.e0;
   const int32_t* table = p.page_table + it.req * p.table_stride;
-  sc.qbuf.resize(rows * D);
-  sc.s.resize(rows * kKeyBlock);
+  sc.qbuf.resize((rows + kGemmTile) * D);  // tiles may read past the last row (not stored)
+  sc.s.resize((rows + kGemmTile) * kKeyBlock);
   sc.pbuf.resize(rows * kKeyBlock);
   sc.vpack.resize(kKeyBlock * D);
   sc.o.resize(rows * D);
@@ -423,30 +499,88 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
       const int64_t r_begin = hh * head_rows + first_entry * G;
       const int64_t r_end = (hh + 1) * head_rows;
       // ---- S = Q K^T, scaled, masked; online softmax; P in bf16 -------------------------
-      for (int64_t r = r_begin; r < r_end; ++r) {
-        __m512i qv[QV];
-        for (int c = 0; c < QV; ++c) qv[c] = _mm512_loadu_si512(&sc.qbuf[r * D + 32 * c]);
+      // keys j0 .. j0 + 15 of row r: scaled, the ones past the row's last visible key -inf
+      auto scaled_masked = [&](int64_t r, int j0, __m512 raw) {
         const int64_t limit = lim[(r - hh * head_rows) / G] - kb;  // last visible key here
+        const int64_t valid = std::min<int64_t>({16, nk - j0, limit - j0 + 1});
+        const __mmask16 keep = valid >= 16 ? __mmask16(0xffff)
+                                           : (valid <= 0 ? __mmask16(0)
+                                                         : __mmask16((1u << valid) - 1));
+        return _mm512_mask_mov_ps(neg_inf, keep, _mm512_mul_ps(raw, _mm512_loadu_ps(&sc.ks[j0])));
+      };
+      const bool gemm = r_end - r_begin >= kGemmRows;
+      if (gemm) {
+        // K^T of the block in bf16 pairs, keys along the lanes: kt[dp][j] = K[j] dims 2 dp, 2 dp + 1
+        // (16 x 16 dword transposes; keys past nk16 are zero, their scores masked)
+        sc.kt.resize((D / 2) * kKeyBlock);
+        for (int j0 = 0; j0 < kKeyBlock; j0 += 16) {
+          for (int d0 = 0; d0 < D / 2; d0 += 16) {
+            __m512 t[16];
+            for (int j = 0; j < 16; ++j) {
+              t[j] = j0 + j < nk16 ? _mm512_loadu_ps(reinterpret_cast<const float*>(kbase + koff[j0 + j]) + d0)
+                                   : _mm512_setzero_ps();
+            }
+            transpose16(t);  // t[i] = dword d0 + i of keys j0 .. j0 + 15
+            for (int i = 0; i < 16; ++i) {
+              _mm512_storeu_ps(reinterpret_cast<float*>(&sc.kt[(d0 + i) * kKeyBlock + j0]), t[i]);
+            }
+          }
+        }
+        // S for kGemmTile rows x 64 keys a register tile: one broadcast q pair per row and dp
+        constexpr int KV = kKeyBlock / 16;
+        for (int64_t r0 = r_begin; r0 < r_end; r0 += kGemmTile) {
+          const int32_t* q32 = reinterpret_cast<const int32_t*>(&sc.qbuf[r0 * D]);
+          __m512 acc[kGemmTile][KV];
+          for (int i = 0; i < kGemmTile; ++i) {
+            for (int c = 0; c < KV; ++c) acc[i][c] = _mm512_setzero_ps();
+          }
+          for (int dp = 0; dp < D / 2; ++dp) {
+            __m512i kv[KV];
+            for (int c = 0; c < KV; ++c) kv[c] = _mm512_loadu_si512(&sc.kt[dp * kKeyBlock + 16 * c]);
+            for (int i = 0; i < kGemmTile; ++i) {
+              const __m512i qb = _mm512_set1_epi32(q32[i * (D / 2) + dp]);
+              for (int c = 0; c < KV; ++c) {
+                acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(qb), as_bh(kv[c]));
+              }
+            }
+          }
+          // the whole tile raw (a fixed count keeps acc in registers; sc.s is padded for rows
+          // past the item's), then the rows that are this head's, scaled and masked
+          for (int i = 0; i < kGemmTile; ++i) {
+            for (int c = 0; c < KV; ++c) {
+              _mm512_storeu_ps(&sc.s[(r0 + i) * kKeyBlock + 16 * c], acc[i][c]);
+            }
+          }
+          for (int64_t r = r0; r < std::min<int64_t>(r0 + kGemmTile, r_end); ++r) {
+            for (int j0 = 0; j0 < nk16; j0 += 16) {
+              float* sp = &sc.s[r * kKeyBlock + j0];
+              _mm512_storeu_ps(sp, scaled_masked(r, j0, _mm512_loadu_ps(sp)));
+            }
+          }
+        }
+      }
+      for (int64_t r = r_begin; r < r_end; ++r) {
         float* srow = &sc.s[r * kKeyBlock];
         __m512 bmax = neg_inf;
-        for (int j0 = 0; j0 < nk16; j0 += 16) {
-          __m512 acc[16];
-          for (int j = 0; j < 16; ++j) {
-            const bf16* kp = reinterpret_cast<const bf16*>(kbase + koff[j0 + j]);
-            __m512 a = _mm512_setzero_ps();
-            for (int c = 0; c < QV; ++c) {
-              a = _mm512_dpbf16_ps(a, as_bh(qv[c]), as_bh(_mm512_loadu_si512(kp + 32 * c)));
+        if (gemm) {
+          for (int j0 = 0; j0 < nk16; j0 += 16) bmax = _mm512_max_ps(bmax, _mm512_loadu_ps(srow + j0));
+        } else {
+          __m512i qv[QV];
+          for (int c = 0; c < QV; ++c) qv[c] = _mm512_loadu_si512(&sc.qbuf[r * D + 32 * c]);
+          for (int j0 = 0; j0 < nk16; j0 += 16) {
+            __m512 acc[16];
+            for (int j = 0; j < 16; ++j) {
+              const bf16* kp = reinterpret_cast<const bf16*>(kbase + koff[j0 + j]);
+              __m512 a = _mm512_setzero_ps();
+              for (int c = 0; c < QV; ++c) {
+                a = _mm512_dpbf16_ps(a, as_bh(qv[c]), as_bh(_mm512_loadu_si512(kp + 32 * c)));
+              }
+              acc[j] = a;
             }
-            acc[j] = a;
+            const __m512 sv = scaled_masked(r, j0, reduce16(acc));
+            _mm512_storeu_ps(srow + j0, sv);
+            bmax = _mm512_max_ps(bmax, sv);
           }
-          __m512 sv = _mm512_mul_ps(reduce16(acc), _mm512_loadu_ps(&sc.ks[j0]));
-          const int64_t valid = std::min<int64_t>({16, nk - j0, limit - j0 + 1});
-          const __mmask16 keep =
-              valid >= 16 ? __mmask16(0xffff)
-                          : (valid <= 0 ? __mmask16(0) : __mmask16((1u << valid) - 1));
-          sv = _mm512_mask_mov_ps(neg_inf, keep, sv);
-          _mm512_storeu_ps(srow + j0, sv);
-          bmax = _mm512_max_ps(bmax, sv);
         }
         const float m_old = sc.m[r];
         const float m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
@@ -497,31 +631,7 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
       // ---- O += P V -------------------------------------------------------------------------
       for (int64_t rt = r_begin; rt < r_end; rt += PV_ROWS) {
         const int nr = static_cast<int>(std::min<int64_t>(PV_ROWS, r_end - rt));
-        __m512 acc[PV_ROWS][OV];
-        for (int i = 0; i < nr; ++i) {
-          for (int c = 0; c < OV; ++c) {
-            acc[i][c] = _mm512_loadu_ps(&sc.o[(rt + i) * D + 16 * c]);
-          }
-        }
-        for (int jp = 0; jp < npairs; ++jp) {
-          __m512i vv[OV];
-          for (int c = 0; c < OV; ++c) {
-            vv[c] = _mm512_loadu_si512(&sc.vpack[jp * 2 * D + 32 * c]);
-          }
-          for (int i = 0; i < nr; ++i) {
-            int32_t pair;
-            std::memcpy(&pair, &sc.pbuf[(rt + i) * kKeyBlock + 2 * jp], sizeof(pair));
-            const __m512i pb = _mm512_set1_epi32(pair);
-            for (int c = 0; c < OV; ++c) {
-              acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(pb), as_bh(vv[c]));
-            }
-          }
-        }
-        for (int i = 0; i < nr; ++i) {
-          for (int c = 0; c < OV; ++c) {
-            _mm512_storeu_ps(&sc.o[(rt + i) * D + 16 * c], acc[i][c]);
-          }
-        }
+        pv_rows<D>(sc, rt, nr, npairs);
       }
     }
     std::swap(sc.koff, sc.knext);
