@@ -412,7 +412,8 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
     robin): a completion through sgl-router answers as a replica does; a replica SIGKILLed under
     load (4 streams and 4 whole answers in flight, at least 2 on each replica) ends its streams
     with an error, never as complete, and every request in flight is answered within 30 s, none
-    hangs; the next requests all succeed; Ctrl-C stops sgl-router, the replicas and the cluster."""
+    hangs; the next requests all succeed; the cluster's Redis SIGKILLed under requests fails none
+    of them; Ctrl-C stops sgl-router, the replicas and the cluster."""
     import psutil
 
     if importlib.util.find_spec("sglang_router") is None:
@@ -423,7 +424,7 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixkv", "cluster", "--router", "sglang", "--replicas", "2"]
-        + ["--port", str(port), "--model", model_dir, "--no-remote-cache"]
+        + ["--port", str(port), "--model", model_dir]
         + ["--policy", "round_robin", "--log-dir", str(tmp_path / "logs")]
         + ["--log-level", "warning", "--", "--dtype", "float32", "--attention-backend", "torch"],
         start_new_session=True,
@@ -516,6 +517,36 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
                 timeout=60,
             )
             assert r.status_code == 200, (i, r.text)
+
+        # Redis (the shared tier behind the replicas) SIGKILLed while requests run: none fails
+        failures: list[str] = []
+
+        def ask(i: int) -> None:
+            body = {"model": model, "prompt": f"while Redis dies {i} " * 8, "max_tokens": 24}
+            try:
+                r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+                if r.status_code != 200:
+                    failures.append(f"{i}: {r.status_code} {r.text[:200]}")
+            except httpx.HTTPError as exc:
+                failures.append(f"{i}: {exc!r}")
+
+        redis = [
+            c
+            for c in psutil.Process(proc.pid).children(recursive=True)
+            if "redis-server" in c.name()
+        ]
+        assert redis, "the cluster started no redis-server"
+        asks = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(12)]
+        for i, t in enumerate(asks):
+            t.start()
+            if i == 4:
+                for c in redis:
+                    c.kill()
+            time.sleep(0.1)
+        for t in asks:
+            t.join(timeout=90)
+        assert not failures, failures
+        assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in redis)
     finally:
         _ctrl_c(proc, 120)
     _assert_all_down(proc, [base, *replicas], tmp_path / "logs")
