@@ -52,9 +52,12 @@ __all__ = ["SoakCluster", "main_faults", "run_fault_soak"]
 
 RSS_GROWTH_LIMIT_PCT = 10.0
 #: characters the router remembers per replica (LRU beyond): its trees are the router's only
-#: growing structure, and at the default (1M) a 30-minute run ends before they reach their bound;
-#: this one is reached during the warm-up, so the router's RSS after it shows leaks, not filling
-ROUTER_TREE_CAPACITY = 65536
+#: growing structure, and at the default (1M) a 30-minute run ends before they reach their bound.
+#: At the soak's prompt lengths a tree grows ~55 characters per request inserted, so 16K fills
+#: after ~300 requests, well inside the warm-up (~650 requests at ~6 req/s
+#: for 108 s of a 12-minute run; 64K filled only 55-70% of the way), and the router's RSS after
+#: the warm-up shows leaks, not filling
+ROUTER_TREE_CAPACITY = 16384
 
 
 class SoakCluster(Cluster):

@@ -78,6 +78,24 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     return p
 
 
+def fix_mmap_threshold(threshold: int = 128 * 1024) -> bool:
+    """Pin glibc's mmap threshold (``M_MMAP_THRESHOLD``) at ``threshold`` bytes; True if set.
+
+    glibc raises the threshold each time a mmapped block is freed (imports do that, up to ~0.5
+    MiB), after which asyncio's 256 KiB socket read buffers come from the brk heap, and
+    interleaved with the long-lived prefix-tree lists they fragment it: the router's RSS grew
+    ~0.3 MiB per 1000 requests with in-use memory flat. A fixed threshold keeps them mmapped.
+    A no-op where the C library has no ``mallopt`` (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, threshold))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def run_router(args: argparse.Namespace) -> int:
     """Build the router app and run uvicorn until interrupted. Returns the exit code."""
     import uvicorn
@@ -131,5 +149,6 @@ def run_router(args: argparse.Namespace) -> int:
     logger.info(
         "routing (%s) on http://%s:%d to %s", args.policy, args.host, args.port, args.replica
     )
+    fix_mmap_threshold()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
