@@ -441,9 +441,8 @@ def choose_router(choice: str, keys: dict[str, Any]) -> str:
 def run_cluster(args: argparse.Namespace) -> int:
     """Start everything, serve the router until Ctrl-C, stop everything. Returns the exit
     code."""
-    import uvicorn
-
     from radixkv.server.router import create_router_app
+    from radixkv.server.router_cli import serve_router_app
     from radixkv.server.sgl_router_launch import serve_sgl_router, sgl_router_key
 
     logging.basicConfig(
@@ -475,7 +474,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         if args.router == "sglang":  # returns only by raising (its exit, Ctrl-C, SIGTERM)
             serve_sgl_router(cluster.urls, args.port, args.policy, keys, args)
         app = create_router_app(cluster.urls, args.policy, **keys)
-        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level=args.log_level.lower())
+        serve_router_app(app, "127.0.0.1", args.port, args.log_level)
     except KeyboardInterrupt:
         pass
     except RuntimeError as exc:

@@ -96,10 +96,17 @@ def fix_mmap_threshold(threshold: int = 128 * 1024) -> bool:
         return False
 
 
-def run_router(args: argparse.Namespace) -> int:
-    """Build the router app and run uvicorn until interrupted. Returns the exit code."""
+def serve_router_app(app: object, host: str, port: int, log_level: str) -> None:
+    """Serve a router app with uvicorn until interrupted, the mmap threshold pinned first
+    (:func:`fix_mmap_threshold`): ``radixkv router`` and ``radixkv cluster`` both run it."""
     import uvicorn
 
+    fix_mmap_threshold()
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Build the router app and serve it until interrupted. Returns the exit code."""
     from radixkv.server.key_flags import keys_from_args
     from radixkv.server.router import create_router_app
 
@@ -149,6 +156,5 @@ def run_router(args: argparse.Namespace) -> int:
     logger.info(
         "routing (%s) on http://%s:%d to %s", args.policy, args.host, args.port, args.replica
     )
-    fix_mmap_threshold()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    serve_router_app(app, args.host, args.port, args.log_level)
     return 0
