@@ -392,6 +392,7 @@ inline void pv_rows(Scratch& sc, int64_t rt, int nr, int npairs) {
     case 5: if constexpr (D <= 64) return pv_tile<D, 5>(sc, rt, npairs); break;
     case 6: if constexpr (D <= 64) return pv_tile<D, 6>(sc, rt, npairs); break;
   }
+  TORCH_CHECK(false, "paged_attention: a P V tile of ", nr, " rows for head dim ", D);
 }
 
 template <int D>

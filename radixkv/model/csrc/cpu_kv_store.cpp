@@ -161,6 +161,21 @@ void quantize_dispatch(const at::Tensor& x, const int64_t* slots, at::Tensor& ca
   }
 }
 
+// The slots of a store: a contiguous int64 [T] tensor, each a slot of `cache` ([pages, P, ...]);
+// raises naming `what` otherwise.
+const int64_t* checked_slots(const at::Tensor& slots, int64_t T, const at::Tensor& cache,
+                             const char* what) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T &&
+                  slots.is_contiguous(),
+              what, ": slots must be a contiguous int64 [T] tensor");
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, what, ": a slot is outside the pool");
+  }
+  return s;
+}
+
 }  // namespace
 
 at::Tensor hadamard_rows(const at::Tensor& x, double scale) {
@@ -194,14 +209,7 @@ void store_kv_quant_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cac
   const int64_t T = k.size(0), hkv = k.size(1), d = k.size(2);
   TORCH_CHECK(k_cache.size(2) == hkv && k_cache.size(3) == d + 2,
               "store_kv_quant_: a cache row must be D + 2 bytes for ", hkv, " heads of ", d);
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T &&
-                  slots.is_contiguous(),
-              "store_kv_quant_: slots must be a contiguous int64 [T] tensor");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "store_kv_quant_: a slot is outside the pool");
-  }
+  const int64_t* s = checked_slots(slots, T, k_cache, "store_kv_quant_");
   if (k.scalar_type() == at::kFloat) {
     quantize_dispatch<float>(k, s, k_cache);
     quantize_dispatch<float>(v, s, v_cache);
@@ -225,14 +233,7 @@ void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.size(2) == hkv && k_cache.size(3) == d,
               "store_kv_: caches must be contiguous [pages, P, Hkv, D] of k's heads and dim");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T &&
-                  slots.is_contiguous(),
-              "store_kv_: slots must be a contiguous int64 [T] tensor");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "store_kv_: a slot is outside the pool");
-  }
+  const int64_t* s = checked_slots(slots, T, k_cache, "store_kv_");
   const int64_t es = k.element_size(), row = hkv * d * es;
   const char* ks = static_cast<const char*>(k.data_ptr());
   const char* vs = static_cast<const char*>(v.data_ptr());
