@@ -264,6 +264,41 @@ def test_parallel_sampling_shares_prompt_pages(tiny_model):
     assert_clean(engine)
 
 
+def test_every_sampling_knob_runs_on_the_engines_device(tiny_model):
+    """Temperature, top-k, top-p, min-p, the three penalties, logit_bias, min_tokens, logprobs,
+    n > 1 and beam search in one batch, on the device the engine picked (CUDA where there is
+    one; the per-request streams stay on the host, so a seed gives the same draws anywhere):
+    every request finishes, logprobs are finite, and seeded requests repeat their tokens."""
+    engine = make_engine(tiny_model, page_size=8)
+    prompts = rand_prompts(6, 19, seed=11)
+    common = {"max_tokens": 8, "ignore_eos": True}
+    params = [
+        SamplingParams(temperature=0.8, top_k=20, seed=1, **common),
+        SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=2, **common),
+        SamplingParams(
+            temperature=0.7,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            seed=3,
+            **common,
+        ),
+        SamplingParams(
+            temperature=1.0, logit_bias={7: 4.0}, min_tokens=6, logprobs=3, seed=4, **common
+        ),
+        SamplingParams(n=2, temperature=1.0, seed=5, **common),
+        SamplingParams(n=2, use_beam_search=True, logprobs=2, **common),
+    ]
+    first = engine.generate(prompts, params)
+    again = engine.generate(prompts, params)
+    for out, rerun in zip(first, again):
+        assert all(len(c.token_ids) == 8 for c in out.outputs)
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in rerun.outputs]
+    for entry in first[3].outputs[0].logprobs:
+        assert all(torch.isfinite(torch.tensor(lp.logprob)) for lp in entry.values())
+    assert_clean(engine)
+
+
 def test_stop_conditions(tiny_model):
     engine = make_engine(tiny_model)
     prompt = rand_prompts(1, 12, seed=5)[0]

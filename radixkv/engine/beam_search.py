@@ -189,7 +189,9 @@ class BeamSearch:
     # -- the rules ---------------------------------------------------------------------------
     def _candidates(self, rows: torch.Tensor) -> list[_Candidate]:
         lp = torch.log_softmax(rows, dim=-1)
-        cum = torch.tensor([b.cum_logprob for b in self.beams], dtype=torch.float32)
+        cum = torch.tensor(
+            [b.cum_logprob for b in self.beams], dtype=torch.float32, device=rows.device
+        )
         acc = (lp + cum[:, None]).reshape(-1)
         vocab = lp.shape[-1]
         vals, idx = acc.topk(min(self.candidates_kept, acc.numel()))
@@ -197,7 +199,7 @@ class BeamSearch:
         entries: list[PositionLogprobs | None] = [None] * len(picked)
         k = self.params.logprobs
         if k is not None:  # each candidate's dict: its parent row's top-k and itself
-            parents = torch.tensor([p for p, _ in picked], dtype=torch.long)
+            parents = torch.tensor([p for p, _ in picked], dtype=torch.long, device=rows.device)
             tokens = [t for _, t in picked]
             own, ranks, tops = chosen_and_top(
                 rows.index_select(0, parents), tokens, [k] * len(tokens)

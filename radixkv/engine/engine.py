@@ -321,7 +321,7 @@ class Engine:
         seqs: list[Sequence],
         outputs: list[StepOutput],
     ) -> None:
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         identity = rows == list(range(logits.shape[0]))
         picked = self.grammars.mask(logits if identity else logits.index_select(0, index), seqs)
         states = [

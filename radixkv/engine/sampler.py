@@ -146,8 +146,10 @@ class Sampler:
         if rep:  # every (row, seen token) of the history, duplicates harmless
             seen = [(*seqs[rows[j]].prompt_ids, *seqs[rows[j]].output_ids) for j in rep]
             r_idx, t_idx = _flat_index([rows[j] for j in rep], seen, dev)
-            r = torch.tensor([params[j].repetition_penalty for j in rep], dtype=logits.dtype)
-            r = r.repeat_interleave(torch.tensor([len(x) for x in seen]))
+            r = torch.tensor(
+                [params[j].repetition_penalty for j in rep], dtype=logits.dtype, device=dev
+            )
+            r = r.repeat_interleave(torch.tensor([len(x) for x in seen], device=dev))
             vals = logits[r_idx, t_idx]
             logits[r_idx, t_idx] = torch.where(vals > 0, vals / r, vals * r)
         freq = [j for j, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
@@ -211,8 +213,8 @@ class Sampler:
         vocab = rows.shape[-1]
         vals, ids = rows.topk(width, dim=-1)
         weights = ((vals - top) * inv_t).exp_()
-        k = torch.tensor([_top_k(p, vocab) for p in params])[:, None]
-        pos = torch.arange(width)[None]
+        k = torch.tensor([_top_k(p, vocab) for p in params], device=rows.device)[:, None]
+        pos = torch.arange(width, device=rows.device)[None]
         weights.masked_fill_(pos >= k, 0.0)
         truncated = (k[:, 0] > width).tolist()
         total = weights.sum(-1, keepdim=True)
@@ -228,7 +230,7 @@ class Sampler:
         drop |= (probs.cumsum(-1) - probs) >= top_p
         drop[:, 0] = False
         weights.masked_fill_(drop, 0.0)
-        complete = ~(torch.tensor(truncated) & (weights[:, -1] > 0))
+        complete = ~(torch.tensor(truncated, device=rows.device) & (weights[:, -1] > 0))
         return weights, ids, complete
 
     @staticmethod
@@ -284,11 +286,12 @@ class Sampler:
         if not sampled:
             return tokens
         uniforms = torch.empty(len(sampled), dtype=torch.float64)
-        for j, i in enumerate(sampled):  # one scalar per row from the row's own stream
+        for j, i in enumerate(sampled):  # one scalar per row from the row's own (host) stream
             s = seqs[i]
             if s.generator is None:
-                s.generator = self.make_generator(s.params.seed, logits.device)
+                s.generator = self.make_generator(s.params.seed)
             uniforms[j] = torch.rand((), dtype=torch.float64, generator=s.generator)
+        uniforms = uniforms.to(logits.device)  # the same draws, so the same tokens, on any device
         params = [seqs[i].params for i in sampled]
         rows = penalized if len(sampled) == b else penalized[sampled]
         top = rows.amax(-1, keepdim=True)

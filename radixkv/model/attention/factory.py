@@ -40,7 +40,8 @@ def make_attention_backend(
 
     ``RADIXKV_FP32_ATTENTION`` picks float32's backend: ``native`` (default), ``cascade`` (the
     torch cascade) or ``plain`` (the plain backend, whose arithmetic follows transformers' fp32
-    attention step for step). Off the CPU, float32 keeps the plain backend.
+    attention step for step). Off the CPU, every dtype takes the plain backend (the native
+    kernels and the cascade's fused flash op are CPU code).
 
     A quantized pool (``kv_dtype`` int8 / uint8, :mod:`radixkv.model.kv_quant`) takes the same
     pick: the native kernels dequantize its rows in registers, the torch paths as they gather
@@ -51,7 +52,7 @@ def make_attention_backend(
         name = "triton" if dev.type == "cuda" else "torch"
     if name == "torch":
         mode = _fp32_mode() if dtype == torch.float32 else "native"
-        if dtype == torch.float32 and (dev.type != "cpu" or mode == "plain"):
+        if dev.type != "cpu" or (dtype == torch.float32 and mode == "plain"):
             from radixkv.model.attention.torch_backend import TorchAttentionBackend
 
             return TorchAttentionBackend()
