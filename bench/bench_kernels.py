@@ -34,6 +34,7 @@ from radixkv.kernels import (
     decode_attention_ref,
     extend_attention_ref,
 )
+from radixkv.model.kv_quant import dequantize, quantize
 
 
 @dataclass
@@ -158,6 +159,38 @@ def bench_gpu(iters: int) -> None:
         )
         err = (out[:1].float() - ref.float()).abs().max().item()
         assert err < 3e-2, f"decode kernel disagrees with the oracle (max abs err {err})"
+        for name, storage in (("int8", torch.int8), ("fp8_e4m3", torch.uint8)):
+            qk, qv = quantize(prob.k_cache, storage), quantize(prob.v_cache, storage)
+
+            def run_q(
+                qk: torch.Tensor = qk,
+                qv: torch.Tensor = qv,
+                q: torch.Tensor = q,
+                table: torch.Tensor = prob.page_table,
+                seq_lens: torch.Tensor = seq_lens,
+                out: torch.Tensor = out,
+                ctx: int = ctx,
+            ) -> None:
+                decode_attention(q, qk, qv, table, seq_lens, d**-0.5, out=out, max_seq_len=ctx)
+
+            q_ms = cuda_time_ms(run_q, iters)
+            q_bytes = 2 * sum(lens) * hkv * qk.shape[-1] * qk.element_size()
+            q_bw = q_bytes / (q_ms * 1e-3) / 1e9
+            ref = decode_attention_ref(
+                q[:1],
+                dequantize(qk, dtype),
+                dequantize(qv, dtype),
+                prob.page_table[:1],
+                seq_lens[:1],
+                d**-0.5,
+            )
+            err = (out[:1].float() - ref.float()).abs().max().item()
+            assert err < 3e-2, f"{name} decode kernel disagrees with the oracle ({err})"
+            print(
+                f"{'':>6} {name:>8} {'':>6} {q_ms * 1e3:>9.1f} {q_bw:>8.1f} "
+                f"{100 * q_bw / copy_bw:>8.1f}%  {q_ms / ms:.2f}x bf16 pages' time"
+            )
+            del qk, qv
         del prob
 
 

@@ -93,6 +93,7 @@ def _decode_stage1_kernel(
     KV_QUANT: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_ROUND_BF16: tl.constexpr,
+    KV_ALIGN: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -125,7 +126,17 @@ def _decode_stage1_kernel(
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
         slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
         k_t = load_kv_tile(
-            k_head, slot, stride_ks, mask_n, q, HEAD_DIM, True, KV_QUANT, KV_FP8, KV_ROUND_BF16
+            k_head,
+            slot,
+            stride_ks,
+            mask_n,
+            q,
+            HEAD_DIM,
+            True,
+            KV_QUANT,
+            KV_FP8,
+            KV_ROUND_BF16,
+            KV_ALIGN,
         )
         qk = tile_dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * sm_scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -134,7 +145,17 @@ def _decode_stage1_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_kv_tile(
-            v_head, slot, stride_vs, mask_n, q, HEAD_DIM, False, KV_QUANT, KV_FP8, KV_ROUND_BF16
+            v_head,
+            slot,
+            stride_vs,
+            mask_n,
+            q,
+            HEAD_DIM,
+            False,
+            KV_QUANT,
+            KV_FP8,
+            KV_ROUND_BF16,
+            KV_ALIGN,
         )
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
@@ -293,7 +314,7 @@ def decode_attention(
         NUM_SPLITS=num_kv_splits,
         DOT_PRECISION=dot_precision,
         DOT_UPCAST=dot_upcast,
-        **kv_read_config(k_cache, q.dtype),
+        **kv_read_config(k_cache, q.dtype, v_cache),
         num_warps=4,
         num_stages=2,
     )

@@ -55,6 +55,7 @@ def _extend_inner(
     KV_QUANT: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_ROUND_BF16: tl.constexpr,
+    KV_ALIGN: tl.constexpr,
 ):
     """Online-softmax pass over key positions ``[lo, hi)`` of one request."""
     for n0 in range(lo, hi, BLOCK_N):
@@ -63,7 +64,17 @@ def _extend_inner(
         page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
         slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
         k_t = load_kv_tile(
-            k_head, slot, stride_ks, mask_n, q, HEAD_DIM, True, KV_QUANT, KV_FP8, KV_ROUND_BF16
+            k_head,
+            slot,
+            stride_ks,
+            mask_n,
+            q,
+            HEAD_DIM,
+            True,
+            KV_QUANT,
+            KV_FP8,
+            KV_ROUND_BF16,
+            KV_ALIGN,
         )
         qk = tile_dot(q, k_t, DOT_PRECISION, DOT_UPCAST) * sm_scale_log2
         if CAUSAL:
@@ -76,7 +87,17 @@ def _extend_inner(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_kv_tile(
-            v_head, slot, stride_vs, mask_n, q, HEAD_DIM, False, KV_QUANT, KV_FP8, KV_ROUND_BF16
+            v_head,
+            slot,
+            stride_vs,
+            mask_n,
+            q,
+            HEAD_DIM,
+            False,
+            KV_QUANT,
+            KV_FP8,
+            KV_ROUND_BF16,
+            KV_ALIGN,
         )
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
@@ -113,6 +134,7 @@ def _extend_kernel(
     KV_QUANT: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_ROUND_BF16: tl.constexpr,
+    KV_ALIGN: tl.constexpr,
 ):
     b = tl.program_id(0)
     hq = tl.program_id(1)
@@ -166,6 +188,7 @@ def _extend_kernel(
         KV_QUANT,
         KV_FP8,
         KV_ROUND_BF16,
+        KV_ALIGN,
     )
     diag_end = tl.minimum(full_end + BLOCK_M, prefix + ext_len)
     acc, l_i, m_i = _extend_inner(
@@ -191,6 +214,7 @@ def _extend_kernel(
         KV_QUANT,
         KV_FP8,
         KV_ROUND_BF16,
+        KV_ALIGN,
     )
 
     out = acc / l_i[:, None]  # every row sees at least key ``full_end`` (itself or earlier)
@@ -293,7 +317,7 @@ def extend_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision,
         DOT_UPCAST=dot_upcast,
-        **kv_read_config(k_cache, q.dtype),
+        **kv_read_config(k_cache, q.dtype, v_cache),
         num_warps=4 if d <= 64 else 8,
         num_stages=2,
     )

@@ -138,7 +138,9 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     return num_pages, page_size, hkv, d
 
 
-def kv_read_config(cache: torch.Tensor, q_dtype: torch.dtype) -> dict[str, bool]:
+def kv_read_config(
+    cache: torch.Tensor, q_dtype: torch.dtype, other: torch.Tensor | None = None
+) -> dict[str, bool | int]:
     """The constexprs of :func:`load_kv_tile` for a cache read by queries of ``q_dtype``:
     ``KV_QUANT`` (quantized rows), ``KV_FP8`` (e4m3 codes) and ``KV_ROUND_BF16``: under the
     interpreter, which truncates float32 -> bfloat16 where the GPU (and torch's ``dequantize``)
@@ -148,7 +150,21 @@ def kv_read_config(cache: torch.Tensor, q_dtype: torch.dtype) -> dict[str, bool]
         "KV_QUANT": quantized,
         "KV_FP8": cache.dtype == torch.uint8,
         "KV_ROUND_BF16": quantized and _interpreting() and q_dtype == torch.bfloat16,
+        "KV_ALIGN": min(row_alignment(c) for c in (cache, other) if c is not None)
+        if quantized
+        else 1,
     }
+
+
+def row_alignment(cache: torch.Tensor) -> int:
+    """The largest power of two (at most 16) dividing the byte address of every row of a
+    quantized ``cache``: its base address and its token and head strides (even for the pool's
+    ``D + 2``-byte rows; :func:`check_kv_cache` asserts that)."""
+    align = 16
+    for x in (cache.data_ptr(), cache.stride(1), cache.stride(2)):
+        while x % align:
+            align //= 2
+    return align
 
 
 @triton.jit
@@ -185,11 +201,13 @@ def load_kv_tile(
     KV_QUANT: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_ROUND_BF16: tl.constexpr,
+    KV_ALIGN: tl.constexpr,
 ):
     """K or V of the tokens at ``slot [N]`` (masked by ``mask_n``) of one KV head, as a
     ``[D, N]`` tile (``TRANSPOSED``) or ``[N, D]``; masked tokens read as 0. A quantized cache's
     rows are dequantized, ``code * scale``, into ``like``'s dtype (the query's); the constexprs
-    are :func:`kv_read_config`'s."""
+    are :func:`kv_read_config`'s (``KV_ALIGN``: bytes that divide every quantized row's
+    address)."""
     offs_d = tl.arange(0, HEAD_DIM)
     if TRANSPOSED:
         ptrs = head_ptr + slot[None, :] * stride_s + offs_d[:, None]
@@ -198,6 +216,10 @@ def load_kv_tile(
         ptrs = head_ptr + slot[:, None] * stride_s + offs_d[None, :]
         mask = mask_n[:, None]
     if KV_QUANT:
+        # rows of D + 2 bytes leave Triton's analysis one byte of alignment: it then loads
+        # byte by byte and, on an H100, spilled to local memory (50-70x slower than aligned
+        # rows); the alignment the strides really have lets it load 2 (or more) bytes at once
+        ptrs = tl.multiple_of(ptrs, [KV_ALIGN, KV_ALIGN])
         values = code_to_float(tl.load(ptrs, mask=mask, other=0), KV_FP8)
         scale = row_scale(head_ptr + slot * stride_s, mask_n, HEAD_DIM)
         values = values * (scale[None, :] if TRANSPOSED else scale[:, None])

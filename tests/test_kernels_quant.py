@@ -409,3 +409,23 @@ def test_triton_backend_matches_torch_backend_over_quantized_pages(
         assert torch.equal(a, b)
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
     torch.testing.assert_close(outs["triton"].cpu().float(), outs["torch"].cpu().float(), **tol)
+
+
+def test_row_alignment_is_what_every_quantized_row_address_shares() -> None:
+    """The alignment promised to Triton (``KV_ALIGN``) divides every row's byte address: the
+    pool's ``D + 2``-byte rows give 2; rows padded to 132 / 136 / 144 bytes give 4 / 8 / 16; an
+    unquantized cache gets no promise (Triton's own analysis stands)."""
+    from radixkv.kernels.store_kv import kv_read_config, row_alignment
+
+    for width, expected in ((66, 2), (130, 2), (132, 4), (136, 8), (144, 16)):
+        buf = torch.zeros(3, 16, 3, width, dtype=torch.int8)
+        cache = buf[..., :130] if width >= 130 else buf
+        assert row_alignment(cache) == expected
+        idx = torch.cartesian_prod(torch.arange(3), torch.arange(16), torch.arange(3))
+        every_row = cache.data_ptr() + idx @ torch.tensor(cache.stride()[:3])
+        assert bool((every_row % expected == 0).all())
+        assert kv_read_config(cache, torch.bfloat16, cache)["KV_ALIGN"] == expected
+    odd = torch.zeros(2 * 16 * 2 * 66 + 2, dtype=torch.int8)[2:].view(2, 16, 2, 66)
+    assert row_alignment(odd) == 2  # a base 2 bytes off a 16-byte boundary
+    bf16 = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
+    assert kv_read_config(bf16, torch.bfloat16)["KV_ALIGN"] == 1
