@@ -20,7 +20,8 @@ in one run on SmolLM2-135M-Instruct: accuracy, capacity and the decode step.
 
 Run from the repository root: ``python -m bench.bench_kv_quant`` (``--dtype`` float32 or
 bfloat16, default the host's; ``--skip-speed``, ``--skip-accuracy``; ``--rotation-ablation``:
-only the perplexity, with int8 / fp8 also measured without the Hadamard rotation). Prints the
+the accuracy measurements only, with int8 also measured without the Hadamard rotation and fp8
+with it). Prints the
 host's ISA.
 """
 
@@ -56,6 +57,37 @@ ASKS = [
 ]
 
 
+Case = tuple[str, bool]  # (kv_cache_dtype, rotated)
+
+
+def cases_for(rotation_ablation: bool) -> list[Case]:
+    """Unquantized, then each quantized dtype as the engine runs it (int8 rotated, fp8 not);
+    with the ablation also each the other way."""
+    out = [("auto", False), ("int8", True), ("fp8_e4m3", False)]  # what the engine runs
+    return out + [("int8", False), ("fp8_e4m3", True)] if rotation_ablation else out
+
+
+def label_of(case: Case) -> str:
+    kv, rotated = case
+    if kv == "auto":
+        return "unquantized"
+    return kv + ("" if rotated == (kv == "int8") else ", rotated" if rotated else ", no rotation")
+
+
+def make_engine(model: Any, dtype: str, case: Case, **knobs: Any) -> Engine:
+    """An engine over ``case``'s pages, its backend wrapped in the rotation or unwrapped as
+    ``case`` says whatever the engine's default for the dtype (``kv_quant.is_rotated``)."""
+    from radixkv.model.attention.rotated_kv import RotatedKVBackend
+
+    e = Engine(model, dtype=dtype, kv_cache_dtype=case[0], **knobs)
+    backend = e.runner.backend
+    if case[0] != "auto" and case[1] != isinstance(backend, RotatedKVBackend):
+        e.runner.backend = (
+            RotatedKVBackend(backend, e.runner.pool.head_dim) if case[1] else backend.inner
+        )
+    return e
+
+
 def chat_prompts(engine: Engine, n: int) -> list[list[int]]:
     texts = [ask.format(topic) for ask in ASKS for topic in TOPICS][:n]
     return [engine.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
@@ -83,32 +115,33 @@ def capacity(model: Any, dtype: torch.dtype) -> None:
         )
 
 
-def agreement(model: Any, dtype: str, n: int, tokens: int) -> dict[str, list[list[int]]]:
+def agreement(model: Any, dtype: str, n: int, tokens: int, cases: list[Case]) -> list[list[int]]:
+    """Greedy continuations per case against the unquantized engine's; returns the prompts."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     outs: dict[str, list[list[int]]] = {}
     prompts: list[list[int]] = []
-    for kv in ("auto", *QUANT):
-        e = Engine(
-            model, dtype=dtype, kv_cache_dtype=kv, max_running_requests=n, kv_cache_tokens=65536
-        )
+    for case in cases:
+        e = make_engine(model, dtype, case, max_running_requests=n, kv_cache_tokens=65536)
         prompts = prompts or chat_prompts(e, n)
-        outs[kv] = [o.token_ids for o in e.generate(prompts, params)]
+        outs[label_of(case)] = [o.token_ids for o in e.generate(prompts, params)]
+    base = outs.pop("unquantized")
     print(f"greedy agreement with unquantized KV ({n} prompts x {tokens} tokens, {dtype}):")
-    for kv in QUANT:
-        same = sum(a == b for a, b in zip(outs["auto"], outs[kv]))
+    for label, got in outs.items():
+        same = sum(a == b for a, b in zip(base, got))
         first = [
             next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), tokens)
-            for a, b in zip(outs["auto"], outs[kv])
+            for a, b in zip(base, got)
         ]
         print(
-            f"  {kv:9s} identical {same}/{n} ({same / n:.1%}), mean tokens before the first "
+            f"  {label:22s} identical {same}/{n} ({same / n:.1%}), mean tokens before the first "
             f"divergence {statistics.mean(first):.1f} of {tokens}"
         )
-    outs["prompts"] = prompts
-    return outs
+    return prompts
 
 
-def oracle_error(model: Any, dtype: str, prompts: list[list[int]], tokens: int) -> None:
+def oracle_error(
+    model: Any, dtype: str, prompts: list[list[int]], tokens: int, cases: list[Case]
+) -> None:
     from radixkv.model.loader import load_model
 
     oracle = load_model("smollm2", dtype=torch.float32).hf_model.to(torch.float64).eval()
@@ -117,8 +150,8 @@ def oracle_error(model: Any, dtype: str, prompts: list[list[int]], tokens: int) 
         f"logprob error against transformers' float64 forward ({len(prompts)} prompts x {tokens} "
         f"tokens, top-5 per token, {dtype}): max / mean |engine - oracle|"
     )
-    for kv in ("auto", *QUANT):
-        e = Engine(model, dtype=dtype, kv_cache_dtype=kv, kv_cache_tokens=16384)
+    for case in cases:
+        e = make_engine(model, dtype, case, kv_cache_tokens=16384)
         errs: list[float] = []
         for out in e.generate(prompts, params):
             ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
@@ -129,30 +162,20 @@ def oracle_error(model: Any, dtype: str, prompts: list[list[int]], tokens: int) 
             for i, step in enumerate(out.outputs[0].logprobs):
                 for tok, lp in step.items():
                     errs.append(abs(lp.logprob - float(ref[start + i, tok])))
-        label = "unquantized" if kv == "auto" else kv
-        print(f"  {label:11s} {max(errs):.4f} / {statistics.mean(errs):.5f}")
+        print(f"  {label_of(case):22s} {max(errs):.4f} / {statistics.mean(errs):.5f}")
 
 
-def perplexity(model: Any, dtype: str, rotation_ablation: bool = False) -> None:
-    """Perplexity per KV dtype; ``rotation_ablation`` adds each quantized dtype without the
-    Hadamard rotation (the wrapped backend alone over the same pages)."""
+def perplexity(model: Any, dtype: str, cases: list[Case]) -> None:
+    """Perplexity per case (KV dtype, with or without the rotation)."""
     text = TEXT.read_text()
-    cases = [("auto", True), *((kv, True) for kv in QUANT)]
-    if rotation_ablation:
-        cases += [(kv, False) for kv in QUANT]
     results = {}
-    for kv, rotated in cases:
-        e = Engine(
-            model, dtype=dtype, kv_cache_dtype=kv, chunked_prefill_tokens=32, kv_cache_tokens=8192
-        )
-        if not rotated:
-            e.runner.backend = e.runner.backend.inner
+    for case in cases:
+        e = make_engine(model, dtype, case, chunked_prefill_tokens=32, kv_cache_tokens=8192)
         ids = e.tokenizer.encode(text)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         (out,) = e.generate([ids], params)
         nll = [-next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-        label = "unquantized" if kv == "auto" else kv + ("" if rotated else ", no rotation")
-        results[label] = float(torch.tensor(nll, dtype=torch.float64).mean().exp())
+        results[label_of(case)] = float(torch.tensor(nll, dtype=torch.float64).mean().exp())
     base = results["unquantized"]
     print(f"perplexity of bench/data/ppl_text.txt ({len(nll) + 1} tokens, chunks of 32, {dtype}):")
     for label, ppl in results.items():
@@ -226,7 +249,7 @@ def main() -> None:
     parser.add_argument(
         "--rotation-ablation",
         action="store_true",
-        help="only the perplexity, with each quantized dtype also run without the rotation",
+        help="the accuracy measurements only, each quantized dtype also with the rotation flipped",
     )
     args = parser.parse_args()
     from radixkv.model.loader import load_model
@@ -237,14 +260,15 @@ def main() -> None:
     print(f"host ISA: {native.host_isa()}, dtype: {name}, torch threads: {torch.get_num_threads()}")
     model = load_model("smollm2", dtype=dtype)
     capacity(model, dtype)
-    if args.rotation_ablation:
-        perplexity(model, name, rotation_ablation=True)
-        return
-    multi_turn_hit_rate(model, name, args.memory_gb)
+    cases = cases_for(args.rotation_ablation)
+    if not args.rotation_ablation:
+        multi_turn_hit_rate(model, name, args.memory_gb)
     if not args.skip_accuracy:
-        outs = agreement(model, name, args.prompts, args.tokens)
-        oracle_error(model, name, outs["prompts"][: args.oracle_prompts], args.tokens)
-        perplexity(model, name)
+        prompts = agreement(model, name, args.prompts, args.tokens, cases)
+        oracle_error(model, name, prompts[: args.oracle_prompts], args.tokens, cases)
+        perplexity(model, name, cases)
+    if args.rotation_ablation:
+        return
     if not args.skip_speed:
         decode_step(model, name, args.runs)
 

@@ -171,6 +171,28 @@ def test_the_rotation_is_orthogonal_up_to_its_block(d: int) -> None:
     assert torch.equal(h @ h.T, b * torch.eye(d, dtype=torch.float64))
 
 
+def test_int8_pages_are_rotated_and_fp8_pages_are_not(
+    tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rotation runs where it was measured to help (int8's uniform grid) and not where it
+    did not (e4m3, a float): the backend is wrapped for int8 only, and the fingerprint names the
+    rotation, so rotated and unrotated pages of one dtype never serve each other."""
+    from radixkv.engine import assembly
+    from radixkv.model.attention.rotated_kv import RotatedKVBackend
+    from radixkv.model.kv_quant import is_rotated
+
+    wrapped = {}
+    for kv in ("auto", "int8", "fp8_e4m3"):
+        e = engine(tiny, kv, kv_cache_tokens=256)
+        wrapped[kv] = isinstance(e.runner.backend, RotatedKVBackend)
+        assert wrapped[kv] == is_rotated(e.runner.pool.dtype)
+    assert wrapped == {"auto": False, "int8": True, "fp8_e4m3": False}
+    pool, cfg, dtype = e.runner.pool, e.runner.hf_config, e.runner.dtype  # the fp8 engine's
+    unrotated = engine_fingerprint("m", pool, P, compute_dtype=dtype, config=cfg)
+    monkeypatch.setattr(assembly, "is_rotated", lambda storage: True)
+    assert engine_fingerprint("m", pool, P, compute_dtype=dtype, config=cfg) != unrotated
+
+
 def test_rotating_q_k_v_leaves_attention_unchanged(tiny: Any) -> None:
     """RotatedKVBackend around an unquantized float32 pool: the same logprobs as without it
     (the rotation alone, isolated from quantization)."""

@@ -30,7 +30,7 @@ from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.tokenizer_lock import LockedTokenizer
 from radixkv.engine.virtual_layout import VirtualLayout
-from radixkv.model.kv_quant import is_quantized
+from radixkv.model.kv_quant import is_quantized, is_rotated
 
 if TYPE_CHECKING:
     from radixkv.cache.tiers import TieredCache
@@ -217,7 +217,8 @@ def engine_fingerprint(
         "head_dim": kv_pool.head_dim,
     }
     if is_quantized(kv_pool.dtype):  # rows of codes + a bf16 scale, from which model dtype
-        parts["kv_format"] = f"hadamard/{kv_pool.dtype}+bf16-scale-per-token-head/{compute_dtype}"
+        rotation = "hadamard" if is_rotated(kv_pool.dtype) else "unrotated"
+        parts["kv_format"] = f"{rotation}/{kv_pool.dtype}+bf16-scale-per-token-head/{compute_dtype}"
     h.update(json.dumps(parts, sort_keys=True).encode())
     if config is not None:
         try:

@@ -14,16 +14,20 @@ tokens, so a row's own absolute maximum keeps the others' resolution. The cost i
 row: at ``D = 64`` a row takes 66 bytes instead of bfloat16's 128 (1.94x the tokens; 1.97x at
 ``D = 128``) and float32's 256 (3.88x).
 
-Rotation: K and V are stored rotated by a Hadamard transform of the head dim
-(:func:`hadamard`, entries +-1, block-diagonal with the largest power-of-two block dividing
-``D``): ``k' = k H``, ``v' = v H``. Queries are rotated the same way and the attention output
-rotated back (``o = o' H^T / b``, ``b`` the block size, with the softmax scale divided by ``b``):
-``q' . k' = b (q . k)``, so attention is unchanged, while a head's outlier channels (RoPE makes
-a few of K's channels far larger than the rest) are spread over all of its channels and one
-scale per row loses little resolution (the standard argument; on SmolLM2 the perplexity of
-``bench/bench_kv_quant --rotation-ablation`` does not resolve a gain: docs/kv-quant.md).
-:class:`~radixkv.model.attention.rotated_kv.RotatedKVBackend` applies it around any backend,
-so the kernels only dequantize (``code * scale``) what they read.
+Rotation (int8 only, :func:`is_rotated`): int8 K and V are stored rotated by a Hadamard
+transform of the head dim (:func:`hadamard`, entries +-1, block-diagonal with the largest
+power-of-two block dividing ``D``): ``k' = k H``, ``v' = v H``. Queries are rotated the same way
+and the attention output rotated back (``o = o' H^T / b``, ``b`` the block size, with the
+softmax scale divided by ``b``): ``q' . k' = b (q . k)``, so attention is unchanged, while a
+head's outlier channels (RoPE makes a few of K's channels far larger than the rest) are spread
+over all of its channels, and int8's uniform grid, whose step is the row's absolute maximum /
+127, loses less resolution. e4m3 is a float: its relative step is the same at every magnitude,
+so spreading outliers buys it nothing, and fp8 rows are stored unrotated. Measured
+(``python -m bench.bench_kv_quant --rotation-ablation --dtype float32``, SmolLM2, 2026-11-26):
+int8 with / without the rotation, mean |logprob - float64 oracle| 0.025 / 0.048, greedy
+continuations identical to unquantized KV 59% / 46.5% of 200; fp8 0.113 / 0.106 and 10% / 13.5%
+(docs/kv-quant.md). :class:`~radixkv.model.attention.rotated_kv.RotatedKVBackend` applies it
+around any backend, so the kernels only dequantize (``code * scale``) what they read.
 
 Quantizing: ``scale = absmax / qmax`` rounded up to bfloat16 (``qmax`` 127 for int8, 448 for
 e4m3), ``code = round(x / scale)`` with the stored scale, so ``|x - code * scale| <= scale / 2``
@@ -40,6 +44,7 @@ __all__ = [
     "dequantize",
     "hadamard",
     "is_quantized",
+    "is_rotated",
     "kv_storage_dtype",
     "quantize",
     "row_dim",
@@ -52,6 +57,12 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 SCALE_BYTES = 2
 
 _QMAX = {torch.int8: 127.0, torch.uint8: 448.0}
+
+
+def is_rotated(storage_dtype: torch.dtype) -> bool:
+    """Whether a pool of ``storage_dtype`` holds Hadamard-rotated rows (int8: module
+    docstring); unquantized and fp8 pools hold K/V as they are."""
+    return storage_dtype == torch.int8
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

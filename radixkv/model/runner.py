@@ -24,7 +24,7 @@ from radixkv.model.attention.base import AttentionBackend, ForwardBatch
 from radixkv.model.attention.factory import make_attention_backend
 from radixkv.model.host_cpu import has_native_bf16
 from radixkv.model.kv_pool import KVPool
-from radixkv.model.kv_quant import is_quantized, kv_storage_dtype
+from radixkv.model.kv_quant import is_quantized, is_rotated, kv_storage_dtype
 from radixkv.model.llama import LlamaModel, ModelConfig
 
 __all__ = [
@@ -225,7 +225,7 @@ class ModelRunner:
             self.backend = make_attention_backend(
                 attention_backend, self.device, self.dtype, self.config.head_dim, self.kv_dtype
             )
-            if is_quantized(self.kv_dtype):  # pages hold rotated rows (kv_quant's docstring)
+            if is_rotated(self.kv_dtype):  # int8 pages hold rotated rows (kv_quant's docstring)
                 from radixkv.model.attention.rotated_kv import RotatedKVBackend
 
                 self.backend = RotatedKVBackend(self.backend, self.config.head_dim)

@@ -1,12 +1,12 @@
 """The rotation of quantized KV pages (:mod:`radixkv.model.kv_quant`) around any backend.
 
-:class:`RotatedKVBackend` wraps the backend of a quantized pool: per layer it rotates ``q``,
-``k`` and ``v`` by the ±1 Hadamard matrix ``H`` (``H H^T = b I``), lets the wrapped backend store
-``k H``, ``v H`` (quantized) and attend with the softmax scale divided by ``b`` (``qH . kH = b
-q . k``), and rotates the output back (``o H^T / b``). Attention is unchanged up to rounding;
-what is stored has a head's outlier channels spread over all of its channels, which is what
-makes one scale per row cheap in accuracy. Every reader of the pages (native, torch, Triton)
-sees rotated rows and rotated queries and never needs to know.
+:class:`RotatedKVBackend` wraps the backend of an int8 pool (``kv_quant.is_rotated``): per layer
+it rotates ``q``, ``k`` and ``v`` by the ±1 Hadamard matrix ``H`` (``H H^T = b I``), lets the
+wrapped backend store ``k H``, ``v H`` (quantized) and attend with the softmax scale divided by
+``b`` (``qH . kH = b q . k``), and rotates the output back (``o H^T / b``). Attention is unchanged
+up to rounding; what is stored has a head's outlier channels spread over all of its channels,
+which is what makes one int8 scale per row cheap in accuracy. Every reader of the pages (native,
+torch, Triton) sees rotated rows and rotated queries and never needs to know.
 """
 
 from __future__ import annotations
