@@ -33,7 +33,9 @@ and load (a tenant's volume, never its text).
 
 Failures: a replica that cannot be reached, drops the connection or answers 503 (overloaded)
 before the first byte of its answer is retried on another healthy replica (each at most once),
-and a replica that could not be reached is marked dead at once. A background task
+and a replica that could not be reached is marked dead at once. A request that fails on an open
+connection before any answer (a kept-alive connection the replica closed as the request went
+out) is sent once more to the same replica first, and does not mark it dead. A background task
 ``GET``s every replica's ``/health`` each ``health_interval`` seconds; a dead replica gets no
 traffic (its prefix tree is cleared: its cache is gone when it restarts) until it answers
 again. A stream that breaks after its first chunk ends there (tokens already sent cannot be
@@ -230,6 +232,10 @@ def create_router_app(
     app.state.metrics = metrics
     app.state.keys = ring
 
+    def unreachable(exc: Exception | None) -> bool:
+        """A connection that could not be made: the replica is down, not a connection broken."""
+        return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+
     def fail(i: int, why: str, dead: bool) -> None:
         states[i].errors += 1
         metrics.errors.labels(replica=states[i].url).inc()
@@ -299,11 +305,9 @@ def create_router_app(
             metrics.in_flight.labels(replica=st.url).inc()
             done = True
             try:
-                req = client().build_request("POST", st.url + path, content=raw, headers=headers)
-                try:
-                    resp = await client().send(req, stream=True)
-                except httpx.TransportError as exc:
-                    fail(i, f"{type(exc).__name__}: {exc}", dead=True)
+                resp, error = await send_once_more_if_stale(st.url + path, raw, headers)
+                if resp is None:
+                    fail(i, f"{type(error).__name__}: {error}", dead=unreachable(error))
                     continue
                 if resp.status_code == 503 and len(tried) < len(states):
                     await resp.aclose()
@@ -358,6 +362,25 @@ def create_router_app(
             finally:
                 if done:
                     release(i)
+
+    async def send_once_more_if_stale(
+        url: str, raw: bytes, headers: dict[str, str]
+    ) -> tuple[httpx.Response | None, Exception | None]:
+        """POST ``raw`` to ``url`` (streamed answer). A transport error other than an unreachable
+        replica, before any answer (typically a kept-alive connection the replica closed just as
+        the request went out), is tried once more on a fresh connection, not taken for a dead
+        replica. Returns the response, or None and the last error."""
+        exc: Exception | None = None
+        for _ in range(2):
+            req = client().build_request("POST", url, content=raw, headers=headers)
+            try:
+                return await client().send(req, stream=True), None
+            except httpx.TransportError as err:
+                exc = err
+                if unreachable(err):
+                    break
+                logger.info("POST %s failed before an answer (%s); once more", url, err)
+        return None, exc
 
     def release(i: int) -> None:
         states[i].in_flight -= 1

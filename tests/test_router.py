@@ -595,3 +595,65 @@ def test_a_stream_cut_by_a_dying_replica_ends_with_an_error_event() -> None:
     finally:
         rt.stop()
         srv.close()
+
+
+def _replica_that_closes_kept_alive_connections() -> tuple[str, object, list[int]]:
+    """A raw HTTP replica that answers the first request of each connection (keep-alive) and
+    closes the connection on the second without answering: the race of a replica's keep-alive
+    timeout against a request sent on the pooled connection. Returns its URL, its socket and
+    the count of POSTs it answered."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    answered = [0]
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            head = conn.recv(65536).decode(errors="replace")
+            if head.startswith("POST"):
+                answered[0] += 1
+                body = b'{"choices":[{"text":"ok","index":0}]}'
+            else:
+                body = b'{"status":"ok"}'
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: keep-alive\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+            conn.recv(65536)  # the next request on this connection: closed unanswered
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}", srv, answered
+
+
+def test_a_kept_alive_connection_closed_by_the_replica_is_retried_not_taken_for_death() -> None:
+    """Every second request of a connection meets a replica that closed it: the router sends
+    it once more on a fresh connection, so every request is answered, and the replica stays
+    healthy with its prefix tree (before, one such error marked it dead and cleared its tree)."""
+    url, srv, answered = _replica_that_closes_kept_alive_connections()
+    rt = router([url], health_interval=3600)
+    try:
+        for n in range(4):
+            r = httpx.post(
+                rt.base_url + "/v1/completions",
+                json={"model": "tiny-llama", "prompt": system(1) + f"q{n}", "max_tokens": 1},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+        assert answered[0] == 4
+        (state,) = httpx.get(rt.base_url + "/health").json()["replicas"]
+        assert state["healthy"] and state["errors"] == 0
+        assert rt.app.state.replicas[0].index.size > 0  # the tree kept what the answers taught
+    finally:
+        rt.stop()
+        srv.close()
