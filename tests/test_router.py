@@ -9,6 +9,7 @@ which checks keys as ``radixkv serve`` does)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -531,9 +532,9 @@ def test_router_cli_takes_the_keys(monkeypatch, tmp_path) -> None:
     assert bad.func(bad) == 2  # tenants without keys
 
 
-def _replica_that_dies_mid_stream() -> tuple[str, object]:
-    """A raw HTTP replica: ``/health`` is 200; a POST gets a 200 event stream with one event,
-    then the connection is cut (the replica crashed mid-answer)."""
+def _raw_replica(handle: Any) -> tuple[str, Any]:
+    """A raw HTTP server on a free loopback port calling ``handle(conn)`` on a thread per
+    accepted connection; returns its URL and its listening socket (close it to stop)."""
     import socket
     import threading
 
@@ -541,7 +542,23 @@ def _replica_that_dies_mid_stream() -> tuple[str, object]:
     srv.bind(("127.0.0.1", 0))
     srv.listen(16)
 
-    def handle(conn: socket.socket) -> None:
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}", srv
+
+
+def _replica_that_dies_mid_stream() -> tuple[str, object]:
+    """A raw HTTP replica: ``/health`` is 200; a POST gets a 200 event stream with one event,
+    then the connection is cut (the replica crashed mid-answer)."""
+
+    def handle(conn: Any) -> None:
         with conn:
             head = conn.recv(65536).decode(errors="replace")
             if head.startswith("GET"):
@@ -563,16 +580,7 @@ def _replica_that_dies_mid_stream() -> tuple[str, object]:
             )
             time.sleep(0.2)  # then the crash: no terminating chunk
 
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=handle, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    return f"http://127.0.0.1:{srv.getsockname()[1]}", srv
+    return _raw_replica(handle)
 
 
 def test_a_stream_cut_by_a_dying_replica_ends_with_an_error_event() -> None:
@@ -602,15 +610,9 @@ def _replica_that_closes_kept_alive_connections() -> tuple[str, object, list[int
     closes the connection on the second without answering: the race of a replica's keep-alive
     timeout against a request sent on the pooled connection. Returns its URL, its socket and
     the count of POSTs it answered."""
-    import socket
-    import threading
-
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(16)
     answered = [0]
 
-    def handle(conn: socket.socket) -> None:
+    def handle(conn: Any) -> None:
         with conn:
             head = conn.recv(65536).decode(errors="replace")
             if head.startswith("POST"):
@@ -624,16 +626,8 @@ def _replica_that_closes_kept_alive_connections() -> tuple[str, object, list[int
             )
             conn.recv(65536)  # the next request on this connection: closed unanswered
 
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=handle, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    return f"http://127.0.0.1:{srv.getsockname()[1]}", srv, answered
+    url, srv = _raw_replica(handle)
+    return url, srv, answered
 
 
 def test_a_kept_alive_connection_closed_by_the_replica_is_retried_not_taken_for_death() -> None:
