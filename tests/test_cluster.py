@@ -400,10 +400,10 @@ def test_the_tiny_model_directory_has_the_byte_tokenizers_ids(tmp_path: Path) ->
     assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (0, 1, 2)
 
 
-def _tiny_model_dir(path: Path) -> str:
+def _tiny_model_dir(path: Path, context: int = 512) -> str:
     from bench.tiny_model import save_tiny_model_dir
 
-    return save_tiny_model_dir(str(path))
+    return save_tiny_model_dir(str(path), max_position_embeddings=context)
 
 
 @pytest.mark.slow
@@ -418,7 +418,9 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
 
     if importlib.util.find_spec("sglang_router") is None:
         pytest.fail("sglang-router is not installed (pip install sglang-router)")
-    model_dir = _tiny_model_dir(tmp_path / "tiny")
+    # a long context, so the load below stays in flight for seconds (400 tokens took ~0.5 s,
+    # and the check that both replicas run 2+ requests at once missed that window 1 time in 4)
+    model_dir = _tiny_model_dir(tmp_path / "tiny", context=4096)
     port = free_port()
     while any(_busy(port + i) for i in range(1, 3)):
         port = free_port()
@@ -454,7 +456,7 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         outcomes: dict[str, tuple[str, float]] = {}
 
         def one(name: str, stream: bool) -> None:
-            body = {"model": model, "prompt": f"Tell me a story ({name}).", "max_tokens": 400}
+            body = {"model": model, "prompt": f"Tell me a story ({name}).", "max_tokens": 3000}
             body |= {"ignore_eos": True, "temperature": 0.0, "stream": stream}
             try:
                 if not stream:
@@ -487,7 +489,16 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
             if min(running) >= 2:
                 break
             time.sleep(0.05)
-        assert min(running) >= 2, f"the load did not reach both replicas: {running}"
+        if min(running) < 2:  # say where the requests went: their outcomes and the logs
+            logs = {
+                f.name: f.read_text(errors="replace")[-1500:]
+                for f in sorted((tmp_path / "logs").glob("*"))
+                if f.is_file()
+            }
+            pytest.fail(
+                f"the load did not reach both replicas: running {running}, "
+                f"outcomes so far {outcomes}, logs {logs}"
+            )
         victim = running.index(max(running))
         t_kill = 0.0
         for child in psutil.Process(proc.pid).children(recursive=True):
