@@ -35,7 +35,8 @@ Failures: a replica that cannot be reached, drops the connection or answers 503 
 before the first byte of its answer is retried on another healthy replica (each at most once),
 and a replica that could not be reached is marked dead at once. A request that fails on an open
 connection before any answer (a kept-alive connection the replica closed as the request went
-out) is sent once more to the same replica first, and does not mark it dead. A background task
+out) is sent once more to the same replica first, and does not mark it dead; so are the
+router's own calls to replicas (``/v1/models``, ``/flush_cache``). A background task
 ``GET``s every replica's ``/health`` each ``health_interval`` seconds; a dead replica gets no
 traffic (its prefix tree is cleared: its cache is gone when it restarts) until it answers
 again. A stream that breaks after its first chunk ends there (tokens already sent cannot be
@@ -305,7 +306,9 @@ def create_router_app(
             metrics.in_flight.labels(replica=st.url).inc()
             done = True
             try:
-                resp, error = await send_once_more_if_stale(st.url + path, raw, headers)
+                resp, error = await send_once_more_if_stale(
+                    "POST", st.url + path, headers, content=raw, stream=True
+                )
                 if resp is None:
                     fail(i, f"{type(error).__name__}: {error}", dead=unreachable(error))
                     continue
@@ -364,22 +367,27 @@ def create_router_app(
                     release(i)
 
     async def send_once_more_if_stale(
-        url: str, raw: bytes, headers: dict[str, str]
+        method: str,
+        url: str,
+        headers: dict[str, str],
+        content: bytes | None = None,
+        stream: bool = False,
     ) -> tuple[httpx.Response | None, Exception | None]:
-        """POST ``raw`` to ``url`` (streamed answer). A transport error other than an unreachable
-        replica, before any answer (typically a kept-alive connection the replica closed just as
-        the request went out), is tried once more on a fresh connection, not taken for a dead
-        replica. Returns the response, or None and the last error."""
+        """Send a request to a replica (its answer streamed or read whole). A transport error
+        other than an unreachable replica, before any answer (typically a kept-alive connection
+        the replica closed just as the request went out), is tried once more on a fresh
+        connection, not taken for a dead replica. Returns the response, or None and the last
+        error (then ``fail(..., dead=unreachable(error))``)."""
         exc: Exception | None = None
         for _ in range(2):
-            req = client().build_request("POST", url, content=raw, headers=headers)
+            req = client().build_request(method, url, content=content, headers=headers)
             try:
-                return await client().send(req, stream=True), None
+                return await client().send(req, stream=stream), None
             except httpx.TransportError as err:
                 exc = err
                 if unreachable(err):
                     break
-                logger.info("POST %s failed before an answer (%s); once more", url, err)
+                logger.info("%s %s failed before an answer (%s); once more", method, url, err)
         return None, exc
 
     def release(i: int) -> None:
@@ -398,10 +406,11 @@ def create_router_app(
             if not st.healthy:
                 continue
             tried.append(i)
-            try:
-                r = await client().get(st.url + "/v1/models", headers=headers_of(request))
-            except httpx.TransportError as exc:
-                fail(i, type(exc).__name__, dead=True)
+            r, error = await send_once_more_if_stale(
+                "GET", st.url + "/v1/models", headers_of(request)
+            )
+            if r is None:
+                fail(i, type(error).__name__, dead=unreachable(error))
                 continue
             url = st.url if 200 <= r.status_code < 300 else None
             return Response(r.content, r.status_code, headers=answer_headers(r, url))
@@ -455,10 +464,11 @@ def create_router_app(
         for i, st in enumerate(states):
             if not st.healthy:
                 continue
-            try:
-                r = await client().post(st.url + "/flush_cache", headers=headers_of(request))
-            except httpx.TransportError as exc:
-                fail(i, type(exc).__name__, dead=True)
+            r, error = await send_once_more_if_stale(
+                "POST", st.url + "/flush_cache", headers_of(request)
+            )
+            if r is None:
+                fail(i, type(error).__name__, dead=unreachable(error))
                 continue
             results[st.url] = r.status_code
             if r.status_code != 200:

@@ -632,7 +632,8 @@ def _replica_that_closes_kept_alive_connections() -> tuple[str, object, list[int
 
 def test_a_kept_alive_connection_closed_by_the_replica_is_retried_not_taken_for_death() -> None:
     """Every second request of a connection meets a replica that closed it: the router sends
-    it once more on a fresh connection, so every request is answered, and the replica stays
+    it once more on a fresh connection (completions and its own /v1/models calls alike), so
+    every request is answered, and the replica stays
     healthy with its prefix tree (before, one such error marked it dead and cleared its tree)."""
     url, srv, answered = _replica_that_closes_kept_alive_connections()
     rt = router([url], health_interval=3600)
@@ -645,6 +646,8 @@ def test_a_kept_alive_connection_closed_by_the_replica_is_retried_not_taken_for_
             )
             assert r.status_code == 200, r.text
         assert answered[0] == 4
+        for _ in range(2):  # the router's own calls to the replica take the same retry
+            assert httpx.get(rt.base_url + "/v1/models", timeout=30).status_code == 200
         (state,) = httpx.get(rt.base_url + "/health").json()["replicas"]
         assert state["healthy"] and state["errors"] == 0
         assert rt.app.state.replicas[0].index.size > 0  # the tree kept what the answers taught
