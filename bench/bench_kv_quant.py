@@ -37,7 +37,7 @@ import torch
 from radixkv import Engine, SamplingParams
 from radixkv.model import native
 from radixkv.model.kv_pool import KVPool
-from radixkv.model.kv_quant import kv_storage_dtype
+from radixkv.model.kv_quant import is_rotated, kv_storage_dtype
 
 QUANT = ("int8", "fp8_e4m3")
 TEXT = Path(__file__).parent / "data" / "ppl_text.txt"
@@ -60,18 +60,25 @@ ASKS = [
 Case = tuple[str, bool]  # (kv_cache_dtype, rotated)
 
 
+def engine_rotates(kv: str) -> bool:
+    """Whether the engine stores ``kv``'s pages rotated (``kv_quant.is_rotated``)."""
+    return is_rotated(kv_storage_dtype(kv, torch.float32))
+
+
 def cases_for(rotation_ablation: bool) -> list[Case]:
-    """Unquantized, then each quantized dtype as the engine runs it (int8 rotated, fp8 not);
-    with the ablation also each the other way."""
-    out = [("auto", False), ("int8", True), ("fp8_e4m3", False)]  # what the engine runs
-    return out + [("int8", False), ("fp8_e4m3", True)] if rotation_ablation else out
+    """Unquantized, then each quantized dtype as the engine runs it; with the ablation also
+    each quantized dtype the other way."""
+    out = [(kv, engine_rotates(kv)) for kv in ("auto", *QUANT)]
+    return out + [(kv, not engine_rotates(kv)) for kv in QUANT] if rotation_ablation else out
 
 
 def label_of(case: Case) -> str:
     kv, rotated = case
     if kv == "auto":
         return "unquantized"
-    return kv + ("" if rotated == (kv == "int8") else ", rotated" if rotated else ", no rotation")
+    if rotated == engine_rotates(kv):
+        return kv
+    return kv + (", rotated" if rotated else ", no rotation")
 
 
 def make_engine(model: Any, dtype: str, case: Case, **knobs: Any) -> Engine:
