@@ -11,7 +11,9 @@ the time ratio.
 
 The shared-prefix decode burst (:func:`bench_cpu_groups`) also times both native kernels over the
 same K/V stored as quantized pages (``int8`` and ``fp8_e4m3`` rows of :mod:`radixkv.model.kv_quant`,
-dequantized in registers) against bf16 pages; ``--groups-only`` runs that section alone.
+dequantized in registers) against bf16 pages, and the bf16 kernel with the caches flushed before
+each call (as in a decode step, where the linears evict the K/V between two layers' attention);
+``--groups-only`` runs that section alone.
 
 Run from the repository root: ``python bench/bench_kernels.py`` (``--iters N`` to change repeats).
 """
@@ -197,12 +199,19 @@ def bench_gpu(iters: int) -> None:
 # ----------------------------------------------------------------------------- CPU
 
 
-def cpu_time_ms(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn`` in milliseconds."""
+def cpu_time_ms(
+    fn: Callable[[], object],
+    iters: int,
+    warmup: int = 1,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """Median wall time of ``fn`` in milliseconds (``before``, untimed, ahead of each call)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -356,6 +365,15 @@ def bench_cpu_groups(iters: int) -> None:
             f"{name:>20}: no groups {plain:.3f} ms, groups {grouped:.3f} ms, "
             f"{plain / grouped:.2f}x (max |diff| {err:.1e})"
         )
+    # In a decode step the linears run between two layers' attention and evict its K/V: the
+    # same call with the caches flushed (a 96 MiB write, untimed) before each one.
+    flush = torch.empty(96 << 20, dtype=torch.uint8)
+    hot = cpu_time_ms(lambda: cases[0][1](groups), 3 * iters)
+    cold = cpu_time_ms(lambda: cases[0][1](groups), 3 * iters, before=lambda: flush.add_(1))
+    print(
+        f"{cases[0][0]:>20}: groups, caches flushed before each call {cold:.3f} ms, "
+        f"hot {hot:.3f} ms ({cold / hot:.2f}x)"
+    )
     print(
         "quantized pages (ratio = quantized time / bf16-page time of the same kernel and groups; "
         "max |diff| against the kernel over bf16 pages)"

@@ -334,11 +334,14 @@ inline void v_codes_pack(const char* base, const int64_t* off, int nk, int nk16,
   }
 }
 
-// Prefetches every cache line of bytes [lo, lo + n).
+// Prefetches every cache line of bytes [lo, lo + n) into L2 (T1). Measured on a Zen 4 host
+// (two builds alternating in one process, caches flushed before each call, the batch-64
+// shared-prefix decode of bench_kernels): T0 (into L1) took 0.95-0.98 ms, T1 0.87-0.90 ms; a
+// block's hundreds of prefetches into L1 hold its few miss buffers, which the loads need too.
 inline void prefetch_lines(const char* lo, int64_t n) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(lo) + n;
   for (uintptr_t a = reinterpret_cast<uintptr_t>(lo) & ~uintptr_t{63}; a < end; a += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
   }
 }
 
@@ -393,6 +396,20 @@ inline void pv_rows(Scratch& sc, int64_t rt, int nr, int npairs) {
     case 6: if constexpr (D <= 64) return pv_tile<D, 6>(sc, rt, npairs); break;
   }
   TORCH_CHECK(false, "paged_attention: a P V tile of ", nr, " rows for head dim ", D);
+}
+
+// Prefetches (into L2) the K/V rows of the first key block of `it` (the heads it reads).
+inline void prefetch_first_block(const Problem& p, const Item& it, Scratch& sc) {
+  const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, it.k1 - it.k0));
+  if (nk <= 0) return;
+  sc.knext.resize(kKeyBlock);
+  fill_token_offsets(p, p.page_table + it.req * p.table_stride, it.k0, nk, nk,
+                     p.hkv * p.row_bytes, sc.knext.data());
+  const int64_t first = it.h0 * p.row_bytes, bytes = it.nh * p.row_bytes;
+  for (int j = 0; j < nk; ++j) {
+    prefetch_lines(p.k_cache + sc.knext[j] + first, bytes);
+    prefetch_lines(p.v_cache + sc.knext[j] + first, bytes);
+  }
 }
 
 template <int D>
@@ -681,7 +698,7 @@ void run_items(const Problem& p, const Entries& en, std::vector<Item>& items, bo
 #else
   auto make_scratch = [] { return 0; };
 #endif
-  radixkv_work::run_longest_first(items, make_scratch, [&](const Item& it, auto& sc) {
+  auto run = [&](const Item& it, auto& sc) {
 #if RADIXKV_AVX512BF16
     if (fast) {
       if (p.d == 64) {
@@ -695,7 +712,16 @@ void run_items(const Problem& p, const Entries& en, std::vector<Item>& items, bo
     (void)fast;
     (void)sc;
     run_item_scalar(p, it, en);
-  });
+  };
+  // a worker's next item: its first key block is prefetched before the current item runs
+  auto prefetch = [&](const Item& it, auto& sc) {
+#if RADIXKV_AVX512BF16
+    if (fast) prefetch_first_block(p, it, sc);
+#endif
+    (void)it;
+    (void)sc;
+  };
+  radixkv_work::run_longest_first(items, make_scratch, run, prefetch);
 }
 
 }  // namespace
