@@ -28,7 +28,6 @@ import contextlib
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from typing import Any
 import httpx
 
 from bench.serve import BenchConfig, run_benchmark
+from radixkv.server.ports import free_port
 
 __all__ = ["ServerSpec", "main", "machine_info", "run_compare", "workload_configs"]
 
@@ -108,13 +108,6 @@ class ServerSpec:
     host_tokens: int = 0
     notes: str = ""
     env: dict[str, str] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tail(path: Path, n: int = 15) -> str:

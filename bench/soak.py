@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from typing import Any
 import httpx
 
 from bench.soak_measure import percentile, read_stream, wait_idle
+from radixkv.server.ports import free_port
 
 SALTS = ["tenant-a", "tenant-b", "tenant-c", None]
 WORDS = (  # noqa: SIM905 - thirty words, one per line would be 30 lines
@@ -99,17 +99,11 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class ServerProcess:
     """The server as a child process (its RSS is the server's alone)."""
 
     def __init__(self, tiny: bool, model: str, log_path: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.disk_dir = tempfile.mkdtemp(prefix="radixkv-soak-disk-")
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()

@@ -17,13 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from radixkv.server.ports import free_port
+
 __all__ = ["RedisServer", "free_port", "redis_server"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:

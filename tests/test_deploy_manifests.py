@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +42,8 @@ import kubernetes_validate
 import pytest
 import yaml
 from fake_engine import FakeEngine, ServerThread
+
+from radixkv.server.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -521,12 +522,6 @@ def test_router_service_account_may_list_and_watch_pods_in_its_namespace() -> No
     assert {"list", "watch"} <= granted, f"the router may only {sorted(granted)} pods"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class _FakeKubeAPI:
     """Just enough of the Kubernetes API for sgl-router's pod watcher: a list of every pod of
     deploy/'s workloads (Running, Ready, one IP each) in their namespace, then a watch that
@@ -619,7 +614,7 @@ def test_real_router_discovers_the_replica_pod_and_serves_through_it(tmp_path: P
             encoding="utf-8",
         )
         srv = stack.enter_context(ServerThread(_served_app_for_manifest()))
-        port, metrics = _free_port(), _free_port()
+        port, metrics = free_port(), free_port()
         moved = {
             "--host": "127.0.0.1",
             "--port": str(port),
