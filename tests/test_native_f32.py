@@ -17,6 +17,8 @@ from oracle import FP32, check_rows
 from radixkv.model import native
 from radixkv.model.attention.base import ForwardBatch
 from radixkv.model.attention.native_backend import (
+    NATIVE_MAX_GROUPED_EXTEND,
+    NativeAttentionBackend,
     NativeCascadeBackend,
     native_paged_attention_f32,
 )
@@ -260,6 +262,10 @@ def test_shared_prefix_groups():
     # 60-token prefix caps it at 3 whole pages)
     assert shared_prefix_groups(pages, prefix, ext, 16, min_tokens=48) == [PrefixGroup([0, 1], 48)]
     assert shared_prefix_groups(pages, prefix, ext, 16, min_tokens=64) == []  # a singleton
+    # request 1's 3 new tokens are over max_extend=2: 0 and 4 share 2 pages
+    assert shared_prefix_groups(pages, prefix, ext, 16, 16, max_extend=2) == [
+        PrefixGroup([0, 4], 32)
+    ]
 
 
 # -- the backend inside the model -----------------------------------------------------------------
@@ -278,7 +284,7 @@ def test_backend_in_model_matches_plain_fp32(tiny_llama, tiny_oracle, monkeypatc
     system = [(7 * i) % 200 + 3 for i in range(70)]
     shared_pages = [1, 2, 3, 4, 5]
     first = [RequestSlice(system, 0, shared_pages)]
-    users = [list(range(10 + i, 30 + i)) for i in range(3)]
+    users = [list(range(10 + i, 26 + i)) for i in range(3)]  # 16 new tokens: grouped
     own = [[6, 7], [8, 9], [10, 11]]
     second = [RequestSlice(u, 64, shared_pages[:4] + o) for u, o in zip(users, own)]
     batch = runner.build_batch(second)
@@ -302,6 +308,24 @@ def test_prepare_without_groups_on_fresh_prompts(module):
         page_size=16,
     )
     assert NativeCascadeBackend().prepare(batch, torch.float32).groups == []
+
+
+def test_prepare_groups_decodes_and_short_extends_but_not_long_ones(module):
+    """Requests with more than NATIVE_MAX_GROUPED_EXTEND new tokens attend per request (their
+    rows fill the tiles; the group's split would cost more than the prefix read it saves)."""
+    for ext, grouped in ((1, True), (NATIVE_MAX_GROUPED_EXTEND, True), (17, False), (64, False)):
+        batch = ForwardBatch(
+            input_ids=torch.zeros(2 * ext, dtype=torch.long),
+            positions=torch.arange(2 * ext),
+            extend_lens=[ext, ext],
+            prefix_lens=[32, 32],
+            page_table=torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 7, 8, 9, 10]], dtype=torch.int32),
+            out_slots=torch.arange(2 * ext),
+            page_size=16,
+        )
+        want = [PrefixGroup([0, 1], 32)] if grouped else []
+        for backend in (NativeAttentionBackend(), NativeCascadeBackend()):
+            assert backend.prepare(batch, torch.float32).groups == want, (ext, backend)
 
 
 # -- ISA levels -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ Invariants of a :class:`PrefixGroup` (what the attention backends rely on):
   cached prefix (``prefix_lens``), so every new token of a member sees all of it (no mask);
 - every member's page table starts with the same ``shared // page_size`` page ids;
 - a request is in at most one group, every group has at least two members, and only requests
-  with new tokens (``extend_lens > 0``) are members.
+  with new tokens (``0 < extend_lens <= max_extend``) are members.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def shared_prefix_groups(
     extend_lens: list[int],
     page_size: int,
     min_tokens: int,
+    max_extend: int | None = None,
 ) -> list[PrefixGroup]:
     """The groups of requests whose leading pages are the same ids (see the module invariants).
 
@@ -47,10 +48,13 @@ def shared_prefix_groups(
         page_size: tokens per page.
         min_tokens: shorter shared prefixes are not grouped (the split would cost more than it
             saves).
+        max_extend: requests with more new tokens are not grouped (``None``: no limit): their
+            own rows already fill the kernel's tiles, and splitting them costs more than reading
+            the prefix once saves.
     """
     by_first: dict[int, list[int]] = {}
     for i, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens)):
-        if prefix >= max(min_tokens, page_size) and ext > 0:
+        if prefix >= max(min_tokens, page_size) and 0 < ext <= (max_extend or ext):
             by_first.setdefault(pages[i][0], []).append(i)
     groups = []
     for members in by_first.values():
