@@ -28,7 +28,10 @@ Workloads, each measured cold and warm after a warm-up of other prompts:
 
 Printed: the host ISA line, then per workload and cache state throughput (req/s), TTFT p50/p99
 and TPOT p50/p99 for each server, and radixkv / vLLM ratios (throughput: higher is better for
-radixkv; latencies: lower is). ``--output`` writes everything as JSON.
+radixkv; latencies: lower is). ``--repeats N`` runs the servers in turn N times (radixkv, vLLM,
+radixkv, ...), prints each repeat's table, then every ratio per repeat and its median: on a
+2-core host another day's or another hour's run moves both servers by 10-20%, so one run's
+ratios near a target are not verdicts. ``--output`` writes everything as JSON.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -195,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--quick", action="store_true", help="8 requests, 256-token prefixes")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the servers in turn this many times (radixkv, vLLM, radixkv, ...) and print "
+        "each repeat's table, then the median over repeats of each ratio",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.warmup, args.prefix_len, args.output_len = 8, 4, 256, 8
@@ -242,33 +253,63 @@ def main(argv: list[str] | None = None) -> int:
                 "cold": (mt(1, 2, args.requests), args.requests),
                 "warm": (mt(2, 2, args.requests), args.requests)}  # fmt: skip
 
-    results: dict[str, Any] = {"host": host, "dtype": dtype, "args": vars(args), "runs": {}}
-    for spec in server_specs(args, dtype, hf_dir, shim):
-        server = ManagedServer(spec, work, args.startup_timeout)
-        t = time.perf_counter()
-        server.start()
-        start_s = time.perf_counter() - t
-        print(f"[{spec.name}] healthy after {start_s:.0f} s ({spec.notes})", flush=True)
-        results["runs"].setdefault(spec.name, {"start_s": start_s})
-        try:
-            for workload in args.workloads.split(","):
-                for phase, (dataset, n) in datasets(workload).items():
-                    out = work / f"{spec.name}-{workload}-{phase}.json"
-                    r = run_client(args.vllm_python, shim, server.url, hf_dir, dataset, n, out)
-                    row = {k: r.get(k) for k, _ in METRICS}
-                    row["duration"] = r.get("duration")
-                    results["runs"][spec.name][f"{workload}/{phase}"] = row
-                    print(
-                        f"[{spec.name}] {workload}/{phase}: "
-                        + ", ".join(f"{label} {row[k]:.2f}" for k, label in METRICS),
-                        flush=True,
-                    )
-        finally:
-            server.stop()
-    print_table(results)
+    results: dict[str, Any] = {"host": host, "dtype": dtype, "args": vars(args), "repeats": []}
+    for repeat in range(args.repeats):
+        runs: dict[str, Any] = {}
+        for spec in server_specs(args, dtype, hf_dir, shim):
+            server = ManagedServer(spec, work, args.startup_timeout)
+            t = time.perf_counter()
+            server.start()
+            start_s = time.perf_counter() - t
+            print(f"[{spec.name}] healthy after {start_s:.0f} s ({spec.notes})", flush=True)
+            runs.setdefault(spec.name, {"start_s": start_s})
+            try:
+                for workload in args.workloads.split(","):
+                    for phase, (dataset, n) in datasets(workload).items():
+                        out = work / f"{spec.name}-{workload}-{phase}-{repeat}.json"
+                        r = run_client(args.vllm_python, shim, server.url, hf_dir, dataset, n, out)
+                        row = {k: r.get(k) for k, _ in METRICS}
+                        row["duration"] = r.get("duration")
+                        runs[spec.name][f"{workload}/{phase}"] = row
+                        print(
+                            f"[{spec.name}] {workload}/{phase}: "
+                            + ", ".join(f"{label} {row[k]:.2f}" for k, label in METRICS),
+                            flush=True,
+                        )
+            finally:
+                server.stop()
+        results["repeats"].append(runs)
+        if args.repeats > 1:
+            print(f"\nrepeat {repeat + 1} of {args.repeats}:")
+        print_table({"host": host, "runs": runs})
+    results["runs"] = results["repeats"][0]
+    if args.repeats > 1:
+        print_median_ratios(results)
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def print_median_ratios(results: dict[str, Any]) -> None:
+    """Per workload, phase and metric: radixkv / vLLM in each repeat and their median."""
+    repeats = [r for r in results["repeats"] if list(r) == ["radixkv", "vllm"]]
+    if not repeats:
+        return
+    keys = [k for k in repeats[0]["radixkv"] if "/" in k and not k.endswith("/warmup")]
+    print(f"\nradixkv / vLLM over {len(repeats)} repeats (each a same-run ratio), host: "
+          f"{results['host']}")  # fmt: skip
+    print("| workload / cache | metric | ratio per repeat | median |")
+    print("|---|---|---|---|")
+    for key in keys:
+        for metric, label in METRICS:
+            ratios = []
+            for r in repeats:
+                a, b = r["radixkv"].get(key, {}).get(metric), r["vllm"].get(key, {}).get(metric)
+                if a is not None and b:
+                    ratios.append(a / b)
+            if ratios:
+                each = ", ".join(f"{x:.2f}x" for x in ratios)
+                print(f"| {key} | {label} | {each} | {statistics.median(ratios):.2f}x |")
 
 
 def print_table(results: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from bench.bench_vllm_serve import multi_turn_dataset, print_table
+from bench.bench_vllm_serve import multi_turn_dataset, print_median_ratios, print_table
 from bench.serve import ARRAY_KEYS, METRIC_KEYS, BenchConfig, main, run_benchmark
 from radixkv.server.ports import free_port
 from radixkv.sim.simulator import hash_tokenize
@@ -471,3 +471,10 @@ def test_vllm_serve_multi_turn_dataset_extends_turn_one(real_model, tmp_path: Pa
     text = buf.getvalue()
     assert "| w/cold | req/s | 3.00 | 2.00 | 1.50x |" in text
     assert "| w/cold | TTFT p50 ms | 100.00 | 200.00 | 0.50x |" in text
+    # --repeats: each repeat's same-run ratio, then their median
+    slower = {"radixkv": {"w/cold": dict(row, request_throughput=1.0)}, "vllm": {"w/cold": vrow}}
+    faster = {"radixkv": {"w/cold": dict(row, request_throughput=5.0)}, "vllm": {"w/cold": vrow}}
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_median_ratios({"host": "isa=test", "repeats": [runs, slower, faster]})
+    assert "| w/cold | req/s | 1.50x, 0.50x, 2.50x | 1.50x |" in buf.getvalue()
