@@ -290,12 +290,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def measured_keys(run: dict[str, Any]) -> list[str]:
+    """A server's ``workload/phase`` results, the warm-ups left out."""
+    return [k for k in run if "/" in k and not k.endswith("/warmup")]
+
+
 def print_median_ratios(results: dict[str, Any]) -> None:
     """Per workload, phase and metric: radixkv / vLLM in each repeat and their median."""
     repeats = [r for r in results["repeats"] if list(r) == ["radixkv", "vllm"]]
     if not repeats:
         return
-    keys = [k for k in repeats[0]["radixkv"] if "/" in k and not k.endswith("/warmup")]
+    keys = measured_keys(repeats[0]["radixkv"])
     print(f"\nradixkv / vLLM over {len(repeats)} repeats (each a same-run ratio), host: "
           f"{results['host']}")  # fmt: skip
     print("| workload / cache | metric | ratio per repeat | median |")
@@ -316,7 +321,7 @@ def print_table(results: dict[str, Any]) -> None:
     runs = results["runs"]
     print(f"\nvLLM's client (vllm.benchmarks.serve), host: {results['host']}")
     names = list(runs)
-    keys = [k for k in next(iter(runs.values())) if "/" in k and not k.endswith("/warmup")]
+    keys = measured_keys(next(iter(runs.values())))
     head = "| workload / cache | metric | " + " | ".join(names)
     head += " | radixkv / vLLM |" if names == ["radixkv", "vllm"] else " |"
     print(head)

@@ -54,7 +54,8 @@ def shared_prefix_groups(
     """
     by_first: dict[int, list[int]] = {}
     for i, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens)):
-        if prefix >= max(min_tokens, page_size) and 0 < ext <= (max_extend or ext):
+        short = max_extend is None or ext <= max_extend
+        if prefix >= max(min_tokens, page_size) and ext > 0 and short:
             by_first.setdefault(pages[i][0], []).append(i)
     groups = []
     for members in by_first.values():

@@ -398,6 +398,17 @@ inline void pv_rows(Scratch& sc, int64_t rt, int nr, int npairs) {
   TORCH_CHECK(false, "paged_attention: a P V tile of ", nr, " rows for head dim ", D);
 }
 
+// Prefetches (into L2) the K and V rows of `it`'s heads for the `nk` tokens at byte offsets
+// `off`. The item's heads are `bytes` from byte `first` of a token row (a quantized row of D + 2
+// bytes starts off a cache line: prefetch_lines counts lines from the aligned-down start).
+inline void prefetch_item_rows(const Problem& p, const Item& it, const int64_t* off, int nk) {
+  const int64_t first = it.h0 * p.row_bytes, bytes = it.nh * p.row_bytes;
+  for (int j = 0; j < nk; ++j) {
+    prefetch_lines(p.k_cache + off[j] + first, bytes);
+    prefetch_lines(p.v_cache + off[j] + first, bytes);
+  }
+}
+
 // Prefetches (into L2) the K/V rows of the first key block of `it` (the heads it reads).
 inline void prefetch_first_block(const Problem& p, const Item& it, Scratch& sc) {
   const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, it.k1 - it.k0));
@@ -405,11 +416,7 @@ inline void prefetch_first_block(const Problem& p, const Item& it, Scratch& sc) 
   sc.knext.resize(kKeyBlock);
   fill_token_offsets(p, p.page_table + it.req * p.table_stride, it.k0, nk, nk,
                      p.hkv * p.row_bytes, sc.knext.data());
-  const int64_t first = it.h0 * p.row_bytes, bytes = it.nh * p.row_bytes;
-  for (int j = 0; j < nk; ++j) {
-    prefetch_lines(p.k_cache + sc.knext[j] + first, bytes);
-    prefetch_lines(p.v_cache + sc.knext[j] + first, bytes);
-  }
+  prefetch_item_rows(p, it, sc.knext.data(), nk);
 }
 
 template <int D>
@@ -474,19 +481,12 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
     if (kb == it.k0) fill_token_offsets(p, table, kb, nk, nk16, token_stride, sc.koff.data());
     if (kb + kKeyBlock < kv_end) {
       // Offsets of the next block, and a software prefetch of its K/V rows (the heads of this
-      // item), whose pages are scattered over the pool (neutral on the 2-core reference host,
-      // where this loop is bound by its reductions rather than by memory).
+      // item), whose pages are scattered over the pool.
       const int nk_next = static_cast<int>(std::min<int64_t>(kKeyBlock, kv_end - kb - kKeyBlock));
       const int nk16_next = (nk_next + 15) & ~15;
       fill_token_offsets(p, table, kb + kKeyBlock, nk_next, nk16_next, token_stride,
                          sc.knext.data());
-      // The item's heads are `bytes` from byte `first` of a token row (a quantized row of D + 2
-      // bytes starts off a cache line: prefetch_lines counts lines from the aligned-down start).
-      const int64_t first = it.h0 * p.row_bytes, bytes = it.nh * p.row_bytes;
-      for (int j = 0; j < nk_next; ++j) {
-        prefetch_lines(p.k_cache + sc.knext[j] + first, bytes);
-        prefetch_lines(p.v_cache + sc.knext[j] + first, bytes);
-      }
+      prefetch_item_rows(p, it, sc.knext.data(), nk_next);
     }
     if (quant) {  // offsets into the K code scratch
       for (int j = 0; j < nk16; ++j) sc.qoff[j] = std::min(j, nk - 1) * D * 2;
