@@ -12,13 +12,14 @@
 //   S = Q K^T  (bf16 dot products, float32 accumulation; AVX512-BF16 vdpbf16ps)
 //   P = exp2((S * scale * log2 e) - m)          (float32, then bf16 for the P V product)
 //   O = O * exp2(m_old - m_new) + P V           (float32 accumulators)
-// and the output is O / l in bf16. S is computed row by row (each dot product summed across the
-// lanes) for a KV head with few live rows (decodes: G rows), and as a GEMM tile where a head has
-// kGemmRows or more (a shared prefix's stacked members, prefill blocks): the key block's K is
-// transposed once into bf16 pairs with keys along the lanes, and 6 rows x 64 keys accumulate in
-// registers with one broadcast q pair per row, no horizontal sums. The two differ only in the
-// float32 summation order of each score. Items run on torch's intra-op threads, longest first, taken
-// from a shared counter so causal prefills (whose later blocks cost more) balance.
+// and the output is O / l in bf16. A KV head with few rows in its item (decodes: G rows) is
+// computed row by row: each score a dot product summed across the lanes. One with kGemmRows or
+// more (a shared prefix's stacked members, prefill and extend blocks) runs in row tiles: 16 rows
+// along the vector lanes, so the softmax's max, sum and rescaling are lane-wise, with no
+// horizontal sums and no transposed copy of K (see tile_block). The two differ only in float32
+// summation orders (of each score and of each row's softmax sum). Items run on torch's intra-op threads,
+// longest first, taken from a shared counter so causal prefills (whose later blocks cost more)
+// balance.
 //
 // Shared prefixes (the AVX512-BF16 path): a group is a list of requests whose page tables start
 // with the same page ids over their first `shared` tokens (shared <= every member's prefix, so
@@ -68,10 +69,9 @@ using bf16 = uint16_t;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kKeyBlock = 64;   // keys per online-softmax step
 constexpr int kRowsPerItem = 96;  // query rows (tokens x G heads) per work item
-// A KV head with at least this many live rows in a key block computes its scores 16 rows at a
-// time, rows along the vector lanes (a GEMM tile: no horizontal sums), else row by row.
+// A KV head with at least this many rows in an item runs in row tiles of 16 rows (rows along
+// the vector lanes: no horizontal sums), else row by row.
 constexpr int64_t kGemmRows = 16;
-constexpr int kGemmTile = 6;  // rows per register tile of the GEMM-form scores (6 x 4 vectors)
 
 inline float bf16_to_float(bf16 x) {
   uint32_t u = static_cast<uint32_t>(x) << 16;
@@ -273,7 +273,6 @@ struct Scratch {
   std::vector<bf16> vpack;    // [kKeyBlock / 2][D][2], pairs of keys interleaved
   std::vector<float> o;       // [rows][D], lanes in vpack order
   std::vector<float> m, l;    // [rows]
-  std::vector<int32_t> kt;    // [D / 2][kKeyBlock]: the key block's K pairs, keys along lanes
   std::vector<int64_t> koff;   // [kKeyBlock] token row offsets (bytes) of this key block
   std::vector<int64_t> knext;  // [kKeyBlock] those of the next block
   // quantized pools: one head's K codes of the block as bf16 (exact), their byte offsets, and
@@ -282,6 +281,14 @@ struct Scratch {
   std::vector<bf16> kq;       // [kKeyBlock][D]
   std::vector<int64_t> qoff;  // [kKeyBlock] bytes, padded keys repeating the last real one
   std::vector<float> ks, vs;  // [kKeyBlock]
+  // row tiles (see tile_block): per tile of 16 rows, rows along the lanes
+  std::vector<int32_t> qt;    // [tiles][D / 2][16]: the rows' q pairs
+  std::vector<float> tm, tl;  // [tiles][16]: running max and sum
+  std::vector<float> to;      // [tiles][D][16]: O by lane position (vpack order)
+  std::vector<int64_t> tlim;  // [tiles][16]: each row's last visible key, -1 past the head's rows
+  std::vector<float> st;      // [kKeyBlock][16]: one tile's scores of the block
+  std::vector<int32_t> pt;    // [kKeyBlock / 2][16]: its P, bf16 pairs of keys
+  std::vector<int64_t> qr;    // [rows]: the q row of each scratch row
 };
 
 // 16 codes of a quantized row as float32 values (exact, without the row's scale).
@@ -398,6 +405,219 @@ inline void pv_rows(Scratch& sc, int64_t rt, int nr, int npairs) {
   TORCH_CHECK(false, "paged_attention: a P V tile of ", nr, " rows for head dim ", D);
 }
 
+// ---- Row tiles: a KV head with kGemmRows or more query rows ---------------------------------
+// 16 query rows of one KV head lie along the vector lanes (lanes past the head's rows hold zero
+// queries and are never written out), so every per-row quantity is a vector: a key's scores, the
+// running max and sum, O's value at a lane position. The block max and sum are lane-wise (no
+// horizontal sums), masking compares a vector of row limits, and both products are vdpbf16ps
+// with one operand broadcast from memory:
+//   S^T[key] += Q^T[pair dp] * (K[key] dims 2 dp, 2 dp + 1)     (K rows contiguous in kblk)
+//   O^T[pos] += P^T[key pair jp] * vpack[jp][pos]               (pos: a lane position of O)
+// Each score and each P V sum is accumulated in the same order as by the row-by-row path.
+constexpr int kTile = 16;
+
+inline int64_t tiles_per_head(int64_t head_rows) { return (head_rows + kTile - 1) / kTile; }
+
+// Word indices for _mm512_permutexvar_epi16 over cvtne2ps_pbh(b, a) (words a[0..15], b[0..15]).
+struct WordOrders {
+  alignas(64) uint16_t pairs[32];   // dword L = (a[L], b[L]): two keys' P as one bf16 pair
+  alignas(64) uint16_t dims[32];    // a = O's even vector, b = its odd one of a 32-dim chunk (bf16
+                                    // pools' vpack order), to head-dim order
+  WordOrders() {
+    for (int L = 0; L < 16; ++L) {
+      pairs[2 * L] = static_cast<uint16_t>(L);
+      pairs[2 * L + 1] = static_cast<uint16_t>(16 + L);
+    }
+    for (int dim = 0; dim < 32; ++dim) {
+      const int g = dim / 8, k = dim % 8;
+      dims[dim] = static_cast<uint16_t>(k < 4 ? 4 * g + k : 16 + 4 * g + k - 4);
+    }
+  }
+};
+const WordOrders kWordOrders;
+
+// Fills the item's tiles: q pairs transposed, running state empty or where phase A left it.
+template <int D>
+void tiles_begin(const Problem& p, const Item& it, Scratch& sc, int64_t head_rows,
+                 const int64_t* lim) {
+  const int64_t tph = tiles_per_head(head_rows), nt = it.nh * tph;
+  sc.qt.resize(nt * (D / 2) * kTile);
+  sc.tm.resize(nt * kTile);
+  sc.tl.resize(nt * kTile);
+  sc.to.resize(nt * D * kTile);
+  sc.tlim.resize(nt * kTile);
+  sc.st.resize(kKeyBlock * kTile);
+  sc.pt.resize(kKeyBlock / 2 * kTile);
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t hr0 = (t % tph) * kTile, r0 = (t / tph) * head_rows + hr0;
+    const int64_t n = std::min<int64_t>(kTile, head_rows - hr0);
+    for (int64_t L = 0; L < kTile; ++L) sc.tlim[t * kTile + L] = L < n ? lim[(hr0 + L) / p.group] : -1;
+    __m512 v[16];
+    for (int d0 = 0; d0 < D / 2; d0 += 16) {  // dword d0 + c of row r0 + L -> qt[t][d0 + c][L]
+      for (int L = 0; L < 16; ++L) {
+        v[L] = L < n ? _mm512_loadu_ps(reinterpret_cast<const float*>(&sc.qbuf[(r0 + L) * D]) + d0)
+                     : _mm512_setzero_ps();
+      }
+      transpose16(v);
+      for (int c = 0; c < 16; ++c) {
+        _mm512_storeu_ps(reinterpret_cast<float*>(&sc.qt[(t * (D / 2) + d0 + c) * kTile]), v[c]);
+      }
+    }
+    float* o = &sc.to[t * D * kTile];
+    if (!it.resume) {
+      for (int L = 0; L < kTile; ++L) {
+        sc.tm[t * kTile + L] = -INFINITY;
+        sc.tl[t * kTile + L] = 0.f;
+      }
+      std::memset(o, 0, D * kTile * sizeof(float));
+      continue;
+    }
+    for (int L = 0; L < kTile; ++L) {  // padding lanes: m 0, l 0, O 0
+      sc.tm[t * kTile + L] = L < n ? p.gm[sc.qr[r0 + L]] : 0.f;
+      sc.tl[t * kTile + L] = L < n ? p.gl[sc.qr[r0 + L]] : 0.f;
+    }
+    for (int c = 0; c < D / 16; ++c) {
+      for (int L = 0; L < 16; ++L) {
+        v[L] = L < n ? _mm512_loadu_ps(p.go + sc.qr[r0 + L] * D + 16 * c) : _mm512_setzero_ps();
+      }
+      transpose16(v);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(o + (16 * c + i) * kTile, v[i]);
+    }
+  }
+}
+
+// One tile over one key block of its head: kblk holds the block's K rows ([key][D] bf16,
+// padded keys past nk masked), sc.vpack its V pairs, sc.ks the scores' factor per key and,
+// for quantized pools, sc.vs P's factor per key.
+template <int D>
+void tile_block(Scratch& sc, int64_t t, int64_t kb, int nk, const bf16* kblk, bool quant) {
+  const int64_t* lim = &sc.tlim[t * kTile];
+  int64_t lo = INT64_MAX, hi = -1;  // over the tile's real rows
+  for (int L = 0; L < kTile; ++L) {
+    if (lim[L] < 0) continue;
+    lo = std::min(lo, lim[L]);
+    hi = std::max(hi, lim[L]);
+  }
+  if (hi < kb) return;  // no row sees a key of the block: every state stays as it is
+  const int nk16 = (nk + 15) & ~15, npairs = nk16 / 2;
+  const bool mask = nk < nk16 || lo < kb + nk - 1;
+  alignas(64) int32_t rel[16];  // each row's last visible key of the block, -1 for none
+  for (int L = 0; L < kTile; ++L) {
+    rel[L] = static_cast<int32_t>(std::clamp<int64_t>(lim[L] - kb, -1, kKeyBlock));
+  }
+  const __m512i relv = _mm512_load_si512(rel);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  const int32_t* qt = &sc.qt[t * (D / 2) * kTile];
+  const int32_t* kp = reinterpret_cast<const int32_t*>(kblk);  // key j, pair dp: kp[j D / 2 + dp]
+  float* st = sc.st.data();
+  __m512 bmax = neg_inf;
+  for (int j0 = 0; j0 < nk16; j0 += 16) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    for (int dp = 0; dp < D / 2; ++dp) {
+      const __m512bh qv = as_bh(_mm512_loadu_si512(qt + dp * kTile));
+      for (int j = 0; j < 16; ++j) {
+        const __m512i kv = _mm512_set1_epi32(kp[(j0 + j) * (D / 2) + dp]);
+        acc[j] = _mm512_dpbf16_ps(acc[j], qv, as_bh(kv));
+      }
+    }
+    for (int j = 0; j < 16; ++j) {
+      __m512 s = _mm512_mul_ps(acc[j], _mm512_set1_ps(sc.ks[j0 + j]));
+      if (mask) {
+        const __mmask16 keep = j0 + j < nk ? _mm512_cmpge_epi32_mask(relv, _mm512_set1_epi32(j0 + j))
+                                           : __mmask16(0);
+        s = _mm512_mask_mov_ps(neg_inf, keep, s);
+      }
+      bmax = _mm512_max_ps(bmax, s);
+      _mm512_storeu_ps(st + (j0 + j) * kTile, s);
+    }
+  }
+  // online softmax: m_new = max(m, block max); rows that have seen nothing keep m = -inf
+  float* tm = &sc.tm[t * kTile];
+  float* tl = &sc.tl[t * kTile];
+  const __m512 m_old = _mm512_loadu_ps(tm);
+  const __m512 m_new = _mm512_max_ps(m_old, bmax);
+  const __m512 m_use = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ),
+                                          _mm512_setzero_ps());
+  const __m512 alpha = exp2_ps(_mm512_sub_ps(m_old, m_use));  // m_old = -inf: ~0 times l = 0
+  const __m512i pair_idx = _mm512_load_si512(kWordOrders.pairs);
+  __m512 lsum = _mm512_setzero_ps();
+  for (int jp = 0; jp < npairs; ++jp) {
+    const __m512 s0 = _mm512_loadu_ps(st + 2 * jp * kTile);
+    const __m512 s1 = _mm512_loadu_ps(st + (2 * jp + 1) * kTile);
+    __m512 p0 = exp2_ps(_mm512_sub_ps(s0, m_use));
+    __m512 p1 = exp2_ps(_mm512_sub_ps(s1, m_use));
+    if (mask) {  // masked keys give exactly 0
+      p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, neg_inf, _CMP_NEQ_OQ), p0);
+      p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, neg_inf, _CMP_NEQ_OQ), p1);
+    }
+    lsum = _mm512_add_ps(_mm512_add_ps(lsum, p0), p1);
+    if (quant) {  // P V = (P times the V row's scale) times its codes
+      p0 = _mm512_mul_ps(p0, _mm512_set1_ps(sc.vs[2 * jp]));
+      p1 = _mm512_mul_ps(p1, _mm512_set1_ps(sc.vs[2 * jp + 1]));
+    }
+    const __m512i pair = _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    _mm512_storeu_si512(&sc.pt[jp * kTile], pair);
+  }
+  _mm512_storeu_ps(tl, _mm512_fmadd_ps(_mm512_loadu_ps(tl), alpha, lsum));
+  _mm512_storeu_ps(tm, m_new);
+  // O = O alpha + P V, 16 lane positions at a time
+  const int32_t* vp = reinterpret_cast<const int32_t*>(sc.vpack.data());  // pair jp, pos: vp[jp D + pos]
+  float* o = &sc.to[t * D * kTile];
+  for (int c = 0; c < D / 16; ++c) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_mul_ps(alpha, _mm512_loadu_ps(o + (16 * c + i) * kTile));
+    for (int jp = 0; jp < npairs; ++jp) {
+      const __m512bh pv = as_bh(_mm512_loadu_si512(&sc.pt[jp * kTile]));
+      for (int i = 0; i < 16; ++i) {
+        acc[i] = _mm512_dpbf16_ps(acc[i], pv, as_bh(_mm512_set1_epi32(vp[jp * D + 16 * c + i])));
+      }
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(o + (16 * c + i) * kTile, acc[i]);
+  }
+}
+
+// The item's tiles done: hand their state to the rows' own parts (phase A), or write O / l in
+// bf16, head-dim order.
+template <int D>
+void tiles_end(const Problem& p, const Item& it, Scratch& sc, int64_t head_rows) {
+  const int64_t tph = tiles_per_head(head_rows), nt = it.nh * tph;
+  const bool quant = p.quant != Quant::None;
+  const __m512i dim_idx = _mm512_load_si512(kWordOrders.dims);
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t hr0 = (t % tph) * kTile, r0 = (t / tph) * head_rows + hr0;
+    const int64_t n = std::min<int64_t>(kTile, head_rows - hr0);
+    const float* o = &sc.to[t * D * kTile];
+    __m512 ev[16], od[16];
+    if (it.shared) {
+      for (int64_t L = 0; L < n; ++L) {
+        p.gm[sc.qr[r0 + L]] = sc.tm[t * kTile + L];
+        p.gl[sc.qr[r0 + L]] = sc.tl[t * kTile + L];
+      }
+      for (int c = 0; c < D / 16; ++c) {
+        for (int i = 0; i < 16; ++i) ev[i] = _mm512_loadu_ps(o + (16 * c + i) * kTile);
+        transpose16(ev);
+        for (int64_t L = 0; L < n; ++L) _mm512_storeu_ps(p.go + sc.qr[r0 + L] * D + 16 * c, ev[L]);
+      }
+      continue;
+    }
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(&sc.tl[t * kTile]));
+    for (int c = 0; c < D / 16; c += 2) {  // the 32 dims of O's vectors c and c + 1
+      for (int i = 0; i < 16; ++i) {
+        ev[i] = _mm512_mul_ps(inv, _mm512_loadu_ps(o + (16 * c + i) * kTile));
+        od[i] = _mm512_mul_ps(inv, _mm512_loadu_ps(o + (16 * c + 16 + i) * kTile));
+      }
+      transpose16(ev);
+      transpose16(od);
+      for (int64_t L = 0; L < n; ++L) {
+        __m512i w = (__m512i)_mm512_cvtne2ps_pbh(od[L], ev[L]);
+        if (!quant) w = _mm512_permutexvar_epi16(dim_idx, w);  // quantized: already in dim order
+        _mm512_storeu_si512(p.out + sc.qr[r0 + L] * D + 16 * c, w);
+      }
+    }
+  }
+}
+
 // Prefetches (into L2) the K and V rows of `it`'s heads for the `nk` tokens at byte offsets
 // `off`. The item's heads are `bytes` from byte `first` of a token row (a quantized row of D + 2
 // bytes starts off a cache line: prefetch_lines counts lines from the aligned-down start).
@@ -419,6 +639,27 @@ inline void prefetch_first_block(const Problem& p, const Item& it, Scratch& sc) 
   prefetch_item_rows(p, it, sc.knext.data(), nk);
 }
 
+// V of one head for the keys at byte offsets `off` of a bf16 pool, in pairs of keys interleaved:
+// vpack[jp] = keys 2 jp, 2 jp + 1 for the 16 lanes of each vector (see the output's lane order).
+// Padded keys (past nk) repeat a real key with P = 0 exactly; a missing second key of a pair is
+// zero.
+template <int D>
+inline void v_pack_bf16(const char* vbase, const int64_t* off, int nk, int npairs, bf16* vpack) {
+  constexpr int QV = D / 32;
+  for (int jp = 0; jp < npairs; ++jp) {
+    const bool second_valid = 2 * jp + 1 < nk;
+    const bf16* va = reinterpret_cast<const bf16*>(vbase + off[2 * jp]);
+    const bf16* vb = reinterpret_cast<const bf16*>(vbase + off[2 * jp + 1]);
+    bf16* dst = vpack + jp * 2 * D;
+    for (int c = 0; c < QV; ++c) {
+      const __m512i a = _mm512_loadu_si512(va + 32 * c);
+      const __m512i b = second_valid ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 64 * c, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(dst + 64 * c + 32, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
 template <int D>
 void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratch& sc) {
   constexpr int QV = D / 32;        // bf16 vectors per row
@@ -427,47 +668,54 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
   const int64_t G = p.group;
   const int64_t head_rows = it.ne * G;  // rows of one KV head: (entry, g), entry-major
   const int64_t rows = it.nh * head_rows;
+  const bool tiles = head_rows >= kGemmRows;  // row tiles, else row by row
+  const int64_t tph = tiles_per_head(head_rows);
   const int64_t* tok = en.tok.data() + it.e0;
   const int64_t* lim = en.limit.data() + it.e0;
   const int32_t* table = p.page_table + it.req * p.table_stride;
-  sc.qbuf.resize((rows + kGemmTile) * D);  // tiles may read past the last row (not stored)
-  sc.s.resize((rows + kGemmTile) * kKeyBlock);
-  sc.pbuf.resize(rows * kKeyBlock);
+  sc.qbuf.resize(rows * D);
   sc.vpack.resize(kKeyBlock * D);
-  sc.o.resize(rows * D);
-  sc.m.resize(rows);
-  sc.l.resize(rows);
   sc.koff.resize(kKeyBlock);
   sc.knext.resize(kKeyBlock);
+  sc.kq.resize(kKeyBlock * D);
   const bool quant = p.quant != Quant::None;
   if (quant) {
-    sc.kq.resize(kKeyBlock * D);
     sc.qoff.resize(kKeyBlock);
     sc.vs.resize(kKeyBlock);
   }
   sc.ks.assign(kKeyBlock, p.scale_log2);
   // Row r of the scratch is q row (tok[e] * hq + (h0 + hh) * G + g) for r = hh * head_rows +
   // e * G + g; its running state starts empty or where the group's shared part left it.
-  auto qrow = [&](int64_t r) {
+  sc.qr.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
     const int64_t hh = r / head_rows, e = (r % head_rows) / G, g = r % G;
-    return tok[e] * p.hq + (it.h0 + hh) * G + g;
-  };
+    sc.qr[r] = tok[e] * p.hq + (it.h0 + hh) * G + g;
+  }
   for (int64_t hh = 0; hh < it.nh; ++hh) {
     for (int64_t e = 0; e < it.ne; ++e) {
       const bf16* src = p.q + (tok[e] * p.hq + (it.h0 + hh) * G) * D;
       std::memcpy(&sc.qbuf[(hh * head_rows + e * G) * D], src, G * D * sizeof(bf16));
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    if (it.resume) {
-      const int64_t qr = qrow(r);
-      sc.m[r] = p.gm[qr];
-      sc.l[r] = p.gl[qr];
-      std::memcpy(&sc.o[r * D], p.go + qr * D, D * sizeof(float));
-    } else {
-      sc.m[r] = -INFINITY;
-      sc.l[r] = 0.f;
-      std::memset(&sc.o[r * D], 0, D * sizeof(float));
+  if (tiles) {
+    tiles_begin<D>(p, it, sc, head_rows, lim);
+  } else {
+    sc.s.resize(rows * kKeyBlock);
+    sc.pbuf.resize(rows * kKeyBlock);
+    sc.o.resize(rows * D);
+    sc.m.resize(rows);
+    sc.l.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (it.resume) {
+        const int64_t qr = sc.qr[r];
+        sc.m[r] = p.gm[qr];
+        sc.l[r] = p.gl[qr];
+        std::memcpy(&sc.o[r * D], p.go + qr * D, D * sizeof(float));
+      } else {
+        sc.m[r] = -INFINITY;
+        sc.l[r] = 0.f;
+        std::memset(&sc.o[r * D], 0, D * sizeof(float));
+      }
     }
   }
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
@@ -514,91 +762,46 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
         kbase = reinterpret_cast<const char*>(sc.kq.data());
         koff = sc.qoff.data();
       }
+      if (tiles) {
+        if (!quant) {  // the block's K rows contiguous, V in pairs
+          for (int j = 0; j < nk16; ++j) {
+            std::memcpy(&sc.kq[j * D], kbase + koff[j], D * sizeof(bf16));
+          }
+          v_pack_bf16<D>(vbase, koff, nk, npairs, sc.vpack.data());
+        }
+        for (int64_t t = hh * tph; t < (hh + 1) * tph; ++t) {
+          tile_block<D>(sc, t, kb, nk, sc.kq.data(), quant);
+        }
+        continue;
+      }
       const int64_t r_begin = hh * head_rows + first_entry * G;
       const int64_t r_end = (hh + 1) * head_rows;
       // ---- S = Q K^T, scaled, masked; online softmax; P in bf16 -------------------------
-      // keys j0 .. j0 + 15 of row r: scaled, the ones past the row's last visible key -inf
-      auto scaled_masked = [&](int64_t r, int j0, __m512 raw) {
-        const int64_t limit = lim[(r - hh * head_rows) / G] - kb;  // last visible key here
-        const int64_t valid = std::min<int64_t>({16, nk - j0, limit - j0 + 1});
-        const __mmask16 keep = valid >= 16 ? __mmask16(0xffff)
-                                           : (valid <= 0 ? __mmask16(0)
-                                                         : __mmask16((1u << valid) - 1));
-        return _mm512_mask_mov_ps(neg_inf, keep, _mm512_mul_ps(raw, _mm512_loadu_ps(&sc.ks[j0])));
-      };
-      const bool gemm = r_end - r_begin >= kGemmRows;
-      if (gemm) {
-        // K^T of the block in bf16 pairs, keys along the lanes: kt[dp][j] = K[j] dims 2 dp, 2 dp + 1
-        // (16 x 16 dword transposes; keys past nk16 are zero, their scores masked)
-        sc.kt.resize((D / 2) * kKeyBlock);
-        for (int j0 = 0; j0 < kKeyBlock; j0 += 16) {
-          for (int d0 = 0; d0 < D / 2; d0 += 16) {
-            __m512 t[16];
-            for (int j = 0; j < 16; ++j) {
-              t[j] = j0 + j < nk16 ? _mm512_loadu_ps(reinterpret_cast<const float*>(kbase + koff[j0 + j]) + d0)
-                                   : _mm512_setzero_ps();
-            }
-            transpose16(t);  // t[i] = dword d0 + i of keys j0 .. j0 + 15
-            for (int i = 0; i < 16; ++i) {
-              _mm512_storeu_ps(reinterpret_cast<float*>(&sc.kt[(d0 + i) * kKeyBlock + j0]), t[i]);
-            }
-          }
-        }
-        // S for kGemmTile rows x 64 keys a register tile: one broadcast q pair per row and dp
-        constexpr int KV = kKeyBlock / 16;
-        for (int64_t r0 = r_begin; r0 < r_end; r0 += kGemmTile) {
-          const int32_t* q32 = reinterpret_cast<const int32_t*>(&sc.qbuf[r0 * D]);
-          __m512 acc[kGemmTile][KV];
-          for (int i = 0; i < kGemmTile; ++i) {
-            for (int c = 0; c < KV; ++c) acc[i][c] = _mm512_setzero_ps();
-          }
-          for (int dp = 0; dp < D / 2; ++dp) {
-            __m512i kv[KV];
-            for (int c = 0; c < KV; ++c) kv[c] = _mm512_loadu_si512(&sc.kt[dp * kKeyBlock + 16 * c]);
-            for (int i = 0; i < kGemmTile; ++i) {
-              const __m512i qb = _mm512_set1_epi32(q32[i * (D / 2) + dp]);
-              for (int c = 0; c < KV; ++c) {
-                acc[i][c] = _mm512_dpbf16_ps(acc[i][c], as_bh(qb), as_bh(kv[c]));
-              }
-            }
-          }
-          // the whole tile raw (a fixed count keeps acc in registers; sc.s is padded for rows
-          // past the item's), then the rows that are this head's, scaled and masked
-          for (int i = 0; i < kGemmTile; ++i) {
-            for (int c = 0; c < KV; ++c) {
-              _mm512_storeu_ps(&sc.s[(r0 + i) * kKeyBlock + 16 * c], acc[i][c]);
-            }
-          }
-          for (int64_t r = r0; r < std::min<int64_t>(r0 + kGemmTile, r_end); ++r) {
-            for (int j0 = 0; j0 < nk16; j0 += 16) {
-              float* sp = &sc.s[r * kKeyBlock + j0];
-              _mm512_storeu_ps(sp, scaled_masked(r, j0, _mm512_loadu_ps(sp)));
-            }
-          }
-        }
-      }
       for (int64_t r = r_begin; r < r_end; ++r) {
         float* srow = &sc.s[r * kKeyBlock];
+        const int64_t limit = lim[(r - hh * head_rows) / G] - kb;  // last visible key here
         __m512 bmax = neg_inf;
-        if (gemm) {
-          for (int j0 = 0; j0 < nk16; j0 += 16) bmax = _mm512_max_ps(bmax, _mm512_loadu_ps(srow + j0));
-        } else {
-          __m512i qv[QV];
-          for (int c = 0; c < QV; ++c) qv[c] = _mm512_loadu_si512(&sc.qbuf[r * D + 32 * c]);
-          for (int j0 = 0; j0 < nk16; j0 += 16) {
-            __m512 acc[16];
-            for (int j = 0; j < 16; ++j) {
-              const bf16* kp = reinterpret_cast<const bf16*>(kbase + koff[j0 + j]);
-              __m512 a = _mm512_setzero_ps();
-              for (int c = 0; c < QV; ++c) {
-                a = _mm512_dpbf16_ps(a, as_bh(qv[c]), as_bh(_mm512_loadu_si512(kp + 32 * c)));
-              }
-              acc[j] = a;
+        __m512i qv[QV];
+        for (int c = 0; c < QV; ++c) qv[c] = _mm512_loadu_si512(&sc.qbuf[r * D + 32 * c]);
+        for (int j0 = 0; j0 < nk16; j0 += 16) {
+          __m512 acc[16];
+          for (int j = 0; j < 16; ++j) {
+            const bf16* kp = reinterpret_cast<const bf16*>(kbase + koff[j0 + j]);
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < QV; ++c) {
+              a = _mm512_dpbf16_ps(a, as_bh(qv[c]), as_bh(_mm512_loadu_si512(kp + 32 * c)));
             }
-            const __m512 sv = scaled_masked(r, j0, reduce16(acc));
-            _mm512_storeu_ps(srow + j0, sv);
-            bmax = _mm512_max_ps(bmax, sv);
+            acc[j] = a;
           }
+          // scaled; the keys past the row's last visible key -inf
+          const int64_t valid = std::min<int64_t>({16, nk - j0, limit - j0 + 1});
+          const __mmask16 keep = valid >= 16 ? __mmask16(0xffff)
+                                             : (valid <= 0 ? __mmask16(0)
+                                                           : __mmask16((1u << valid) - 1));
+          const __m512 sv = _mm512_mask_mov_ps(
+              neg_inf, keep, _mm512_mul_ps(reduce16(acc), _mm512_loadu_ps(&sc.ks[j0])));
+          _mm512_storeu_ps(srow + j0, sv);
+          bmax = _mm512_max_ps(bmax, sv);
         }
         const float m_old = sc.m[r];
         const float m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
@@ -630,22 +833,7 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
           }
         }
       }
-      // ---- V pairs interleaved: vpack[jp][c] = keys 2jp, 2jp+1 for 16 lanes of vector c --
-      // Padded keys (past nk) repeat a real key with P = 0 exactly; a missing second key of a
-      // pair is zero. (Quantized pools: packed from the codes above.)
-      for (int jp = 0; jp < (quant ? 0 : npairs); ++jp) {
-        const bool second_valid = 2 * jp + 1 < nk;
-        const bf16* va = reinterpret_cast<const bf16*>(vbase + koff[2 * jp]);
-        const bf16* vb = reinterpret_cast<const bf16*>(vbase + koff[2 * jp + 1]);
-        bf16* dst = &sc.vpack[jp * 2 * D];
-        for (int c = 0; c < QV; ++c) {
-          const __m512i a = _mm512_loadu_si512(va + 32 * c);
-          const __m512i b =
-              second_valid ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
-          _mm512_storeu_si512(dst + 64 * c, _mm512_unpacklo_epi16(a, b));
-          _mm512_storeu_si512(dst + 64 * c + 32, _mm512_unpackhi_epi16(a, b));
-        }
-      }
+      if (!quant) v_pack_bf16<D>(vbase, koff, nk, npairs, sc.vpack.data());
       // ---- O += P V -------------------------------------------------------------------------
       for (int64_t rt = r_begin; rt < r_end; rt += PV_ROWS) {
         const int nr = static_cast<int>(std::min<int64_t>(PV_ROWS, r_end - rt));
@@ -654,9 +842,13 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
     }
     std::swap(sc.koff, sc.knext);
   }
+  if (tiles) {
+    tiles_end<D>(p, it, sc, head_rows);
+    return;
+  }
   if (it.shared) {  // phase A: hand the rows' state to their own parts
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t qr = qrow(r);
+      const int64_t qr = sc.qr[r];
       p.gm[qr] = sc.m[r];
       p.gl[qr] = sc.l[r];
       std::memcpy(p.go + qr * D, &sc.o[r * D], D * sizeof(float));
@@ -667,7 +859,7 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
   // Vector c covers the 32-dim chunk c / 2; its lane L holds dim 8 * (L / 4) + L % 4, plus 4
   // for the odd (unpackhi) vector. Quantized pools pack V in head-dim order: dim 16 c + L.
   for (int64_t r = 0; r < rows; ++r) {
-    bf16* dst = p.out + qrow(r) * D;
+    bf16* dst = p.out + sc.qr[r] * D;
     const float inv = 1.f / sc.l[r];
     const float* orow = &sc.o[r * D];
     for (int c = 0; c < OV; ++c) {
