@@ -577,6 +577,22 @@ void tile_block(Scratch& sc, int64_t t, int64_t kb, int nk, const bf16* kblk, bo
   }
 }
 
+// dst = bf16(o * inv) in head-dim order, for one row's O in vpack lane order: vector c covers
+// the 32-dim chunk c / 2, its lane L holding dim 8 (L / 4) + L % 4, plus 4 for the odd (unpackhi)
+// vector; quantized pools pack V in head-dim order (dim 16 c + L).
+template <int D>
+inline void store_out_row(bf16* dst, const float* o, float inv, bool quant) {
+  const __m512 iv = _mm512_set1_ps(inv);
+  const __m512i dim_idx = _mm512_load_si512(kWordOrders.dims);
+  for (int c = 0; c < D / 16; c += 2) {
+    const __m512 ev = _mm512_mul_ps(iv, _mm512_loadu_ps(o + 16 * c));
+    const __m512 od = _mm512_mul_ps(iv, _mm512_loadu_ps(o + 16 * c + 16));
+    __m512i w = (__m512i)_mm512_cvtne2ps_pbh(od, ev);
+    if (!quant) w = _mm512_permutexvar_epi16(dim_idx, w);
+    _mm512_storeu_si512(dst + 16 * c, w);
+  }
+}
+
 // The item's tiles done: hand their state to the rows' own parts (phase A), or write O / l in
 // bf16, head-dim order.
 template <int D>
@@ -855,20 +871,9 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
     }
     return;
   }
-  // ---- out = O / l, lanes back in head-dim order ------------------------------------------
-  // Vector c covers the 32-dim chunk c / 2; its lane L holds dim 8 * (L / 4) + L % 4, plus 4
-  // for the odd (unpackhi) vector. Quantized pools pack V in head-dim order: dim 16 c + L.
+  // ---- out = O / l in bf16, head-dim order (store_out_row) ---------------------------------
   for (int64_t r = 0; r < rows; ++r) {
-    bf16* dst = p.out + sc.qr[r] * D;
-    const float inv = 1.f / sc.l[r];
-    const float* orow = &sc.o[r * D];
-    for (int c = 0; c < OV; ++c) {
-      for (int lane = 0; lane < 16; ++lane) {
-        const int dim =
-            quant ? 16 * c + lane : 32 * (c / 2) + 8 * (lane / 4) + 4 * (c % 2) + lane % 4;
-        dst[dim] = float_to_bf16(orow[16 * c + lane] * inv);
-      }
-    }
+    store_out_row<D>(p.out + sc.qr[r] * D, &sc.o[r * D], 1.f / sc.l[r], quant);
   }
 }
 
