@@ -265,6 +265,33 @@ inline void transpose16(__m512* v) {
 }
 
 
+// Cache lines to prefetch, issued a few at a time between the kernel's inner steps (drip), so
+// the loads overlap the compute. Issued in one burst, a block's hundreds of prefetches fill the
+// core's miss buffers and its load queue, and the core waits for them as for loads.
+struct LineQueue {
+  std::vector<uintptr_t> lines;
+  size_t pos = 0;
+  bool empty() const { return pos >= lines.size(); }
+  void clear() {
+    lines.clear();
+    pos = 0;
+  }
+  void add(const char* lo, int64_t n) {  // every line of bytes [lo, lo + n)
+    const uintptr_t end = reinterpret_cast<uintptr_t>(lo) + n;
+    for (uintptr_t a = reinterpret_cast<uintptr_t>(lo) & ~uintptr_t{63}; a < end; a += 64) {
+      lines.push_back(a);
+    }
+  }
+  // The next n lines (fewer if fewer are left) into L2 (T1). Measured on a Zen 4 host (two
+  // builds alternating in one process, caches flushed before each call, the batch-64
+  // shared-prefix decode of bench_kernels): T0 (into L1) took 0.95-0.98 ms, T1 0.87-0.90 ms.
+  void issue(size_t n) {
+    const size_t end = std::min(pos + n, lines.size());
+    for (; pos < end; ++pos) _mm_prefetch(reinterpret_cast<const char*>(lines[pos]), _MM_HINT_T1);
+  }
+  void issue_all() { issue(lines.size()); }
+};
+
 // Per-thread scratch (grow-only).
 struct Scratch {
   std::vector<bf16> qbuf;     // [rows][D]
@@ -289,7 +316,18 @@ struct Scratch {
   std::vector<float> st;      // [kKeyBlock][16]: one tile's scores of the block
   std::vector<int32_t> pt;    // [kKeyBlock / 2][16]: its P, bf16 pairs of keys
   std::vector<int64_t> qr;    // [rows]: the q row of each scratch row
+  // prefetches: the current item's next key block first, then the next item's first block
+  LineQueue next_block, next_item;
 };
+
+// Issues up to n queued prefetches, the current item's next block first.
+inline void drip(Scratch& sc, size_t n) {
+  if (!sc.next_block.empty()) {
+    sc.next_block.issue(n);
+  } else if (!sc.next_item.empty()) {
+    sc.next_item.issue(n);
+  }
+}
 
 // 16 codes of a quantized row as float32 values (exact, without the row's scale).
 template <bool FP8>
@@ -338,17 +376,6 @@ inline void v_codes_pack(const char* base, const int64_t* off, int nk, int nk16,
           second_valid ? _mm512_castps_si512(codes16<FP8>(vb + 16 * c)) : _mm512_setzero_si512();
       _mm512_storeu_si512(dst + 32 * c, _mm512_or_si512(b, _mm512_srli_epi32(a, 16)));
     }
-  }
-}
-
-// Prefetches every cache line of bytes [lo, lo + n) into L2 (T1). Measured on a Zen 4 host
-// (two builds alternating in one process, caches flushed before each call, the batch-64
-// shared-prefix decode of bench_kernels): T0 (into L1) took 0.95-0.98 ms, T1 0.87-0.90 ms; a
-// block's hundreds of prefetches into L1 hold its few miss buffers, which the loads need too.
-inline void prefetch_lines(const char* lo, int64_t n) {
-  const uintptr_t end = reinterpret_cast<uintptr_t>(lo) + n;
-  for (uintptr_t a = reinterpret_cast<uintptr_t>(lo) & ~uintptr_t{63}; a < end; a += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
   }
 }
 
@@ -634,25 +661,37 @@ void tiles_end(const Problem& p, const Item& it, Scratch& sc, int64_t head_rows)
   }
 }
 
-// Prefetches (into L2) the K and V rows of `it`'s heads for the `nk` tokens at byte offsets
-// `off`. The item's heads are `bytes` from byte `first` of a token row (a quantized row of D + 2
-// bytes starts off a cache line: prefetch_lines counts lines from the aligned-down start).
-inline void prefetch_item_rows(const Problem& p, const Item& it, const int64_t* off, int nk) {
+// Calls visit(address, bytes) for the K and V rows of `it`'s heads for the `nk` tokens at byte
+// offsets `off`. The item's heads are `bytes` from byte `first` of a token row (a quantized row
+// of D + 2 bytes starts off a cache line: prefetches count lines from the aligned-down start).
+template <class Visit>
+inline void item_rows(const Problem& p, const Item& it, const int64_t* off, int nk, Visit visit) {
   const int64_t first = it.h0 * p.row_bytes, bytes = it.nh * p.row_bytes;
   for (int j = 0; j < nk; ++j) {
-    prefetch_lines(p.k_cache + off[j] + first, bytes);
-    prefetch_lines(p.v_cache + off[j] + first, bytes);
+    visit(p.k_cache + off[j] + first, bytes);
+    visit(p.v_cache + off[j] + first, bytes);
   }
 }
 
-// Prefetches (into L2) the K/V rows of the first key block of `it` (the heads it reads).
+// Prefetches every cache line of bytes [lo, lo + n) into L2 (T1), now.
+inline void prefetch_lines(const char* lo, int64_t n) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(lo) + n;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(lo) & ~uintptr_t{63}; a < end; a += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
+  }
+}
+
+// Queues the K/V rows of the first key block of `it` (the heads it reads): the worker's next
+// item, dripped while the current one computes.
 inline void prefetch_first_block(const Problem& p, const Item& it, Scratch& sc) {
+  sc.next_item.issue_all();  // anything left of an earlier queue goes out first
+  sc.next_item.clear();
   const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, it.k1 - it.k0));
   if (nk <= 0) return;
   sc.knext.resize(kKeyBlock);
   fill_token_offsets(p, p.page_table + it.req * p.table_stride, it.k0, nk, nk,
                      p.hkv * p.row_bytes, sc.knext.data());
-  prefetch_item_rows(p, it, sc.knext.data(), nk);
+  item_rows(p, it, sc.knext.data(), nk, [&](const char* a, int64_t n) { sc.next_item.add(a, n); });
 }
 
 // V of one head for the keys at byte offsets `off` of a bf16 pool, in pairs of keys interleaved:
@@ -750,7 +789,18 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
       const int nk16_next = (nk_next + 15) & ~15;
       fill_token_offsets(p, table, kb + kKeyBlock, nk_next, nk16_next, token_stride,
                          sc.knext.data());
-      prefetch_item_rows(p, it, sc.knext.data(), nk_next);
+      // Row tiles compute long enough per block (and a prefill's K/V is mostly cached) for a
+      // burst of prefetches now; a few rows (decodes) drip them. (A/B on Zen 4, two builds in
+      // one process: dripped, 64 decodes over 96 own tokens with caches flushed took 0.251 ->
+      // 0.196 ms, but prefills ran 2-5% slower.)
+      if (tiles) {
+        item_rows(p, it, sc.knext.data(), nk_next, prefetch_lines);
+      } else {
+        sc.next_block.issue_all();  // what is left of this block's queue is needed now
+        sc.next_block.clear();
+        item_rows(p, it, sc.knext.data(), nk_next,
+                  [&](const char* a, int64_t n) { sc.next_block.add(a, n); });
+      }
     }
     if (quant) {  // offsets into the K code scratch
       for (int j = 0; j < nk16; ++j) sc.qoff[j] = std::min(j, nk - 1) * D * 2;
@@ -818,6 +868,7 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
               neg_inf, keep, _mm512_mul_ps(reduce16(acc), _mm512_loadu_ps(&sc.ks[j0])));
           _mm512_storeu_ps(srow + j0, sv);
           bmax = _mm512_max_ps(bmax, sv);
+          drip(sc, 24);
         }
         const float m_old = sc.m[r];
         const float m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
@@ -854,10 +905,12 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
       for (int64_t rt = r_begin; rt < r_end; rt += PV_ROWS) {
         const int nr = static_cast<int>(std::min<int64_t>(PV_ROWS, r_end - rt));
         pv_rows<D>(sc, rt, nr, npairs);
+        drip(sc, 32);
       }
     }
     std::swap(sc.koff, sc.knext);
   }
+  sc.next_item.issue_all();  // the worker's next item starts now
   if (tiles) {
     tiles_end<D>(p, it, sc, head_rows);
     return;
