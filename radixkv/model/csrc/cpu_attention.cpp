@@ -440,7 +440,8 @@ inline void pv_rows(Scratch& sc, int64_t rt, int nr, int npairs) {
 // with one operand broadcast from memory:
 //   S^T[key] += Q^T[pair dp] * (K[key] dims 2 dp, 2 dp + 1)     (K rows contiguous in kblk)
 //   O^T[pos] += P^T[key pair jp] * vpack[jp][pos]               (pos: a lane position of O)
-// Each score and each P V sum is accumulated in the same order as by the row-by-row path.
+// Each score sums its dimension pairs in order, as the former GEMM-form tile did; the row-by-row
+// path sums them across the lanes instead (float32 rounding differs, nothing else).
 constexpr int kTile = 16;
 
 inline int64_t tiles_per_head(int64_t head_rows) { return (head_rows + kTile - 1) / kTile; }
@@ -478,7 +479,9 @@ void tiles_begin(const Problem& p, const Item& it, Scratch& sc, int64_t head_row
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t hr0 = (t % tph) * kTile, r0 = (t / tph) * head_rows + hr0;
     const int64_t n = std::min<int64_t>(kTile, head_rows - hr0);
-    for (int64_t L = 0; L < kTile; ++L) sc.tlim[t * kTile + L] = L < n ? lim[(hr0 + L) / p.group] : -1;
+    for (int64_t L = 0; L < kTile; ++L) {
+      sc.tlim[t * kTile + L] = L < n ? lim[(hr0 + L) / p.group] : -1;
+    }
     __m512 v[16];
     for (int d0 = 0; d0 < D / 2; d0 += 16) {  // dword d0 + c of row r0 + L -> qt[t][d0 + c][L]
       for (int L = 0; L < 16; ++L) {
