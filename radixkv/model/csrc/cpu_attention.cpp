@@ -265,6 +265,13 @@ inline void transpose16(__m512* v) {
 }
 
 
+// Calls f(address) for the start of every 64-byte cache line of bytes [lo, lo + n).
+template <class F>
+inline void for_each_line(const char* lo, int64_t n, F f) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(lo) + n;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(lo) & ~uintptr_t{63}; a < end; a += 64) f(a);
+}
+
 // Cache lines to prefetch, issued a few at a time between the kernel's inner steps (drip), so
 // the loads overlap the compute. Issued in one burst, a block's hundreds of prefetches fill the
 // core's miss buffers and its load queue, and the core waits for them as for loads.
@@ -277,10 +284,7 @@ struct LineQueue {
     pos = 0;
   }
   void add(const char* lo, int64_t n) {  // every line of bytes [lo, lo + n)
-    const uintptr_t end = reinterpret_cast<uintptr_t>(lo) + n;
-    for (uintptr_t a = reinterpret_cast<uintptr_t>(lo) & ~uintptr_t{63}; a < end; a += 64) {
-      lines.push_back(a);
-    }
+    for_each_line(lo, n, [&](uintptr_t a) { lines.push_back(a); });
   }
   // The next n lines (fewer if fewer are left) into L2 (T1). Measured on a Zen 4 host (two
   // builds alternating in one process, caches flushed before each call, the batch-64
@@ -607,19 +611,22 @@ void tile_block(Scratch& sc, int64_t t, int64_t kb, int nk, const bf16* kblk, bo
   }
 }
 
-// dst = bf16(o * inv) in head-dim order, for one row's O in vpack lane order: vector c covers
-// the 32-dim chunk c / 2, its lane L holding dim 8 (L / 4) + L % 4, plus 4 for the odd (unpackhi)
-// vector; quantized pools pack V in head-dim order (dim 16 c + L).
+// dst[0 .. 32) = bf16 of O's vectors c (ev) and c + 1 (od), c even, in head-dim order. In vpack
+// lane order vector c covers the 32-dim chunk c / 2, its lane L holding dim 8 (L / 4) + L % 4,
+// plus 4 for the odd (unpackhi) vector; quantized pools pack V in head-dim order (dim 16 c + L).
+inline void store_dims32(bf16* dst, __m512 ev, __m512 od, bool quant) {
+  __m512i w = (__m512i)_mm512_cvtne2ps_pbh(od, ev);
+  if (!quant) w = _mm512_permutexvar_epi16(_mm512_load_si512(kWordOrders.dims), w);
+  _mm512_storeu_si512(dst, w);
+}
+
+// dst = bf16(o * inv) in head-dim order, for one row's O in vpack lane order.
 template <int D>
 inline void store_out_row(bf16* dst, const float* o, float inv, bool quant) {
   const __m512 iv = _mm512_set1_ps(inv);
-  const __m512i dim_idx = _mm512_load_si512(kWordOrders.dims);
   for (int c = 0; c < D / 16; c += 2) {
-    const __m512 ev = _mm512_mul_ps(iv, _mm512_loadu_ps(o + 16 * c));
-    const __m512 od = _mm512_mul_ps(iv, _mm512_loadu_ps(o + 16 * c + 16));
-    __m512i w = (__m512i)_mm512_cvtne2ps_pbh(od, ev);
-    if (!quant) w = _mm512_permutexvar_epi16(dim_idx, w);
-    _mm512_storeu_si512(dst + 16 * c, w);
+    store_dims32(dst + 16 * c, _mm512_mul_ps(iv, _mm512_loadu_ps(o + 16 * c)),
+                 _mm512_mul_ps(iv, _mm512_loadu_ps(o + 16 * c + 16)), quant);
   }
 }
 
@@ -629,7 +636,6 @@ template <int D>
 void tiles_end(const Problem& p, const Item& it, Scratch& sc, int64_t head_rows) {
   const int64_t tph = tiles_per_head(head_rows), nt = it.nh * tph;
   const bool quant = p.quant != Quant::None;
-  const __m512i dim_idx = _mm512_load_si512(kWordOrders.dims);
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t hr0 = (t % tph) * kTile, r0 = (t / tph) * head_rows + hr0;
     const int64_t n = std::min<int64_t>(kTile, head_rows - hr0);
@@ -656,9 +662,7 @@ void tiles_end(const Problem& p, const Item& it, Scratch& sc, int64_t head_rows)
       transpose16(ev);
       transpose16(od);
       for (int64_t L = 0; L < n; ++L) {
-        __m512i w = (__m512i)_mm512_cvtne2ps_pbh(od[L], ev[L]);
-        if (!quant) w = _mm512_permutexvar_epi16(dim_idx, w);  // quantized: already in dim order
-        _mm512_storeu_si512(p.out + sc.qr[r0 + L] * D + 16 * c, w);
+        store_dims32(p.out + sc.qr[r0 + L] * D + 16 * c, ev[L], od[L], quant);
       }
     }
   }
@@ -678,17 +682,15 @@ inline void item_rows(const Problem& p, const Item& it, const int64_t* off, int 
 
 // Prefetches every cache line of bytes [lo, lo + n) into L2 (T1), now.
 inline void prefetch_lines(const char* lo, int64_t n) {
-  const uintptr_t end = reinterpret_cast<uintptr_t>(lo) + n;
-  for (uintptr_t a = reinterpret_cast<uintptr_t>(lo) & ~uintptr_t{63}; a < end; a += 64) {
+  for_each_line(lo, n, [](uintptr_t a) {
     _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
-  }
+  });
 }
 
 // Queues the K/V rows of the first key block of `it` (the heads it reads): the worker's next
 // item, dripped while the current one computes.
 inline void prefetch_first_block(const Problem& p, const Item& it, Scratch& sc) {
-  sc.next_item.issue_all();  // anything left of an earlier queue goes out first
-  sc.next_item.clear();
+  sc.next_item.clear();  // empty: every item issues what is left of it when it ends
   const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, it.k1 - it.k0));
   if (nk <= 0) return;
   sc.knext.resize(kKeyBlock);
