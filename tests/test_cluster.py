@@ -449,6 +449,8 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         # under load: 4 streams and 4 whole answers in flight on both replicas, then one dies
         outcomes: dict[str, tuple[str, float]] = {}
 
+        streaming: dict[str, threading.Event] = {f"stream{i}": threading.Event() for i in range(4)}
+
         def one(name: str, stream: bool) -> None:
             body = {"model": model, "prompt": f"Tell me a story ({name}).", "max_tokens": 3000}
             body |= {"ignore_eos": True, "temperature": 0.0, "stream": stream}
@@ -458,6 +460,7 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
                     outcomes[name] = (f"status {r.status_code}", time.monotonic())
                     return
                 with httpx.stream("POST", base + "/v1/completions", json=body, timeout=90) as r:
+                    streaming[name].set()  # the replica answered: it holds this stream
                     rest = list(r.iter_lines())
                 if "data: [DONE]" not in rest:
                     outcome = "cut"
@@ -469,13 +472,18 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
             except httpx.HTTPError as exc:
                 outcomes[name] = (type(exc).__name__, time.monotonic())
 
+        names = [f"{kind}{i}" for kind in ("stream", "whole") for i in range(4)]
         threads = [
-            threading.Thread(target=one, args=(f"{kind}{i}", kind == "stream"), daemon=True)
-            for i in range(4)
-            for kind in ("stream", "whole")
+            threading.Thread(target=one, args=(n, n.startswith("stream")), daemon=True)
+            for n in names
         ]
-        for t in threads:
+        # Streams one at a time, each started once the one before is answering: round robin then
+        # puts two streams on each replica, so whichever replica dies holds streams (started all
+        # at once, arrival order decided the routing and the victim could hold none of them).
+        for n, t in zip(names, threads, strict=True):
             t.start()
+            if n in streaming:
+                assert streaming[n].wait(30), f"{n} got no answer: {outcomes}"
         deadline = time.monotonic() + 60
         running = [0, 0]
         while time.monotonic() < deadline:
