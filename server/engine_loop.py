@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from radixkv.model.omp_threads import release_omp_workers
+
 from .metrics import ServerMetrics
 from .redaction import internal_error
 from .request_stream import (
@@ -114,6 +116,9 @@ class EngineLoop:
             return
         self._loop = loop or asyncio.get_running_loop()
         self._stopping = False
+        # the engine thread takes over torch's parallel work: the OpenMP workers of the thread
+        # that loaded the model would make libgomp throttle the engine's workers' spin-waits
+        release_omp_workers()
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
         self._thread.start()
 
