@@ -7,6 +7,7 @@ import torch
 from oracle import FP32, Oracle, check_greedy_tokens
 
 from radixkv import Engine, SamplingParams
+from radixkv.engine.kv_manager import MIN_PARTIAL_TOKENS
 
 SYSTEM = (
     "You are a meticulous assistant for a travel agency. Answer in one short sentence, "
@@ -151,15 +152,76 @@ def test_cached_tokens_exact_and_second_turn_hits(real_model):
             n += 1
         return n
 
+    in_tree = warm[: len(warm) // P * P]  # the tree holds whole pages
     outs = engine.generate(prompts[1:], params)
     for prompt, out in zip(prompts[1:], outs):
-        expected = min(lcp(prompt, warm), len(prompt) - 1) // P * P
+        shared = min(lcp(prompt, in_tree), len(prompt) - 1)
+        expected = shared // P * P
+        if shared - expected >= MIN_PARTIAL_TOKENS:  # copied from the tree's next page
+            expected = shared
         assert out.cached_tokens == expected
         assert expected >= len(prompts[0]) // 2  # the system prompt is most of it
     # the next turn of a conversation hits its whole history (prompt and generated tokens)
     follow = prompts[1] + outs[0].token_ids + [engine.tokenizer.eos_token_id]
     (turn2,) = engine.generate([follow], params)
     assert turn2.cached_tokens == (len(prompts[1]) + len(outs[0].token_ids) - 1) // P * P
+    assert_clean(engine)
+
+
+@pytest.mark.real_model
+def test_partial_page_reuse_agrees_with_the_oracle_and_cache_off(real_model, real_oracle):
+    """A prompt whose shared prefix ends 9 tokens into a page the tree holds whole gets those 9
+    rows by page copy (cached_tokens counts them), and its greedy tokens and logprobs are the
+    ones computed from scratch: the float64 oracle's, and a cache-off engine's within float32
+    noise."""
+    P = 16
+    engine = Engine(real_model, page_size=P, dtype="float32")
+    prompts = chat_prompts(engine, QUESTIONS)
+    base = prompts[0]
+    shared = (len(base) // P - 1) * P + 9  # inside base's last whole page
+    tail = prompts[1][-12:]
+    assert tail[0] != base[shared]
+    other = base[:shared] + tail
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    (first,) = engine.generate([base], params)
+    (out,) = engine.generate([other], params)
+    assert out.cached_tokens == shared, (out.cached_tokens, shared)
+    assert out.cached_tokens_by_tier == {"device": shared}
+    assert assert_matches_oracle(real_oracle, other, out.token_ids, "partial page") >= 4
+    (again,) = engine.generate([base], params)  # the donor page is unchanged
+    assert again.token_ids == first.token_ids
+    off = Engine(real_model, page_size=P, dtype="float32", enable_prefix_cache=False)
+    (ref,) = off.generate([other], params)
+    assert out.token_ids == ref.token_ids
+    pairs = zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, out.token_ids, strict=True)
+    for got, want, tok in pairs:
+        assert abs(got[tok].logprob - want[tok].logprob) < 1e-3
+    assert_clean(engine)
+
+
+def test_partial_page_reuse_needs_enough_tokens_and_keeps_the_donor(tiny_model):
+    """Below MIN_PARTIAL_TOKENS the match stays page aligned; at or above it the page's rows
+    are copied; the donor's own request repeats its tokens; integrity holds throughout."""
+    P = 8
+    engine = make_engine(tiny_model, page_size=P)
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(5, 200, (40,), generator=g).tolist()
+    tail = [201, 202, 203, 204, 205]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (first,) = engine.generate([base], params)
+    few = 2 * P + MIN_PARTIAL_TOKENS - 1
+    (short,) = engine.generate([base[:few] + tail], params)
+    assert short.cached_tokens == 2 * P
+    engine.check_integrity()
+    enough = 3 * P + MIN_PARTIAL_TOKENS + 1
+    (long,) = engine.generate([base[:enough] + tail], params)
+    assert long.cached_tokens == enough
+    engine.check_integrity()
+    off = make_engine(tiny_model, page_size=P, enable_prefix_cache=False)
+    (ref,) = off.generate([base[:enough] + tail], params)
+    assert long.token_ids == ref.token_ids
+    (repeat,) = engine.generate([base], params)
+    assert repeat.token_ids == first.token_ids
     assert_clean(engine)
 
 

@@ -76,6 +76,10 @@ from radixkv.cache.tree_node import (
 
 __all__ = ["EVICTION_POLICIES", "MatchResult", "RadixTree", "TreeEvents", "TreeNode"]
 
+#: :meth:`RadixTree.partial_page` looks at the children of a node with at most this many (a
+#: node under a shared system prompt has one per conversation; the root of a busy tree, many).
+PARTIAL_PAGE_SCAN = 256
+
 
 class RadixTree(EvictionIndex, HostResidency, Pins):
     """Page-granular radix tree prefix cache; see the module docstring for the invariants.
@@ -315,6 +319,33 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
                 return pos + m - m % P, child  # m >= P: the child is keyed by its first page
             pos, node = end, child
         return pos, (self.root if node is start else node)
+
+    def partial_page(
+        self, node: TreeNode, tokens: Sequence[int], pos: int, limit: int, salt: Hashable = None
+    ) -> tuple[int, int]:
+        """A device page that starts like ``tokens[pos : pos + limit]`` (``limit < page_size``),
+        below a match that ended at ``node`` (``pos`` tokens): ``(page, r)``, the first page of
+        the child of ``node`` whose key shares the longest run ``r`` with those tokens, or
+        ``(-1, 0)``. Its first ``r`` rows hold exactly the KV of ``tokens[pos : pos + r]`` after
+        the prefix matched so far, so a request may copy them instead of computing them
+        (:meth:`KVManager.admit`). Scans at most ``PARTIAL_PAGE_SCAN`` children; changes
+        nothing."""
+        if node is self.root:
+            node = self._namespace(salt, create=False) or self.root
+            if node is self.root and salt is not None:
+                return -1, 0
+        if len(node.children) > PARTIAL_PAGE_SCAN or limit < 1:
+            return -1, 0
+        if type(tokens) is not list:
+            tokens = list(tokens)
+        best, best_r = -1, 0
+        for child in node.children.values():
+            if child.value is None or child.is_namespace:
+                continue
+            r = common_prefix_len(child.key, tokens, pos, min(limit, len(tokens) - pos))
+            if r > best_r:
+                best, best_r = child.value[0], r
+        return best, best_r
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: Hashable = None) -> int:
         """Cache ``tokens`` (truncated to a page multiple) held in ``pages`` under ``salt``.

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from radixkv.engine.request import Sequence
 
 
+#: Fewest tokens of a partly matching cached page worth a page copy (every layer's K and V)
+#: instead of computing them (:meth:`KVManager._reuse_partial_page`).
+MIN_PARTIAL_TOKENS = 4
+
+
 class Admission(NamedTuple):
     """What :meth:`KVManager.admit` did: cached tokens attached, cached pages left unloaded."""
 
@@ -99,7 +104,35 @@ class KVManager:
         seq.pages = list(pages)
         seq.num_computed = num
         seq.num_tree_tokens = num
-        return Admission(num, unloaded)
+        reused = self._reuse_partial_page(seq, node)
+        if reused and seq.cached_tokens is None and seq.cached_by_tier:
+            by_tier = dict(seq.cached_by_tier)
+            by_tier["device"] = by_tier.get("device", 0) + reused
+            seq.cached_by_tier = by_tier
+        return Admission(num + reused, unloaded)
+
+    def _reuse_partial_page(self, seq: Sequence, node: object) -> int:
+        """Copy-on-write reuse past the page-aligned match: when a cached page below ``node``
+        starts with the next ``r >= MIN_PARTIAL_TOKENS`` tokens of ``seq`` (a conversation's
+        turns and a prompt's own part rarely begin on a page boundary: prompts on one system
+        prompt share it to the token, the tree to the page), ``seq`` gets a fresh page holding a
+        copy of it and ``r`` more tokens computed; rows past ``r`` are overwritten by the tokens
+        it computes there. Only with a free page at hand (no eviction here), and at least one
+        token is always left to compute. Returns ``r`` (0 when nothing was reused)."""
+        if node is None or not self.enable_prefix_cache or seq.skip_cache_read:
+            return 0
+        num = seq.num_computed
+        limit = min(self.page_size - 1, seq.num_tokens - 1 - num)
+        if limit < MIN_PARTIAL_TOKENS or self.allocator.num_free < 1:
+            return 0
+        donor, r = self.tree.partial_page(node, seq.tokens, num, limit, salt=seq.salt)
+        if r < MIN_PARTIAL_TOKENS:
+            return 0
+        (page,) = self.allocator.allocate(1)
+        self.copy_pages([donor], [page])
+        seq.pages.append(page)
+        seq.num_computed = num + r
+        return r
 
     # -- growth ------------------------------------------------------------------------------
     def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
