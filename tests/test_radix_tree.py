@@ -98,6 +98,26 @@ def test_page_alignment() -> None:
     check_all(tree, alloc)
 
 
+def test_partial_page_finds_the_child_page_that_starts_like_the_rest() -> None:
+    alloc, tree = make(page_size=4)
+    put(tree, alloc, [1, 2, 3, 4, 5, 6, 7, 8])
+    put(tree, alloc, [1, 2, 3, 4, 5, 9, 9, 9])
+    put(tree, alloc, [1, 2, 3, 4, 5, 6, 7, 0], salt="other")
+    before = cached_prefixes(tree)
+    m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 1])
+    assert m.num_tokens == 4
+    page, r = tree.partial_page(m.node, [1, 2, 3, 4, 5, 6, 7, 1], 4, 3)
+    assert r == 3 and page == before[(None, (1, 2, 3, 4, 5, 6, 7, 8))]
+    assert tree.partial_page(m.node, [1, 2, 3, 4, 5, 6, 7, 1], 4, 2)[1] == 2  # at most limit
+    assert tree.partial_page(m.node, [1, 2, 3, 4, 2, 6], 4, 3) == (-1, 0)  # no child starts so
+    # from the root: the first pages of the salted namespace only
+    page, r = tree.partial_page(tree.root, [1, 2, 3, 0], 0, 3, salt="other")
+    assert r == 3 and page == before[("other", (1, 2, 3, 4))]
+    assert tree.partial_page(tree.root, [1, 2, 3, 0], 0, 3, salt="absent") == (-1, 0)
+    assert cached_prefixes(tree) == before  # changes nothing
+    check_all(tree, alloc)
+
+
 def test_match_does_not_change_cached_set() -> None:
     alloc, tree = make(page_size=2)
     put(tree, alloc, [1, 2, 3, 4, 5, 6, 7, 8])

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from radixkv.cache.radix_tree import MIN_PARTIAL_TOKENS
 from radixkv.cli import main
 from radixkv.sim.simulator import RESULT_KEYS, hash_tokenize, prepare_trace, simulate
 from radixkv.sim.workloads import generated_shared_prefix, multi_turn, write_jsonl
@@ -23,17 +24,24 @@ def _lcp(a: list[int], b: list[int]) -> int:
 
 def reference_hits(trace: list[dict], page_size: int) -> int:
     """Sum over requests of the longest page-aligned prefix shared with anything cached before
-    (earlier prompts plus their output_ids), by brute force."""
+    (earlier prompts plus their output_ids, whole pages), plus the tokens after it that a cached
+    page starts with when there are MIN_PARTIAL_TOKENS or more (at most page_size - 1, and one
+    prompt token left), by brute force."""
     P = page_size
     seen: list[tuple[object, list[int]]] = []
     total = 0
     for r in trace:
         prompt = r["input_ids"]
-        best = 0
+        best = longest = 0
         for salt, seq in seen:
             if salt == r.get("salt"):
-                k = _lcp(prompt[: len(prompt) // P * P], seq[: len(seq) // P * P])
-                best = max(best, k // P * P)
+                cached = seq[: len(seq) // P * P]
+                best = max(best, _lcp(prompt[: len(prompt) // P * P], cached) // P * P)
+                longest = max(longest, _lcp(prompt, cached))
+        limit = min(P - 1, len(prompt) - 1 - best)
+        partial = min(longest, best + limit) - best
+        if limit >= MIN_PARTIAL_TOKENS and partial >= MIN_PARTIAL_TOKENS:
+            best += partial
         total += best
         seen.append((r.get("salt"), prompt + r.get("output_ids", [])))
     return total

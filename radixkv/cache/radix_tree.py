@@ -74,8 +74,18 @@ from radixkv.cache.tree_node import (
     count_nodes,
 )
 
-__all__ = ["EVICTION_POLICIES", "MatchResult", "RadixTree", "TreeEvents", "TreeNode"]
+__all__ = [
+    "EVICTION_POLICIES",
+    "MIN_PARTIAL_TOKENS",
+    "MatchResult",
+    "RadixTree",
+    "TreeEvents",
+    "TreeNode",
+]
 
+#: Fewest tokens of a partly matching cached page worth reusing by copying the page (every
+#: layer's K and V) instead of computing them (:meth:`RadixTree.partial_page`).
+MIN_PARTIAL_TOKENS = 4
 #: :meth:`RadixTree.partial_page` looks at the children of a node with at most this many (a
 #: node under a shared system prompt has one per conversation; the root of a busy tree, many).
 PARTIAL_PAGE_SCAN = 256
@@ -338,9 +348,12 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
             return -1, 0
         if type(tokens) is not list:
             tokens = list(tokens)
+        if pos >= len(tokens):
+            return -1, 0
+        first = tokens[pos]
         best, best_r = -1, 0
-        for child in node.children.values():
-            if child.value is None or child.is_namespace:
+        for ck, child in node.children.items():  # keys: a child's first page, as a tuple
+            if type(ck) is not tuple or ck[0] != first or child.value is None:
                 continue
             r = common_prefix_len(child.key, tokens, pos, min(limit, len(tokens) - pos))
             if r > best_r:

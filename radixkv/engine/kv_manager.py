@@ -11,15 +11,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixkv.cache.allocator import BlockAllocator, OutOfPagesError
-from radixkv.cache.radix_tree import RadixTree
+from radixkv.cache.radix_tree import MIN_PARTIAL_TOKENS, RadixTree
+
+__all__ = ["MIN_PARTIAL_TOKENS", "Admission", "KVManager"]
 
 if TYPE_CHECKING:
     from radixkv.engine.request import Sequence
-
-
-#: Fewest tokens of a partly matching cached page worth a page copy (every layer's K and V)
-#: instead of computing them (:meth:`KVManager._reuse_partial_page`).
-MIN_PARTIAL_TOKENS = 4
 
 
 class Admission(NamedTuple):
