@@ -199,13 +199,15 @@ def test_partial_page_reuse_agrees_with_the_oracle_and_cache_off(real_model, rea
     assert_clean(engine)
 
 
-def test_partial_page_reuse_needs_enough_tokens_and_keeps_the_donor(tiny_model):
+@pytest.mark.parametrize("kv_layout, P", [("paged", 8), ("virtual", 32)])
+def test_partial_page_reuse_needs_enough_tokens_and_keeps_the_donor(tiny_model, kv_layout, P):
     """Below MIN_PARTIAL_TOKENS the match stays page aligned; at or above it the page's rows
-    are copied; the donor's own request repeats its tokens; integrity holds throughout."""
-    P = 8
-    engine = make_engine(tiny_model, page_size=P)
+    are copied; the donor's own request repeats its tokens; integrity holds throughout (the
+    virtual layout, whose pages must span whole OS pages, maps the copied page like any other)."""
+    engine = make_engine(tiny_model, page_size=P, kv_layout=kv_layout)
+    assert engine.runner.kv_layout == kv_layout
     g = torch.Generator().manual_seed(3)
-    base = torch.randint(5, 200, (40,), generator=g).tolist()
+    base = torch.randint(5, 200, (5 * P,), generator=g).tolist()
     tail = [201, 202, 203, 204, 205]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     (first,) = engine.generate([base], params)
