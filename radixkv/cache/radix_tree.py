@@ -60,6 +60,7 @@ from sortedcontainers import SortedList
 
 from radixkv.cache.allocator import BlockAllocator
 from radixkv.cache.eviction import EVICTION_POLICIES, EvictionIndex
+from radixkv.cache.partial_page import MIN_PARTIAL_TOKENS, PartialPages
 from radixkv.cache.pins import Pins
 from radixkv.cache.residency import HostResidency
 from radixkv.cache.tree_integrity import check_tree_integrity, recount_subtrees
@@ -83,15 +84,8 @@ __all__ = [
     "TreeNode",
 ]
 
-#: Fewest tokens of a partly matching cached page worth reusing by copying the page (every
-#: layer's K and V) instead of computing them (:meth:`RadixTree.partial_page`).
-MIN_PARTIAL_TOKENS = 4
-#: :meth:`RadixTree.partial_page` looks at the children of a node with at most this many (a
-#: node under a shared system prompt has one per conversation; the root of a busy tree, many).
-PARTIAL_PAGE_SCAN = 256
 
-
-class RadixTree(EvictionIndex, HostResidency, Pins):
+class RadixTree(EvictionIndex, HostResidency, Pins, PartialPages):
     """Page-granular radix tree prefix cache; see the module docstring for the invariants.
 
     Args:
@@ -329,36 +323,6 @@ class RadixTree(EvictionIndex, HostResidency, Pins):
                 return pos + m - m % P, child  # m >= P: the child is keyed by its first page
             pos, node = end, child
         return pos, (self.root if node is start else node)
-
-    def partial_page(
-        self, node: TreeNode, tokens: Sequence[int], pos: int, limit: int, salt: Hashable = None
-    ) -> tuple[int, int]:
-        """A device page that starts like ``tokens[pos : pos + limit]`` (``limit < page_size``),
-        below a match that ended at ``node`` (``pos`` tokens): ``(page, r)``, the first page of
-        the child of ``node`` whose key shares the longest run ``r`` with those tokens, or
-        ``(-1, 0)``. Its first ``r`` rows hold exactly the KV of ``tokens[pos : pos + r]`` after
-        the prefix matched so far, so a request may copy them instead of computing them
-        (:meth:`KVManager.admit`). Scans at most ``PARTIAL_PAGE_SCAN`` children; changes
-        nothing."""
-        if node is self.root:
-            node = self._namespace(salt, create=False) or self.root
-            if node is self.root and salt is not None:
-                return -1, 0
-        if len(node.children) > PARTIAL_PAGE_SCAN or limit < 1:
-            return -1, 0
-        if type(tokens) is not list:
-            tokens = list(tokens)
-        if pos >= len(tokens):
-            return -1, 0
-        first = tokens[pos]
-        best, best_r = -1, 0
-        for ck, child in node.children.items():  # keys: a child's first page, as a tuple
-            if type(ck) is not tuple or ck[0] != first or child.value is None:
-                continue
-            r = common_prefix_len(child.key, tokens, pos, min(limit, len(tokens) - pos))
-            if r > best_r:
-                best, best_r = child.value[0], r
-        return best, best_r
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: Hashable = None) -> int:
         """Cache ``tokens`` (truncated to a page multiple) held in ``pages`` under ``salt``.
