@@ -28,6 +28,7 @@ class PartialPages:
     """Mixin: :meth:`partial_page` over a ``RadixTree``'s nodes (reads only)."""
 
     root: TreeNode
+    page_size: int
     _namespace: Callable[[Hashable, bool], TreeNode | None]
 
     def partial_page(
@@ -59,3 +60,15 @@ class PartialPages:
             if r > best_r:
                 best, best_r = child.value[0], r
         return best, best_r
+
+    def reusable_rows(
+        self, node: TreeNode, tokens: Sequence[int], pos: int, salt: Hashable = None
+    ) -> tuple[int, int]:
+        """:meth:`partial_page` under the rule the engine and the simulator share: at most
+        ``page_size - 1`` rows, one token of ``tokens`` always left to compute, and only runs
+        of ``MIN_PARTIAL_TOKENS`` or more; ``(-1, 0)`` otherwise."""
+        limit = min(self.page_size - 1, len(tokens) - 1 - pos)
+        if limit < MIN_PARTIAL_TOKENS:
+            return -1, 0
+        page, r = self.partial_page(node, tokens, pos, limit, salt)
+        return (page, r) if r >= MIN_PARTIAL_TOKENS else (-1, 0)

@@ -116,14 +116,11 @@ class KVManager:
         copy of it and ``r`` more tokens computed; rows past ``r`` are overwritten by the tokens
         it computes there. Only with a free page at hand (no eviction here), and at least one
         token is always left to compute. Returns ``r`` (0 when nothing was reused)."""
-        if node is None or not self.enable_prefix_cache or seq.skip_cache_read:
+        if node is None or self.allocator.num_free < 1:  # None: no cache read for seq
             return 0
         num = seq.num_computed
-        limit = min(self.page_size - 1, seq.num_tokens - 1 - num)
-        if limit < MIN_PARTIAL_TOKENS or self.allocator.num_free < 1:
-            return 0
-        donor, r = self.tree.partial_page(node, seq.tokens, num, limit, salt=seq.salt)
-        if r < MIN_PARTIAL_TOKENS:
+        donor, r = self.tree.reusable_rows(node, seq.tokens, num, salt=seq.salt)
+        if r == 0:
             return 0
         (page,) = self.allocator.allocate(1)
         self.copy_pages([donor], [page])

@@ -4,7 +4,7 @@ Per request (in trace order) the replay does what the engine does with the cache
 
 1. ``match_prefix(prompt, salt)``: the matched tokens (page aligned) are the request's hits,
    plus the first 4-15 tokens of a cached page below the match that starts like the rest of the
-   prompt (the engine copies that page's rows: ``RadixTree.partial_page``);
+   prompt (the engine copies that page's rows: ``RadixTree.reusable_rows``);
 2. ``lock`` the matched node;
 3. pages for the uncached rest of ``prompt + output`` are allocated, evicting (policy order)
    when the pool is short; if even eviction cannot free enough (everything else is locked or the
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixkv.cache.allocator import BlockAllocator
-from radixkv.cache.radix_tree import EVICTION_POLICIES, MIN_PARTIAL_TOKENS, RadixTree
+from radixkv.cache.radix_tree import EVICTION_POLICIES, RadixTree
 
 __all__ = [
     "RESULT_KEYS",
@@ -159,7 +159,7 @@ def replay(
     by_tier = {"device": 0, "host": 0, "disk": 0}
     if remote_capacity_tokens >= P:
         by_tier["remote"] = 0
-    match, partial_page = tree.match_prefix, tree.partial_page
+    match, reusable_rows = tree.match_prefix, tree.reusable_rows
     lock, unlock, insert, evict = tree.lock, tree.unlock, tree.insert, tree.evict
     allocate, free = alloc.allocate, alloc.free
     hits = 0
@@ -185,12 +185,9 @@ def replay(
             hits += m.num_tokens
         mp = len(mpages)
         # the engine copies a partly matching next page's rows (KVManager._reuse_partial_page)
-        limit = min(P - 1, len(req.prompt) - 1 - mp * P)
-        if limit >= MIN_PARTIAL_TOKENS:
-            _, r = partial_page(node, req.prompt, mp * P, limit, req.salt)
-            if r >= MIN_PARTIAL_TOKENS:
-                by_tier["device"] += r
-                hits += r
+        r = reusable_rows(node, req.prompt, mp * P, req.salt)[1]
+        by_tier["device"] += r
+        hits += r
         need = (len(seq) + P - 1) // P - mp
         nfree = alloc.num_free
         if need > nfree:
