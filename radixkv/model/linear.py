@@ -24,6 +24,13 @@ bfloat16 is packed too on hosts with native bf16. On a Zen 4 host (AVX512-BF16) 
 (``python -m bench.bench_linears --rows 1,64,1024 --dtype bfloat16 --all``) oneDNN's packed GEMM
 beat ``F.linear`` on every shape of the model (gate_up 373 vs 128 GFLOP/s, o_proj 190 vs 114,
 qkv 303 vs 247, down 404 vs 353, lm_head 386 vs 277).
+
+On AVX512-BF16 hosts bf16 weights are packed for radixkv's own GEMM instead
+(``csrc/cpu_linear.cpp``, ``vdpbf16ps`` register tiles over weights packed in its operand layout,
+the next column chunk prefetched while one computes): on the model's linears with the weights
+streamed it ran 406 GFLOP/s where oneDNN ran 341 at 64 rows (a batch-64 decode), 375 vs 275 at
+32, 433 vs 391 at 128 and level at 1,024-2,048 (``python -m bench.bench_linears``).
+``RADIXKV_BF16_GEMM=onednn`` keeps oneDNN for bf16 too.
 """
 
 from __future__ import annotations
@@ -35,9 +42,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixkv.model import native
 from radixkv.model.host_cpu import has_native_bf16
 
-__all__ = ["PackedLinear", "packed_linear_supported", "prepack_linears", "MIN_PACKED_ROWS"]
+__all__ = [
+    "PackedLinear",
+    "bf16_gemm_module",
+    "packed_linear_supported",
+    "prepack_linears",
+    "MIN_PACKED_ROWS",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +77,30 @@ def packed_linear_supported(dtype: torch.dtype, device: torch.device | str) -> b
     )
 
 
-class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` also held prepacked by oneDNN (rows >= ``min_rows``).
+def bf16_gemm_module(weight: torch.Tensor) -> object | None:
+    """The native build whose ``bf16_gemm`` serves ``weight``, or ``None``: a CPU bfloat16
+    weight with ``out_features % 16 == 0`` and ``in_features`` even, an AVX512-BF16 build of
+    the native kernels, and ``RADIXKV_BF16_GEMM`` not ``onednn``."""
+    if os.environ.get("RADIXKV_BF16_GEMM", "native").strip().lower() == "onednn":
+        return None
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if weight.shape[0] % 16 or weight.shape[1] % 2:
+        return None
+    module = native.load()
+    if module is None or not module.has_bf16_gemm():
+        return None
+    return module
 
-    Invariant: ``packed`` is the oneDNN layout of ``weight`` at construction; the weights are
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` also held packed for a faster GEMM (rows >= ``min_rows``).
+
+    The packed copy is radixkv's own layout for its AVX512-BF16 GEMM where
+    :func:`bf16_gemm_module` allows it (``kernel == "native"``, every row count), else oneDNN's
+    (``kernel == "onednn"``; below ``min_rows`` rows ``F.linear`` on the plain weight).
+
+    Invariant: ``packed`` is the chosen layout of ``weight`` at construction; the weights are
     inference-only (``requires_grad=False``) and must not be modified in place afterwards.
     """
 
@@ -77,19 +111,30 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.min_rows = min_rows
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self._native = bf16_gemm_module(self.weight)
+        if self._native is not None:
+            self.kernel = "native"
+            self.packed = self._native.pack_bf16_weight(self.weight.detach())
+        else:
+            self.kernel = "onednn"
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native is not None and x.dtype == torch.bfloat16:
+            y = self._native.bf16_gemm(x.reshape(-1, self.in_features), self.packed)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         rows = x.numel() // max(1, x.shape[-1])
-        if rows < self.min_rows:
+        if rows < self.min_rows or self._native is not None:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def extra_repr(self) -> str:
+        rows = "all rows" if self.kernel == "native" else f"rows >= {self.min_rows}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, packed=onednn (rows >= {self.min_rows})"
+            f"bias={self.bias is not None}, packed={self.kernel} ({rows})"
         )
 
 

@@ -53,6 +53,7 @@ _SOURCES = [
     _CSRC / "cpu_attention_f32.cpp",
     _CSRC / "cpu_fused.cpp",
     _CSRC / "cpu_kv_store.cpp",
+    _CSRC / "cpu_linear.cpp",
     _CSRC / "cpu_sample.cpp",
 ]
 _HEADERS = [
@@ -60,6 +61,7 @@ _HEADERS = [
     _CSRC / "cpu_fused.h",
     _CSRC / "cpu_kv_quant.h",
     _CSRC / "cpu_kv_store.h",
+    _CSRC / "cpu_linear.h",
     _CSRC / "cpu_sample.h",
     _CSRC / "cpu_vec.h",
     _CSRC / "cpu_work.h",

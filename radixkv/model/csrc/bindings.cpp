@@ -4,6 +4,7 @@
 #include "cpu_attention.h"
 #include "cpu_fused.h"
 #include "cpu_kv_store.h"
+#include "cpu_linear.h"
 #include "cpu_sample.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -29,5 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Quantize k, v rows as kv_quant.quantize does and write them with their scales to slots");
   m.def("store_kv_", &store_kv_,
         "Copy k, v token rows [T, Hkv, D] to slots of same-dtype caches (any token stride)");
+  m.def("has_bf16_gemm", &has_bf16_gemm, "Whether this build has the AVX512-BF16 GEMM");
+  m.def("pack_bf16_weight", &pack_bf16_weight,
+        "W [N, K] bf16 -> [N / 16, K / 2, 16, 2], the layout bf16_gemm reads");
+  m.def("bf16_gemm", &bf16_gemm, "x [M, K] W^T for bf16 rows, W from pack_bf16_weight");
   m.def("rope_", &rope_, "In-place rotate-half RoPE on the first heads of each bf16 row");
 }
