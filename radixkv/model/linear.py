@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Native builds serving :class:`PackedLinear`, by module name (a layer keeps the name, not the
+#: module, so it can be deep-copied).
+_GEMM_MODULES: dict[str, Any] = {}
 
 #: Below this many rows the plain weight (MKL sgemv) is used: for one row (a batch-1 decode)
 #: the packed path measured no better, and at times worse, on the AVX2 host.
@@ -77,7 +82,7 @@ def packed_linear_supported(dtype: torch.dtype, device: torch.device | str) -> b
     )
 
 
-def bf16_gemm_module(weight: torch.Tensor) -> object | None:
+def bf16_gemm_module(weight: torch.Tensor) -> Any | None:
     """The native build whose ``bf16_gemm`` serves ``weight``, or ``None``: a CPU bfloat16
     weight with ``out_features % 16 == 0`` and ``in_features`` even, an AVX512-BF16 build of
     the native kernels, and ``RADIXKV_BF16_GEMM`` not ``onednn``."""
@@ -111,21 +116,23 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.min_rows = min_rows
-        self._native = bf16_gemm_module(self.weight)
-        if self._native is not None:
+        module = bf16_gemm_module(self.weight)
+        self._gemm: str | None = None if module is None else module.__name__
+        if module is not None:
+            _GEMM_MODULES[module.__name__] = module
             self.kernel = "native"
-            self.packed = self._native.pack_bf16_weight(self.weight.detach())
+            self.packed = module.pack_bf16_weight(self.weight.detach())
         else:
             self.kernel = "onednn"
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native is not None and x.dtype == torch.bfloat16:
-            y = self._native.bf16_gemm(x.reshape(-1, self.in_features), self.packed)
+        if self._gemm is not None and x.dtype == torch.bfloat16:
+            y = _GEMM_MODULES[self._gemm].bf16_gemm(x.reshape(-1, self.in_features), self.packed)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         rows = x.numel() // max(1, x.shape[-1])
-        if rows < self.min_rows or self._native is not None:
+        if rows < self.min_rows or self._gemm is not None:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
