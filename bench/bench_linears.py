@@ -18,8 +18,8 @@ memory, as in a forward; the per-shape rows reuse one cache-resident matrix): ra
 vs ``F.linear`` (MKL) on the plain weights. With
 ``--all`` it also times the candidates radixkv chooses from (``F.linear``, oneDNN with the
 weight prepacked by ``torch.ops.mkldnn._reorder_linear_weight``, MKL packed sgemm via
-``torch.ops.mkl._mkl_linear``, and for bf16 on AVX512-BF16 radixkv's own GEMM,
-``radixkv_gemm``). Timings interleave the paths and keep each one's best of
+``torch.ops.mkl._mkl_linear``, and radixkv's own GEMM, ``radixkv_gemm``, where its build has
+one for the dtype). Timings interleave the paths and keep each one's best of
 ``--rounds`` rounds (the host is shared; the best round is the least disturbed one).
 """
 
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from radixkv.model.linear import bf16_gemm_module
+from radixkv.model.linear import native_gemm_module
 from radixkv.model.loader import load_model
 from radixkv.model.platform_info import format_platform_info, platform_info
 from radixkv.model.runner import ModelRunner, default_dtype
@@ -67,10 +67,12 @@ def candidates(w: torch.Tensor, m: int) -> dict[str, Callable[[torch.Tensor], to
         )
     except (RuntimeError, AttributeError):
         pass
-    native = bf16_gemm_module(w)
+    native = native_gemm_module(w)
     if native is not None:
-        native_w = native.pack_bf16_weight(w)
-        out["radixkv_gemm"] = lambda x: native.bf16_gemm(x, native_w)
+        bf16 = w.dtype == torch.bfloat16
+        native_w = (native.pack_bf16_weight if bf16 else native.pack_f32_weight)(w)
+        gemm = native.bf16_gemm if bf16 else native.f32_gemm
+        out["radixkv_gemm"] = lambda x: gemm(x, native_w)
     if w.dtype == torch.float32:
         try:
             mkl_w = torch.ops.mkl._mkl_reorder_linear_weight(w, m)

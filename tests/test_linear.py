@@ -115,93 +115,143 @@ def test_prepack_is_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- radixkv's own bf16 GEMM (AVX512-BF16 builds) -----------------------------------------------
 
-_GEMM = native.load()
-needs_bf16_gemm = pytest.mark.skipif(
-    _GEMM is None or not _GEMM.has_bf16_gemm(),
-    reason=f"the host's native build ({native.host_isa()}) has no AVX512-BF16 GEMM",
+
+def _gemm_builds() -> list[tuple[str, torch.dtype]]:
+    """(ISA build, dtype) pairs whose native GEMM this host can run."""
+    out = []
+    for isa in native.runnable_isas():
+        module = native.load(isa)
+        if module is not None:
+            out += [(isa, torch.bfloat16)] if module.has_bf16_gemm() else []
+            out += [(isa, torch.float32)] if module.has_f32_gemm() else []
+    return out
+
+
+GEMM_BUILDS = _gemm_builds()
+needs_native_gemm = pytest.mark.skipif(
+    not GEMM_BUILDS, reason=f"no native GEMM on this host ({native.host_isa()})"
 )
 
 
-def _gemm_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 product and the error allowed: one bf16 rounding of the result (2^-8
-    relative, round to nearest) plus float32 accumulation over K terms."""
+def _gemm(isa: str, dtype: torch.dtype):
+    """(pack, multiply, columns per block) of the ``isa`` build's GEMM for ``dtype``."""
+    module = native.load(isa)
+    if dtype == torch.bfloat16:
+        return module.pack_bf16_weight, module.bf16_gemm, 16
+    return module.pack_f32_weight, module.f32_gemm, module.f32_gemm_cols()
+
+
+def _gemm_bound(
+    x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 product and the error allowed: float32 accumulation over K terms, plus one
+    rounding of the result to bf16 (2^-8 relative, round to nearest) for bf16 outputs."""
     ref = x.double() @ w.double().T
     k = x.shape[-1]
-    allowed = 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
+    rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-23
+    allowed = rounding * ref.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
     return ref, allowed
 
 
-@needs_bf16_gemm
+@needs_native_gemm
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 130])
-@pytest.mark.parametrize(("n", "k"), [(16, 2), (32, 62), (48, 96), (80, 576), (960, 576)])
-def test_bf16_gemm_is_the_product_within_one_rounding(rows: int, n: int, k: int) -> None:
-    """Every row-tile size (1-8 rows), every column-chunk size (1-3 blocks of 16), against a
-    float64 product: each output is within one bf16 rounding plus float32 accumulation."""
-    g = torch.Generator().manual_seed(rows * 1000 + n + k)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-    y = _GEMM.bf16_gemm(x, _GEMM.pack_bf16_weight(w))
-    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
-    ref, allowed = _gemm_bound(x, w)
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5, 60])
+@pytest.mark.parametrize(("isa", "dtype"), GEMM_BUILDS or [("none", torch.float32)])
+def test_native_gemm_is_the_product_within_its_rounding(
+    isa: str, dtype: torch.dtype, blocks: int, rows: int
+) -> None:
+    """Every row-tile height (1-8 rows), every column-chunk width (1-3 blocks), every build and
+    dtype the host runs, against a float64 product."""
+    pack, gemm, cols = _gemm(isa, dtype)
+    k = {1: 2, 2: 62, 3: 96, 5: 576, 60: 576}[blocks]
+    g = torch.Generator().manual_seed(rows * 1000 + blocks + k)
+    w = torch.randn(blocks * cols, k, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    y = gemm(x, pack(w))
+    assert y.shape == (rows, blocks * cols) and y.dtype == dtype
+    ref, allowed = _gemm_bound(x, w, dtype)
     excess = ((y.double() - ref).abs() - allowed).max().item()
     assert excess <= 0, excess
 
 
-@needs_bf16_gemm
-def test_bf16_gemm_does_not_depend_on_threads_or_strides() -> None:
+@needs_native_gemm
+@pytest.mark.parametrize(("isa", "dtype"), GEMM_BUILDS or [("none", torch.float32)])
+def test_native_gemm_does_not_depend_on_threads_or_strides(isa: str, dtype: torch.dtype) -> None:
+    pack, gemm, _ = _gemm(isa, dtype)
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(3072, 576, generator=g).to(torch.bfloat16)
-    packed = _GEMM.pack_bf16_weight(w)
-    wide = torch.randn(64, 1152, generator=g).to(torch.bfloat16)
-    x = wide[:, ::2]  # not contiguous
-    y = _GEMM.bf16_gemm(x, packed)
+    packed = pack(torch.randn(3072, 576, generator=g).to(dtype))
+    x = torch.randn(64, 1152, generator=g).to(dtype)[:, ::2]  # not contiguous
+    y = gemm(x, packed)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        y1 = _GEMM.bf16_gemm(x.contiguous(), packed)
+        y1 = gemm(x.contiguous(), packed)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(y, y1)  # each output's sum order is fixed by K alone
-    assert _GEMM.bf16_gemm(x[:0], packed).shape == (0, 3072)
+    assert gemm(x[:0], packed).shape == (0, 3072)
 
 
-@needs_bf16_gemm
-def test_bf16_gemm_rejects_what_it_cannot_run() -> None:
-    w = torch.randn(32, 64).to(torch.bfloat16)
-    packed = _GEMM.pack_bf16_weight(w)
+@needs_native_gemm
+@pytest.mark.parametrize(("isa", "dtype"), GEMM_BUILDS or [("none", torch.float32)])
+def test_native_gemm_rejects_what_it_cannot_run(isa: str, dtype: torch.dtype) -> None:
+    pack, gemm, cols = _gemm(isa, dtype)
+    w = torch.randn(2 * cols, 64).to(dtype)
+    packed = pack(w)
     with pytest.raises(RuntimeError, match="expects 64"):
-        _GEMM.bf16_gemm(torch.randn(2, 62).to(torch.bfloat16), packed)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        _GEMM.bf16_gemm(torch.randn(2, 64), packed)
-    with pytest.raises(RuntimeError, match="pack_bf16_weight"):
-        _GEMM.bf16_gemm(torch.randn(2, 64).to(torch.bfloat16), w)
-    with pytest.raises(RuntimeError, match="out_features % 16"):
-        _GEMM.pack_bf16_weight(torch.randn(24, 64).to(torch.bfloat16))
+        gemm(torch.randn(2, 62).to(dtype), packed)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(RuntimeError, match="rows, got"):
+        gemm(torch.randn(2, 64).to(other), packed)
+    with pytest.raises(RuntimeError, match="pack function"):
+        gemm(torch.randn(2, 64).to(dtype), w)
+    with pytest.raises(RuntimeError, match=f"out_features % {cols}"):
+        pack(torch.randn(cols + cols // 2, 64).to(dtype))
+
+
+def test_float32_linears_keep_onednn_on_avx512_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    if "avx512" not in native.runnable_isas() or not packed_linear_supported(torch.float32, "cpu"):
+        pytest.skip("no AVX-512 build on this host")
+    monkeypatch.setenv("RADIXKV_ISA", "avx512")
+    assert PackedLinear(nn.Linear(96, 160).requires_grad_(False)).kernel == "onednn"
 
 
 @pytest.mark.parametrize("isa", native.runnable_isas())
-def test_only_the_avx512_bf16_build_has_the_gemm(isa: str) -> None:
+def test_each_build_has_the_gemms_its_isa_runs(isa: str) -> None:
+    """bf16 only on the AVX512-BF16 build, float32 on the AVX2 and AVX-512 builds, neither on
+    the portable one; a missing one raises naming the build it needs."""
     module = native.load(isa)
     if module is None:
         pytest.skip(f"native build failed: {native.build_error()}")
     assert module.has_bf16_gemm() is (isa == "avx512_bf16")
+    assert module.has_f32_gemm() is (isa != "portable")
+    assert module.f32_gemm_cols() == (8 if isa in ("avx2", "portable") else 16)
     if isa != "avx512_bf16":
         with pytest.raises(RuntimeError, match="avx512_bf16"):
-            module.bf16_gemm(torch.zeros(1, 2, dtype=torch.bfloat16), torch.zeros(1, 1, 16, 2))
+            module.bf16_gemm(torch.zeros(1, 2, dtype=torch.bfloat16), torch.zeros(1, 1, 32))
+    if isa == "portable":
+        with pytest.raises(RuntimeError, match="avx2 or avx512"):
+            module.f32_gemm(torch.zeros(1, 1), torch.zeros(1, 1, 8))
 
 
-@needs_bf16_gemm
+@needs_native_gemm
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_takes_the_native_gemm_for_bf16(
-    bias: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_takes_the_native_gemm(
+    dtype: torch.dtype, bias: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bf16 linears use the native GEMM at every row count (leading dims are rows); weights it
-    cannot take (out_features % 16) and ``RADIXKV_BF16_GEMM=onednn`` keep oneDNN; both give
-    the product within one bf16 rounding."""
+    """Linears use the host build's native GEMM at every row count (leading dims are rows);
+    weights it cannot take (out_features not a multiple of its block) and
+    ``RADIXKV_CPU_GEMM=onednn`` keep oneDNN; both give the product within its rounding."""
+    # float32 linears take it on the AVX2 build (Zen 3 hosts), which every x86 host here runs
+    isa = native.host_isa() if dtype == torch.bfloat16 else "avx2"
+    if (isa, dtype) not in GEMM_BUILDS or not packed_linear_supported(dtype, "cpu"):
+        pytest.skip(f"no {isa} build with a {dtype} GEMM on this host")
+    monkeypatch.setenv("RADIXKV_ISA", isa)
     g = torch.Generator().manual_seed(3)
 
     def make(n: int) -> nn.Linear:
-        lin = nn.Linear(96, n, bias=bias).requires_grad_(False).to(torch.bfloat16)
+        lin = nn.Linear(96, n, bias=bias).requires_grad_(False).to(dtype)
         with torch.no_grad():
             lin.weight.copy_(torch.randn(n, 96, generator=g))
             if bias:
@@ -210,20 +260,21 @@ def test_packed_linear_takes_the_native_gemm_for_bf16(
 
     for n, env, kernel in [(160, None, "native"), (100, None, "onednn"), (160, "onednn", "onednn")]:
         if env is None:
-            monkeypatch.delenv("RADIXKV_BF16_GEMM", raising=False)
+            monkeypatch.delenv("RADIXKV_CPU_GEMM", raising=False)
         else:
-            monkeypatch.setenv("RADIXKV_BF16_GEMM", env)
+            monkeypatch.setenv("RADIXKV_CPU_GEMM", env)
         lin = make(n)
         packed = PackedLinear(lin)
         assert packed.kernel == kernel, (n, env)
         if kernel == "native":  # copies like any module (oneDNN's opaque tensor does not)
             packed = copy.deepcopy(packed)
         for rows in (1, 5, 64):
-            x = torch.randn(2, rows, 96, generator=g).to(torch.bfloat16)
+            x = torch.randn(2, rows, 96, generator=g).to(dtype)
             y = packed(x)
-            assert y.shape == (2, rows, lin.out_features) and y.dtype == torch.bfloat16
-            ref, allowed = _gemm_bound(x, lin.weight)
+            assert y.shape == (2, rows, lin.out_features) and y.dtype == dtype
+            ref, allowed = _gemm_bound(x, lin.weight, dtype)
             if bias:
                 ref = ref + lin.bias.double()
-                allowed = allowed + 2.0**-8 * ref.abs()  # the bias is added to rounded rows
+                rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-23
+                allowed = allowed + rounding * ref.abs()  # the bias is added to rounded rows
             assert ((y.double() - ref).abs() - allowed).max().item() <= 0

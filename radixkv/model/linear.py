@@ -25,12 +25,13 @@ bfloat16 is packed too on hosts with native bf16. On a Zen 4 host (AVX512-BF16) 
 beat ``F.linear`` on every shape of the model (gate_up 373 vs 128 GFLOP/s, o_proj 190 vs 114,
 qkv 303 vs 247, down 404 vs 353, lm_head 386 vs 277).
 
-On AVX512-BF16 hosts bf16 weights are packed for radixkv's own GEMM instead
-(``csrc/cpu_linear.cpp``, ``vdpbf16ps`` register tiles over weights packed in its operand layout,
-the next column chunk prefetched while one computes): on the model's linears with the weights
-streamed it ran 406 GFLOP/s where oneDNN ran 341 at 64 rows (a batch-64 decode), 375 vs 275 at
-32, 433 vs 391 at 128 and level at 1,024-2,048 (``python -m bench.bench_linears``).
-``RADIXKV_BF16_GEMM=onednn`` keeps oneDNN for bf16 too.
+Where the native kernels are built, the weights are packed for radixkv's own GEMM instead
+(``csrc/cpu_linear.cpp``: register tiles over weights packed in the vector operand layout, the
+next column chunk prefetched while one computes), bf16 on AVX512-BF16 builds and float32 on the
+AVX2 build (Zen 3 hosts; AVX-512 builds keep oneDNN for float32, level with it there). On the model's linears with the weights streamed (Zen 4): bf16 406 GFLOP/s where oneDNN
+ran 341 at 64 rows (a batch-64 decode), 375 vs 275 at 32, 433 vs 391 at 128, level at
+1,024-2,048; float32 with both held to AVX2, 208 vs 163 at 64 rows, 176 vs 107 at 16
+(``python -m bench.bench_linears``). ``RADIXKV_CPU_GEMM=onednn`` keeps oneDNN.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from radixkv.model.host_cpu import has_native_bf16
 
 __all__ = [
     "PackedLinear",
-    "bf16_gemm_module",
+    "native_gemm_module",
     "packed_linear_supported",
     "prepack_linears",
     "MIN_PACKED_ROWS",
@@ -82,18 +83,31 @@ def packed_linear_supported(dtype: torch.dtype, device: torch.device | str) -> b
     )
 
 
-def bf16_gemm_module(weight: torch.Tensor) -> Any | None:
-    """The native build whose ``bf16_gemm`` serves ``weight``, or ``None``: a CPU bfloat16
-    weight with ``out_features % 16 == 0`` and ``in_features`` even, an AVX512-BF16 build of
-    the native kernels, and ``RADIXKV_BF16_GEMM`` not ``onednn``."""
-    if os.environ.get("RADIXKV_BF16_GEMM", "native").strip().lower() == "onednn":
+#: The native GEMM of each dtype: (has it, pack, multiply) names in the native module.
+_GEMM_FUNCS = {
+    torch.bfloat16: ("has_bf16_gemm", "pack_bf16_weight", "bf16_gemm"),
+    torch.float32: ("has_f32_gemm", "pack_f32_weight", "f32_gemm"),
+}
+
+
+def native_gemm_module(weight: torch.Tensor) -> Any | None:
+    """The native build whose GEMM serves ``weight``, or ``None``: a 2-D CPU weight in bfloat16
+    (an AVX512-BF16 build, ``out_features % 16 == 0``, ``in_features`` even) or float32 (the
+    AVX2 build, ``out_features % 8 == 0``; AVX-512 builds have the kernel too, but there oneDNN's
+    float32 GEMM ran level with it at 64 rows and ~4% ahead at 1,024), and ``RADIXKV_CPU_GEMM``
+    not ``onednn``."""
+    if os.environ.get("RADIXKV_CPU_GEMM", "native").strip().lower() == "onednn":
         return None
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
-        return None
-    if weight.shape[0] % 16 or weight.shape[1] % 2:
+    funcs = _GEMM_FUNCS.get(weight.dtype)
+    if funcs is None or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     module = native.load()
-    if module is None or not module.has_bf16_gemm():
+    if module is None or not getattr(module, funcs[0])():
+        return None
+    cols, step = (16, 2) if weight.dtype == torch.bfloat16 else (module.f32_gemm_cols(), 1)
+    if weight.dtype == torch.float32 and cols != 8:
+        return None  # AVX-512 builds: oneDNN's float32 GEMM measured level or ahead there
+    if weight.shape[0] % cols or weight.shape[1] % step:
         return None
     return module
 
@@ -101,8 +115,8 @@ def bf16_gemm_module(weight: torch.Tensor) -> Any | None:
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` also held packed for a faster GEMM (rows >= ``min_rows``).
 
-    The packed copy is radixkv's own layout for its AVX512-BF16 GEMM where
-    :func:`bf16_gemm_module` allows it (``kernel == "native"``, every row count), else oneDNN's
+    The packed copy is radixkv's own layout for its native GEMM where
+    :func:`native_gemm_module` allows it (``kernel == "native"``, every row count), else oneDNN's
     (``kernel == "onednn"``; below ``min_rows`` rows ``F.linear`` on the plain weight).
 
     Invariant: ``packed`` is the chosen layout of ``weight`` at construction; the weights are
@@ -116,19 +130,21 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.min_rows = min_rows
-        module = bf16_gemm_module(self.weight)
+        module = native_gemm_module(self.weight)
         self._gemm: str | None = None if module is None else module.__name__
         if module is not None:
             _GEMM_MODULES[module.__name__] = module
+            _, pack, self._gemm_fn = _GEMM_FUNCS[self.weight.dtype]
             self.kernel = "native"
-            self.packed = module.pack_bf16_weight(self.weight.detach())
+            self.packed = getattr(module, pack)(self.weight.detach())
         else:
             self.kernel = "onednn"
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemm is not None and x.dtype == torch.bfloat16:
-            y = _GEMM_MODULES[self._gemm].bf16_gemm(x.reshape(-1, self.in_features), self.packed)
+        if self._gemm is not None and x.dtype == self.weight.dtype:
+            gemm = getattr(_GEMM_MODULES[self._gemm], self._gemm_fn)
+            y = gemm(x.reshape(-1, self.in_features), self.packed)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         rows = x.numel() // max(1, x.shape[-1])

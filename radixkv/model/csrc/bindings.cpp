@@ -31,8 +31,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv_", &store_kv_,
         "Copy k, v token rows [T, Hkv, D] to slots of same-dtype caches (any token stride)");
   m.def("has_bf16_gemm", &has_bf16_gemm, "Whether this build has the AVX512-BF16 GEMM");
+  m.def("has_f32_gemm", &has_f32_gemm, "Whether this build has the float32 GEMM (AVX2/AVX-512)");
+  m.def("f32_gemm_cols", &f32_gemm_cols, "Output columns per packed float32 block");
   m.def("pack_bf16_weight", &pack_bf16_weight,
-        "W [N, K] bf16 -> [N / 16, K / 2, 16, 2], the layout bf16_gemm reads");
+        "W [N, K] bf16 -> [N / 16, K / 2, 32], the layout bf16_gemm reads");
   m.def("bf16_gemm", &bf16_gemm, "x [M, K] W^T for bf16 rows, W from pack_bf16_weight");
+  m.def("pack_f32_weight", &pack_f32_weight,
+        "W [N, K] float32 -> [N / cols, K, cols], the layout f32_gemm reads");
+  m.def("f32_gemm", &f32_gemm, "x [M, K] W^T for float32 rows, W from pack_f32_weight");
   m.def("rope_", &rope_, "In-place rotate-half RoPE on the first heads of each bf16 row");
 }

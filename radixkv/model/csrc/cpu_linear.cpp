@@ -1,17 +1,19 @@
-// y = x W^T for bf16 rows on AVX512-BF16, with W packed once at load.
+// y = x W^T on the CPU with W packed once at load: bf16 on AVX512-BF16 builds, float32 on AVX2
+// and AVX-512 builds.
 //
-// The packed weight holds 16 output columns by K / 2 pairs of inputs per block: element (n, k)
-// sits at [n / 16][k / 2][n % 16][k % 2], so one 64-byte load is the pair (k, k + 1) of 16
-// columns, the operand layout of `vdpbf16ps`. A worker owns chunks of kNr column blocks (48
-// columns); for each chunk it runs every row of x through a kMr x kNr register tile (24 float32
-// accumulators, one broadcast pair of x per row and k-pair), so each weight line is read from
-// DRAM once a call and from L2 for the chunk's other row tiles, and it prefetches the next
-// chunk's weights into L2 while it computes (a decode step streams every weight once, cold).
-// Rounded to bf16 once, at the end; the sum order is fixed by K (no dependence on threads).
+// The packed weight holds kCols output columns by every k-step of the inputs per block: one
+// k-step is a pair of bf16 inputs (the operand of `vdpbf16ps`) or one float32 input, and a
+// block's k-step is one vector load of kCols columns ([n / kCols][k-step][n % kCols]). A worker
+// owns chunks of kNr column blocks; for each chunk it runs every row of x through a kMr x kNr
+// register tile of float32 accumulators, one broadcast of x per row and k-step, so each weight
+// line is read from DRAM once a call and from L2 for the chunk's other row tiles, and it
+// prefetches the next chunk's weights into L2 while it computes (a decode step streams every
+// weight once, cold). bf16 results are rounded once, at the end. Each output's sum runs over k in
+// order, so results do not depend on the thread count.
 //
 // Against oneDNN's prepacked GEMM (torch.ops.mkldnn._linear_pointwise) on SmolLM2-135M's
-// linears, weights streamed (Zen 4, 2 cores): 406 vs 341 GFLOP/s at 64 rows, 375 vs 275 at 32,
-// 433 vs 391 at 128, level at 1,024-2,048 (docs/performance.md).
+// linears, weights streamed, Zen 4 (docs/performance.md): bf16 406 vs 341 GFLOP/s at 64 rows,
+// level at 1,024-2,048; float32 with both held to AVX2, 208 vs 163 at 64 rows.
 
 #include "cpu_linear.h"
 
@@ -20,146 +22,213 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+
+#include "cpu_vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define RADIXKV_BF16_GEMM 1
 #else
 #define RADIXKV_BF16_GEMM 0
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define RADIXKV_F32_GEMM 1
+#else
+#define RADIXKV_F32_GEMM 0
+#endif
 
 namespace {
 
-constexpr int kCols = 16;  // output columns per packed block (one zmm of float32)
-constexpr int kNr = 3;     // column blocks per register tile
-constexpr int kMr = 8;     // rows per register tile
-
-void check_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
-              "pack_bf16_weight: expected a 2-D bfloat16 weight, got ", w.sizes(), " ",
-              w.scalar_type());
-  TORCH_CHECK(w.size(0) % kCols == 0 && w.size(1) % 2 == 0,
-              "pack_bf16_weight: needs out_features % 16 == 0 and in_features even, got ",
-              w.sizes());
-}
-
 #if RADIXKV_BF16_GEMM
+// bf16 rows, bf16 weights: a k-step is a pair of inputs, packed as one int32.
+struct Bf16Gemm {
+  using Elem = int32_t;
+  using Out = uint16_t;
+  using Acc = __m512;
+  using B = __m512i;
+  static constexpr int kCols = 16, kMr = 8, kNr = 3, kStepInputs = 2;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static B load(const Elem* p) { return _mm512_loadu_si512(p); }
+  static Acc fma(Acc acc, Elem a, B b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(a), (__m512bh)b);
+  }
+  static void store(Out* c, Acc acc) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), (__m256i)_mm512_cvtneps_pbh(acc));
+  }
+};
+#endif
 
-// One register tile: rows [0, MR) of a (row stride lda pairs) times NR packed blocks of b
-// (block stride bs int32s), over kp pairs; c gets bf16 results (row stride ldc). Prefetches
-// `per_iter` lines of pf[0, pf_lines) into L2 per k-pair.
-template <int MR, int NR>
-inline void tile(const int32_t* a, int64_t lda, const int32_t* b, int64_t bs, int64_t kp_n,
-                 uint16_t* c, int64_t ldc, const char* pf, int64_t pf_lines, int64_t per_iter) {
-  __m512 acc[MR][NR];
+#if RADIXKV_F32_GEMM
+// float32 rows and weights, in vectors of the build's width (16 on AVX-512, 8 on AVX2, whose
+// 16 registers take a 6 x 2 tile).
+struct F32Gemm {
+  using Elem = float;
+  using Out = float;
+  using Acc = radixkv_vec::vf;
+  using B = radixkv_vec::vf;
+  static constexpr int kCols = radixkv_vec::VW, kStepInputs = 1;
+  static constexpr int kMr = kCols == 16 ? 8 : 6, kNr = kCols == 16 ? 3 : 2;
+  static Acc zero() { return Acc{}; }
+  static B load(const Elem* p) { return radixkv_vec::loadv(p); }
+  static Acc fma(Acc acc, Elem a, B b) { return acc + radixkv_vec::splat(a) * b; }
+  static void store(Out* c, Acc acc) { std::memcpy(c, &acc, sizeof(acc)); }
+};
+#endif
+
+// One register tile: rows [0, MR) of a (row stride lda k-steps) times NR packed blocks of b
+// (block stride bs elements) over ks k-steps; c gets the results (row stride ldc). Prefetches
+// `per_step` lines of pf[0, pf_lines) into L2 per k-step.
+template <class G, int MR, int NR>
+inline void tile(const typename G::Elem* a, int64_t lda, const typename G::Elem* b, int64_t bs,
+                 int64_t ks, typename G::Out* c, int64_t ldc, const char* pf, int64_t pf_lines,
+                 int64_t per_step) {
+  typename G::Acc acc[MR][NR];
   for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < NR; ++q) acc[r][q] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < kp_n; ++kp) {
-    for (int64_t l = kp * per_iter; l < std::min(pf_lines, (kp + 1) * per_iter); ++l) {
-      _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+    for (int q = 0; q < NR; ++q) acc[r][q] = G::zero();
+  for (int64_t k = 0; k < ks; ++k) {
+    for (int64_t l = k * per_step; l < std::min(pf_lines, (k + 1) * per_step); ++l) {
+      __builtin_prefetch(pf + l * 64, 0, 2);  // into L2 (prefetcht1)
     }
-    __m512i bv[NR];
-    for (int q = 0; q < NR; ++q) bv[q] = _mm512_loadu_si512(b + q * bs + kp * kCols);
+    typename G::B bv[NR];
+    for (int q = 0; q < NR; ++q) bv[q] = G::load(b + q * bs + k * G::kCols);
     for (int r = 0; r < MR; ++r) {
-      const __m512i av = _mm512_set1_epi32(a[r * lda + kp]);
-      for (int q = 0; q < NR; ++q) {
-        acc[r][q] = _mm512_dpbf16_ps(acc[r][q], (__m512bh)av, (__m512bh)bv[q]);
-      }
+      const typename G::Elem av = a[r * lda + k];
+      for (int q = 0; q < NR; ++q) acc[r][q] = G::fma(acc[r][q], av, bv[q]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    for (int q = 0; q < NR; ++q) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc + q * kCols),
-                          (__m256i)_mm512_cvtneps_pbh(acc[r][q]));
-    }
-  }
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NR; ++q) G::store(c + r * ldc + q * G::kCols, acc[r][q]);
 }
 
-template <int NR, int MR = kMr>
-inline void tile_rows(int64_t rows, const int32_t* a, int64_t lda, const int32_t* b, int64_t bs,
-                      int64_t kp_n, uint16_t* c, int64_t ldc, const char* pf, int64_t pf_lines,
-                      int64_t per_iter) {
+// `rows` (1 .. MR) rows through the tile of that height.
+template <class G, int NR, int MR = G::kMr>
+inline void tile_rows(int64_t rows, const typename G::Elem* a, int64_t lda,
+                      const typename G::Elem* b, int64_t bs, int64_t ks, typename G::Out* c,
+                      int64_t ldc, const char* pf, int64_t pf_lines, int64_t per_step) {
   if constexpr (MR > 0) {
-    if (rows == MR) return tile<MR, NR>(a, lda, b, bs, kp_n, c, ldc, pf, pf_lines, per_iter);
-    tile_rows<NR, MR - 1>(rows, a, lda, b, bs, kp_n, c, ldc, pf, pf_lines, per_iter);
+    if (rows == MR) return tile<G, MR, NR>(a, lda, b, bs, ks, c, ldc, pf, pf_lines, per_step);
+    tile_rows<G, NR, MR - 1>(rows, a, lda, b, bs, ks, c, ldc, pf, pf_lines, per_step);
   }
 }
 
-// Every row of x through column blocks [nb0, nb0 + NR), prefetching `next` (pf_lines lines).
-template <int NR>
-void chunk(const int32_t* x, int64_t m, int64_t kp_n, const int32_t* w, int64_t nb0, uint16_t* y,
-           int64_t n, const char* next, int64_t pf_lines) {
-  const int64_t bs = kp_n * kCols;
-  const int64_t tiles = (m + kMr - 1) / kMr;
-  const int64_t per_iter = (pf_lines + tiles * kp_n - 1) / std::max<int64_t>(1, tiles * kp_n);
-  for (int64_t t = 0, r0 = 0; r0 < m; ++t, r0 += kMr) {
-    const int64_t done = t * kp_n * per_iter;
-    tile_rows<NR>(std::min<int64_t>(kMr, m - r0), x + r0 * kp_n, kp_n, w + nb0 * bs, bs, kp_n,
-                  y + r0 * n + nb0 * kCols, n, next + done * 64,
-                  std::max<int64_t>(0, pf_lines - done), per_iter);
+// Every row of x [m, ks] through column blocks [nb0, nb0 + NR) of w into y [m, n], prefetching
+// pf_lines lines from `next` (the worker's next chunk) spread over the row tiles.
+template <class G, int NR>
+void chunk(const typename G::Elem* x, int64_t m, int64_t ks, const typename G::Elem* w,
+           int64_t nb0, typename G::Out* y, int64_t n, const char* next, int64_t pf_lines) {
+  const int64_t bs = ks * G::kCols;
+  const int64_t steps = (m + G::kMr - 1) / G::kMr * ks;
+  const int64_t per_step = (pf_lines + steps - 1) / std::max<int64_t>(1, steps);
+  for (int64_t r0 = 0, done = 0; r0 < m; r0 += G::kMr, done += ks * per_step) {
+    tile_rows<G, NR>(std::min<int64_t>(G::kMr, m - r0), x + r0 * ks, ks, w + nb0 * bs, bs, ks,
+                     y + r0 * n + nb0 * G::kCols, n, next + done * 64,
+                     std::max<int64_t>(0, pf_lines - done), per_step);
   }
 }
 
-#endif  // RADIXKV_BF16_GEMM
-
-}  // namespace
-
-bool has_bf16_gemm() { return RADIXKV_BF16_GEMM; }
-
-at::Tensor pack_bf16_weight(const at::Tensor& w_in) {
-  check_weight(w_in);
-  const at::Tensor w = w_in.contiguous();
-  const int64_t n = w.size(0), k = w.size(1);
-  at::Tensor out = at::empty({n / kCols, k / 2, kCols, 2}, w.options());
-  const auto* src = reinterpret_cast<const int32_t*>(w.data_ptr());  // pairs of row n
-  auto* dst = reinterpret_cast<int32_t*>(out.data_ptr());
-  at::parallel_for(0, n / kCols, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t kp = 0; kp < k / 2; ++kp)
-        for (int i = 0; i < kCols; ++i)
-          dst[(nb * (k / 2) + kp) * kCols + i] = src[(nb * kCols + i) * (k / 2) + kp];
-  });
-  return out;
-}
-
-at::Tensor bf16_gemm(const at::Tensor& x_in, const at::Tensor& packed) {
-#if RADIXKV_BF16_GEMM
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 &&
-                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-              "bf16_gemm: the weight must come from pack_bf16_weight");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
-              "bf16_gemm: expected 2-D bfloat16 rows, got ", x_in.sizes(), " ",
-              x_in.scalar_type());
-  const int64_t m = x_in.size(0), kp_n = packed.size(1), nblocks = packed.size(0);
-  const int64_t n = nblocks * kCols;
-  TORCH_CHECK(x_in.size(1) == 2 * kp_n, "bf16_gemm: rows have ", x_in.size(1),
-              " features, the weight expects ", 2 * kp_n);
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
-  const auto* xp = reinterpret_cast<const int32_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const int32_t*>(packed.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t chunks = (nblocks + kNr - 1) / kNr;
+template <class G>
+void gemm(const typename G::Elem* x, int64_t m, int64_t ks, const typename G::Elem* w,
+          int64_t nblocks, typename G::Out* y) {
+  const int64_t n = nblocks * G::kCols, bs = ks * G::kCols;
+  const int64_t chunks = (nblocks + G::kNr - 1) / G::kNr;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t wk = w0; wk < w1; ++wk) {
       const int64_t c0 = chunks * wk / workers, c1 = chunks * (wk + 1) / workers;
       for (int64_t c = c0; c < c1; ++c) {
-        const int64_t nb0 = c * kNr, nr = std::min<int64_t>(kNr, nblocks - nb0);
-        const int64_t next_nr = c + 1 < c1 ? std::min<int64_t>(kNr, nblocks - nb0 - kNr) : 0;
-        const char* next = reinterpret_cast<const char*>(wp + (nb0 + kNr) * kp_n * kCols);
-        const int64_t pf_lines = next_nr * kp_n;  // a block's k-pair is one 64-byte line
-        if (nr == 3) chunk<3>(xp, m, kp_n, wp, nb0, yp, n, next, pf_lines);
-        else if (nr == 2) chunk<2>(xp, m, kp_n, wp, nb0, yp, n, next, pf_lines);
-        else chunk<1>(xp, m, kp_n, wp, nb0, yp, n, next, pf_lines);
+        const int64_t nb0 = c * G::kNr, nr = std::min<int64_t>(G::kNr, nblocks - nb0);
+        const int64_t next_nr = c + 1 < c1 ? std::min<int64_t>(G::kNr, nblocks - nb0 - G::kNr) : 0;
+        const char* next = reinterpret_cast<const char*>(w + (nb0 + G::kNr) * bs);
+        const int64_t pf_lines = next_nr * bs * static_cast<int64_t>(sizeof(typename G::Elem)) / 64;
+        if (nr == 3) chunk<G, 3>(x, m, ks, w, nb0, y, n, next, pf_lines);
+        else if (nr == 2) chunk<G, 2>(x, m, ks, w, nb0, y, n, next, pf_lines);
+        else chunk<G, 1>(x, m, ks, w, nb0, y, n, next, pf_lines);
       }
     }
   });
+}
+
+// W [N, K] -> [N / cols][K / step][cols] of `Elem` (a k-step's inputs as one element).
+template <class Elem>
+at::Tensor pack(const at::Tensor& w_in, int cols, int step) {
+  const at::Tensor w = w_in.contiguous();
+  const int64_t n = w.size(0), ks = w.size(1) / step;
+  at::Tensor out = at::empty({n / cols, ks, cols * step}, w.options());
+  const auto* src = reinterpret_cast<const Elem*>(w.data_ptr());
+  auto* dst = reinterpret_cast<Elem*>(out.data_ptr());
+  at::parallel_for(0, n / cols, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t k = 0; k < ks; ++k)
+        for (int i = 0; i < cols; ++i) dst[(nb * ks + k) * cols + i] = src[(nb * cols + i) * ks + k];
+  });
+  return out;
+}
+
+void check_weight(const at::Tensor& w, at::ScalarType dtype, int cols, int step) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == dtype, "pack: expected a 2-D ", dtype,
+              " weight, got ", w.sizes(), " ", w.scalar_type());
+  TORCH_CHECK(w.size(0) % cols == 0 && w.size(1) % step == 0, "pack: needs out_features % ",
+              cols, " == 0", step > 1 ? " and in_features even" : "", ", got ", w.sizes());
+}
+
+// The output of x [m, ks * step] times a packed weight [nblocks, ks, cols * step].
+at::Tensor check_and_alloc(const at::Tensor& x, const at::Tensor& packed, at::ScalarType dtype,
+                           int cols, int step, const char* name) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == cols * step &&
+                  packed.scalar_type() == dtype && packed.is_contiguous(),
+              name, ": the weight must come from its pack function for this build");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, name, ": expected 2-D ", dtype,
+              " rows, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == packed.size(1) * step, name, ": rows have ", x.size(1),
+              " features, the weight expects ", packed.size(1) * step);
+  return at::empty({x.size(0), packed.size(0) * cols}, x.options());
+}
+
+}  // namespace
+
+bool has_bf16_gemm() { return RADIXKV_BF16_GEMM; }
+bool has_f32_gemm() { return RADIXKV_F32_GEMM; }
+int64_t f32_gemm_cols() { return radixkv_vec::VW; }
+
+at::Tensor pack_bf16_weight(const at::Tensor& w) {
+  check_weight(w, at::kBFloat16, 16, 2);
+  return pack<int32_t>(w, 16, 2);
+}
+
+at::Tensor bf16_gemm(const at::Tensor& x_in, const at::Tensor& packed) {
+#if RADIXKV_BF16_GEMM
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = check_and_alloc(x, packed, at::kBFloat16, 16, 2, "bf16_gemm");
+  if (x.size(0) > 0) {
+    gemm<Bf16Gemm>(reinterpret_cast<const int32_t*>(x.data_ptr()), x.size(0), packed.size(1),
+                   reinterpret_cast<const int32_t*>(packed.data_ptr()), packed.size(0),
+                   reinterpret_cast<uint16_t*>(y.data_ptr()));
+  }
   return y;
 #else
   (void)x_in;
   (void)packed;
   TORCH_CHECK(false, "bf16_gemm needs the avx512_bf16 build of radixkv's native kernels");
+#endif
+}
+
+at::Tensor pack_f32_weight(const at::Tensor& w) {
+  check_weight(w, at::kFloat, radixkv_vec::VW, 1);
+  return pack<float>(w, radixkv_vec::VW, 1);
+}
+
+at::Tensor f32_gemm(const at::Tensor& x_in, const at::Tensor& packed) {
+#if RADIXKV_F32_GEMM
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = check_and_alloc(x, packed, at::kFloat, F32Gemm::kCols, 1, "f32_gemm");
+  if (x.size(0) > 0) {
+    gemm<F32Gemm>(x.data_ptr<float>(), x.size(0), packed.size(1), packed.data_ptr<float>(),
+                  packed.size(0), y.data_ptr<float>());
+  }
+  return y;
+#else
+  (void)x_in;
+  (void)packed;
+  TORCH_CHECK(false, "f32_gemm needs an avx2 or avx512 build of radixkv's native kernels");
 #endif
 }

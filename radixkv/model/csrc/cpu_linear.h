@@ -1,11 +1,19 @@
-// bf16 linears with radixkv's own packed weights (AVX512-BF16 builds; see cpu_linear.cpp).
+// CPU linears with radixkv's own packed weights (see cpu_linear.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
-// Whether this build has the AVX512-BF16 GEMM (false: the two functions below raise).
+// Whether this build has the AVX512-BF16 GEMM / the float32 GEMM (AVX2 or AVX-512 builds);
+// without it the GEMM below raises.
 bool has_bf16_gemm();
-// W [N, K] bf16 (N % 16 == 0, K even) -> its packed form [N / 16, K / 2, 16, 2].
+bool has_f32_gemm();
+// Output columns per packed float32 block in this build (its vector width).
+int64_t f32_gemm_cols();
+// W [N, K] bf16 (N % 16 == 0, K even) -> its packed form [N / 16, K / 2, 32].
 at::Tensor pack_bf16_weight(const at::Tensor& w);
 // y [M, N] = x [M, K] W^T in bf16 (float32 accumulation, one rounding), W given packed.
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed);
+// W [N, K] float32 (N % f32_gemm_cols() == 0) -> [N / cols, K, cols].
+at::Tensor pack_f32_weight(const at::Tensor& w);
+// y [M, N] = x [M, K] W^T in float32, W from pack_f32_weight.
+at::Tensor f32_gemm(const at::Tensor& x, const at::Tensor& packed);
