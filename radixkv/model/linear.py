@@ -28,10 +28,11 @@ qkv 303 vs 247, down 404 vs 353, lm_head 386 vs 277).
 Where the native kernels are built, the weights are packed for radixkv's own GEMM instead
 (``csrc/cpu_linear.cpp``: register tiles over weights packed in the vector operand layout, the
 next column chunk prefetched while one computes), bf16 on AVX512-BF16 builds and float32 on the
-AVX2 build (Zen 3 hosts; AVX-512 builds keep oneDNN for float32, level with it there). On the model's linears with the weights streamed (Zen 4): bf16 406 GFLOP/s where oneDNN
-ran 341 at 64 rows (a batch-64 decode), 375 vs 275 at 32, 433 vs 391 at 128, level at
-1,024-2,048; float32 with both held to AVX2, 208 vs 163 at 64 rows, 176 vs 107 at 16
-(``python -m bench.bench_linears``). ``RADIXKV_CPU_GEMM=onednn`` keeps oneDNN.
+AVX2 build (Zen 3 hosts; AVX-512 builds keep oneDNN for float32, level with it there). On the
+model's linears with the weights streamed (Zen 4): bf16 406 GFLOP/s where oneDNN ran 341 at 64
+rows (a batch-64 decode), 375 vs 275 at 32, 433 vs 391 at 128, level at 1,024-2,048; float32
+with both held to AVX2, 208 vs 163 at 64 rows, 176 vs 107 at 16 (``python -m
+bench.bench_linears``). ``RADIXKV_CPU_GEMM=onednn`` keeps oneDNN.
 """
 
 from __future__ import annotations
