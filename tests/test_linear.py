@@ -154,7 +154,7 @@ def _gemm_bound(
 
 
 @needs_native_gemm
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 130])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 130, 300])
 @pytest.mark.parametrize("blocks", [1, 2, 3, 5, 60])
 @pytest.mark.parametrize(("isa", "dtype"), GEMM_BUILDS or [("none", torch.float32)])
 def test_native_gemm_is_the_product_within_its_rounding(
