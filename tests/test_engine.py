@@ -7,7 +7,7 @@ import torch
 from oracle import FP32, Oracle, check_greedy_tokens
 
 from radixkv import Engine, SamplingParams
-from radixkv.engine.kv_manager import MIN_PARTIAL_TOKENS
+from radixkv.cache.partial_page import MIN_PARTIAL_TOKENS
 
 SYSTEM = (
     "You are a meticulous assistant for a travel agency. Answer in one short sentence, "

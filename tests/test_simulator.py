@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from radixkv.cache.radix_tree import MIN_PARTIAL_TOKENS
+from radixkv.cache.partial_page import MIN_PARTIAL_TOKENS
 from radixkv.cli import main
 from radixkv.sim.simulator import RESULT_KEYS, hash_tokenize, prepare_trace, simulate
 from radixkv.sim.workloads import generated_shared_prefix, multi_turn, write_jsonl

@@ -60,7 +60,7 @@ from sortedcontainers import SortedList
 
 from radixkv.cache.allocator import BlockAllocator
 from radixkv.cache.eviction import EVICTION_POLICIES, EvictionIndex
-from radixkv.cache.partial_page import MIN_PARTIAL_TOKENS, PartialPages
+from radixkv.cache.partial_page import PartialPages
 from radixkv.cache.pins import Pins
 from radixkv.cache.residency import HostResidency
 from radixkv.cache.tree_integrity import check_tree_integrity, recount_subtrees
@@ -75,14 +75,7 @@ from radixkv.cache.tree_node import (
     count_nodes,
 )
 
-__all__ = [
-    "EVICTION_POLICIES",
-    "MIN_PARTIAL_TOKENS",
-    "MatchResult",
-    "RadixTree",
-    "TreeEvents",
-    "TreeNode",
-]
+__all__ = ["EVICTION_POLICIES", "MatchResult", "RadixTree", "TreeEvents", "TreeNode"]
 
 
 class RadixTree(EvictionIndex, HostResidency, Pins, PartialPages):

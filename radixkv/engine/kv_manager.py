@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixkv.cache.allocator import BlockAllocator, OutOfPagesError
-from radixkv.cache.radix_tree import MIN_PARTIAL_TOKENS, RadixTree
+from radixkv.cache.radix_tree import RadixTree
 
-__all__ = ["MIN_PARTIAL_TOKENS", "Admission", "KVManager"]
+__all__ = ["Admission", "KVManager"]
 
 if TYPE_CHECKING:
     from radixkv.engine.request import Sequence
