@@ -39,6 +39,9 @@
 
 namespace {
 
+// bf16 blocks: 16 output columns by one pair of inputs (a k-step) per 64-byte line.
+constexpr int kBf16Cols = 16, kBf16Step = 2;
+
 #if RADIXKV_BF16_GEMM
 // bf16 rows, bf16 weights: a k-step is a pair of inputs, packed as one int32.
 struct Bf16Gemm {
@@ -46,7 +49,7 @@ struct Bf16Gemm {
   using Out = uint16_t;
   using Acc = __m512;
   using B = __m512i;
-  static constexpr int kCols = 16, kMr = 8, kNr = 3, kStepInputs = 2;
+  static constexpr int kCols = kBf16Cols, kMr = 8, kNr = 3;
   static Acc zero() { return _mm512_setzero_ps(); }
   static B load(const Elem* p) { return _mm512_loadu_si512(p); }
   static Acc fma(Acc acc, Elem a, B b) {
@@ -66,7 +69,7 @@ struct F32Gemm {
   using Out = float;
   using Acc = radixkv_vec::vf;
   using B = radixkv_vec::vf;
-  static constexpr int kCols = radixkv_vec::VW, kStepInputs = 1;
+  static constexpr int kCols = radixkv_vec::VW;
   static constexpr int kMr = kCols == 16 ? 8 : 6, kNr = kCols == 16 ? 3 : 2;
   static Acc zero() { return Acc{}; }
   static B load(const Elem* p) { return radixkv_vec::loadv(p); }
@@ -191,14 +194,14 @@ bool has_f32_gemm() { return RADIXKV_F32_GEMM; }
 int64_t f32_gemm_cols() { return radixkv_vec::VW; }
 
 at::Tensor pack_bf16_weight(const at::Tensor& w) {
-  check_weight(w, at::kBFloat16, 16, 2);
-  return pack<int32_t>(w, 16, 2);
+  check_weight(w, at::kBFloat16, kBf16Cols, kBf16Step);
+  return pack<int32_t>(w, kBf16Cols, kBf16Step);
 }
 
 at::Tensor bf16_gemm(const at::Tensor& x_in, const at::Tensor& packed) {
 #if RADIXKV_BF16_GEMM
   const at::Tensor x = x_in.contiguous();
-  at::Tensor y = check_and_alloc(x, packed, at::kBFloat16, 16, 2, "bf16_gemm");
+  at::Tensor y = check_and_alloc(x, packed, at::kBFloat16, kBf16Cols, kBf16Step, "bf16_gemm");
   if (x.size(0) > 0) {
     gemm<Bf16Gemm>(reinterpret_cast<const int32_t*>(x.data_ptr()), x.size(0), packed.size(1),
                    reinterpret_cast<const int32_t*>(packed.data_ptr()), packed.size(0),
