@@ -21,7 +21,9 @@ in one run on SmolLM2-135M-Instruct: accuracy, capacity and the decode step.
 Run from the repository root: ``python -m bench.bench_kv_quant`` (``--dtype`` float32 or
 bfloat16, default the host's; ``--skip-speed``, ``--skip-accuracy``; ``--rotation-ablation``:
 the accuracy measurements only, with int8 also measured without the Hadamard rotation and fp8
-with it). Prints the
+with it; ``--scale-ablation --dtype float32``: the accuracy measurements only, int8 and fp8
+simulated with one scale per token and head and per page and head, ``bench/kv_scale_ablation.py``).
+Prints the
 host's ISA.
 """
 
@@ -57,7 +59,9 @@ ASKS = [
 ]
 
 
-Case = tuple[str, bool]  # (kv_cache_dtype, rotated)
+# (kv_cache_dtype, rotated, simulated scale granularity: None for the engine's own quantized
+# pool, "token" or "page" for bench.kv_scale_ablation's float32 simulation)
+Case = tuple[str, bool, str | None]
 
 
 def engine_rotates(kv: str) -> bool:
@@ -68,14 +72,23 @@ def engine_rotates(kv: str) -> bool:
 def cases_for(rotation_ablation: bool) -> list[Case]:
     """Unquantized, then each quantized dtype as the engine runs it; with the ablation also
     each quantized dtype the other way."""
-    out = [(kv, engine_rotates(kv)) for kv in ("auto", *QUANT)]
-    return out + [(kv, not engine_rotates(kv)) for kv in QUANT] if rotation_ablation else out
+    out: list[Case] = [(kv, engine_rotates(kv), None) for kv in ("auto", *QUANT)]
+    return out + [(kv, not engine_rotates(kv), None) for kv in QUANT] if rotation_ablation else out
+
+
+def scale_cases() -> list[Case]:
+    """Unquantized, int8 as the engine runs it, then each quantized dtype simulated with one
+    scale per (token, head) row and one per (page, head) (``bench.kv_scale_ablation``)."""
+    sims = [(kv, engine_rotates(kv), g) for kv in QUANT for g in ("token", "page")]
+    return [("auto", False, None), ("int8", True, None), *sims]
 
 
 def label_of(case: Case) -> str:
-    kv, rotated = case
+    kv, rotated, sim = case
     if kv == "auto":
         return "unquantized"
+    if sim is not None:
+        return f"{kv}, per-{sim} (sim)"
     if rotated == engine_rotates(kv):
         return kv
     return kv + (", rotated" if rotated else ", no rotation")
@@ -86,6 +99,12 @@ def make_engine(model: Any, dtype: str, case: Case, **knobs: Any) -> Engine:
     ``case`` says whatever the engine's default for the dtype (``kv_quant.is_rotated``)."""
     from radixkv.model.attention.rotated_kv import RotatedKVBackend
 
+    if case[2] is not None:  # simulated over a float32 pool
+        from bench.kv_scale_ablation import install
+
+        e = Engine(model, dtype=dtype, kv_cache_dtype="auto", **knobs)
+        install(e, kv_storage_dtype(case[0], torch.float32), case[2] == "page", case[1])
+        return e
     e = Engine(model, dtype=dtype, kv_cache_dtype=case[0], **knobs)
     backend = e.runner.backend
     if case[0] != "auto" and case[1] != isinstance(backend, RotatedKVBackend):
@@ -258,6 +277,12 @@ def main() -> None:
         action="store_true",
         help="the accuracy measurements only, each quantized dtype also with the rotation flipped",
     )
+    parser.add_argument(
+        "--scale-ablation",
+        action="store_true",
+        help="the accuracy measurements only (--dtype float32): int8 and fp8 simulated with one "
+        "scale per (token, head) and per (page, head) (bench/kv_scale_ablation.py)",
+    )
     args = parser.parse_args()
     from radixkv.model.loader import load_model
     from radixkv.model.runner import default_dtype
@@ -267,7 +292,10 @@ def main() -> None:
     print(f"host ISA: {native.host_isa()}, dtype: {name}, torch threads: {torch.get_num_threads()}")
     model = load_model("smollm2", dtype=dtype)
     capacity(model, dtype)
-    cases = cases_for(args.rotation_ablation)
+    if args.scale_ablation and dtype != torch.float32:
+        parser.error("--scale-ablation simulates over a float32 pool: add --dtype float32")
+    cases = scale_cases() if args.scale_ablation else cases_for(args.rotation_ablation)
+    args.rotation_ablation = args.rotation_ablation or args.scale_ablation
     if not args.rotation_ablation:
         multi_turn_hit_rate(model, name, args.memory_gb)
     if not args.skip_accuracy:
