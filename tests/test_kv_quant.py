@@ -217,6 +217,46 @@ def test_rotating_q_k_v_leaves_attention_unchanged(tiny: Any) -> None:
     assert worst < 1e-4, worst
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_of_fused_qkv_heads_is_one_pass_with_the_same_values(dtype) -> None:
+    """q, k, v that are consecutive heads of one buffer (the fused QKV projection's output) are
+    rotated in one pass over the buffer; the wrapped backend gets the same values as from three
+    separate passes, and the output is rotated back the same way. Three separately allocated
+    tensors still take three passes."""
+    from radixkv.model import native
+    from radixkv.model.attention.base import AttentionBackend
+    from radixkv.model.attention.rotated_kv import RotatedKVBackend, _fused_rows
+
+    if native.load() is None:
+        pytest.skip(f"no native build on this host: {native.build_error()}")
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    class Recording(AttentionBackend):
+        def forward(self, q, k, v, k_cache, v_cache, meta, sm_scale):
+            seen.append((q.clone(), k.clone(), v.clone(), torch.tensor(sm_scale)))
+            return q.contiguous() * 2 + k.repeat_interleave(3, 1)
+
+    t, hq, hkv, d = 5, 9, 3, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(0))
+    qkv = qkv.to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    assert _fused_rows(q, k, v) is not None
+    separate = (q.clone(), k.clone(), v.clone())
+    assert _fused_rows(*separate) is None
+    backend = RotatedKVBackend(Recording(), d)
+    out_fused = backend.forward(q, k, v, None, None, None, 0.125)
+    out_separate = backend.forward(*separate, None, None, None, 0.125)
+    for a, b in zip(*seen):
+        assert torch.equal(a, b)
+    assert torch.equal(out_fused, out_separate)
+    # and the values are the rotation: q H, with the softmax scale divided by the block
+    h = hadamard(d).double()
+    assert torch.allclose(seen[0][0].double(), q.double() @ h, rtol=2**-7, atol=1e-5)
+    assert float(seen[0][3]) == pytest.approx(0.125 / 64)
+
+
 # ------------------------------------------------------------------------------- simulator
 def test_simulator_sizes_a_memory_budget_per_kv_dtype(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

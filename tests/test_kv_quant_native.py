@@ -254,16 +254,31 @@ def test_engine_greedy_matches_torch_cascade(monkeypatch, isa, dtype, hidden, ti
 # ------------------------------------------------------------------------- the write side
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_native_store_writes_quantizes_bytes(module, kind, dtype) -> None:
+@pytest.mark.parametrize("d", [64, 24, 80])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "qkv-slices"])
+def test_native_store_writes_quantizes_bytes(module, kind, dtype, d, strided) -> None:
     """``store_kv_quant_`` writes exactly ``kv_quant.quantize``'s bytes (codes and scale) to the
-    given slots and nothing elsewhere: rows of every magnitude, a zero row, a row at the top of the range."""
+    given slots and nothing elsewhere: rows of every magnitude, a zero row, a row at the top of
+    the range, a code exactly half-way (rounded to even); head dims of whole vectors and with a
+    scalar tail; k, v contiguous or column slices of one fused QKV buffer (tokens strided)."""
     storage = KINDS[kind]
     g = torch.Generator().manual_seed(5)
-    t, hkv, d = 150, 3, 64
+    t, hkv = 150, 3
     k = (torch.randn(t, hkv, d, generator=g) * torch.rand(t, hkv, 1, generator=g) * 30).to(dtype)
     k[4, 2] = 0.0
     k[7, 0, :2] = torch.tensor([127.0, 63.5])  # codes at and near the top of the range
+    # amax 448 gives an e4m3 scale of exactly 1: ties between e4m3 values (normal and
+    # subnormal, both signs), a signed zero
+    k[9, 1, :8] = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 2**-10, 3 * 2**-10, -0.0, 2**-10])
+    k[9, 1, 7] = -(3 * 2**-10)
     v = torch.randn(t, hkv, d, generator=g).to(dtype)
+    if strided:  # [T, (Hq + 2 Hkv) D] with Hq = 9: k and v are column slices
+        qkv = torch.randn(t, (9 + 2 * hkv) * d, generator=g).to(dtype)
+        qkv[:, 9 * d : (9 + hkv) * d] = k.reshape(t, -1)
+        qkv[:, (9 + hkv) * d :] = v.reshape(t, -1)
+        k = qkv[:, 9 * d : (9 + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (9 + hkv) * d :].view(t, hkv, d)
+        assert not k.is_contiguous()
     kc = torch.full((20, 16, hkv, d + 2), 7, dtype=storage)
     vc = kc.clone()
     slots = torch.randperm(320, generator=g)[:t]
@@ -274,6 +289,8 @@ def test_native_store_writes_quantizes_bytes(module, kind, dtype) -> None:
         untouched = torch.ones(320, dtype=torch.bool)
         untouched[slots] = False
         assert bool((flat[untouched] == 7).all())
+    with pytest.raises(RuntimeError, match="heads contiguous"):
+        module.store_kv_quant_(k.transpose(0, 1), v.transpose(0, 1), kc, vc, slots[:hkv])
     with pytest.raises(RuntimeError, match="D \\+ 2"):
         module.store_kv_quant_(k, v, kc[..., :-1].contiguous(), vc[..., :-1].contiguous(), slots)
     with pytest.raises(RuntimeError, match="outside the pool"):
@@ -296,3 +313,21 @@ def test_native_rotation_is_the_hadamard_product(module, d) -> None:
     got16 = module.hadamard_rows(x.bfloat16(), 0.25).double()
     want16 = x.bfloat16().double() @ hadamard(d).double() * 0.25
     assert float(((got16 - want16).abs() / want16.abs().clamp_min(1e-3)).max()) <= 2**-8
+
+
+@pytest.mark.parametrize("d", [24, 64, 80])
+def test_native_rotation_of_bf16_rounds_the_float32_result_once(module, d) -> None:
+    """For bfloat16 rows the butterflies run in float32 and the result is rounded once, to
+    nearest even as torch's ``.to(bfloat16)`` rounds: bit for bit the float32 path's output
+    rounded by torch (vector lanes and scalar tails alike). A NaN row reads back as NaN (the
+    quiet NaN c10::BFloat16 writes; torch's own vectorized cast keeps other NaN bits)."""
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(70, 5, d, generator=g) * 40).bfloat16()
+    x[3, 1] = float("nan")
+    finite = torch.ones(70, 5, dtype=torch.bool)
+    finite[3, 1] = False
+    for scale in (1.0, 0.125, 1 / 3):
+        got = module.hadamard_rows(x, scale)
+        want = module.hadamard_rows(x.float(), scale).bfloat16()
+        assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+        assert bool((got[3, 1].view(torch.int16) == 0x7FC0).all())

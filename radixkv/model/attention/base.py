@@ -96,7 +96,9 @@ def torch_store_kvcache(
     if is_quantized(k_cache):
         module = native_module_for(k) if k_cache.is_contiguous() else None
         if module is not None:  # the same bytes in one pass (csrc/cpu_kv_store.cpp)
-            module.store_kv_quant_(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)
+            if not _rows_contiguous(k, v):  # tokens may be at any stride, heads not
+                k, v = k.contiguous(), v.contiguous()
+            module.store_kv_quant_(k, v, k_cache, v_cache, slots)
             return
         k, v = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
     elif k.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous():

@@ -54,10 +54,35 @@ class RotatedKVBackend(AttentionBackend):
     ) -> torch.Tensor:
         module = native_module_for(q)
         if module is not None:  # butterflies in one pass each (csrc/cpu_kv_store.cpp)
-            q, k, v = (module.hadamard_rows(x.contiguous(), 1.0) for x in (q, k, v))
+            qkv = _fused_rows(q, k, v)
+            if qkv is not None:  # q, k, v are heads of one buffer: one pass, no copies
+                qkv = module.hadamard_rows(qkv, 1.0)
+                hq, hkv = q.shape[1], k.shape[1]
+                q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+            else:
+                q, k, v = (module.hadamard_rows(x.contiguous(), 1.0) for x in (q, k, v))
             out = self.inner.forward(q, k, v, k_cache, v_cache, meta, sm_scale / self.block)
             # H is symmetric (Sylvester blocks), so H^T = H
             return module.hadamard_rows(out.contiguous(), 1.0 / self.block)
         h = self._h(q)
         out = self.inner.forward(q @ h, k @ h, v @ h, k_cache, v_cache, meta, sm_scale / self.block)
         return (out @ self._h(out).T).mul_(1.0 / self.block)
+
+
+def _fused_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """``[T, Hq + 2 Hkv, D]`` over the same memory when ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``
+    are consecutive heads of one row-major buffer (the fused QKV projection's output), so
+    that one contiguous pass rotates all three; else None."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    row = (hq + 2 * hkv) * d
+    es = q.element_size()
+    if not (
+        k.dtype == q.dtype == v.dtype
+        and k.shape == v.shape == (t, hkv, d)
+        and q.stride() == k.stride() == v.stride() == (row, d, 1)
+        and k.data_ptr() == q.data_ptr() + hq * d * es
+        and v.data_ptr() == k.data_ptr() + hkv * d * es
+    ):
+        return None
+    return q.as_strided((t, hq + 2 * hkv, d), (row, d, 1))

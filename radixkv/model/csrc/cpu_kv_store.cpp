@@ -4,7 +4,7 @@
 //     Hadamard matrix of kv_quant.hadamard (Sylvester blocks of b = D & -D), by the fast
 //     Walsh-Hadamard butterflies in float32 (one rounding to the dtype at the end). The rotation
 //     of q, k, v and of the attention output around a backend over quantized pages.
-//   store_kv_quant_(k, v [T, Hkv, D] f32/bf16, k_cache, v_cache int8/uint8 [pages, P, Hkv, D+2],
+//   store_kv_quant_(k, v [T, Hkv, D] f32/bf16 (tokens at any stride), k_cache, v_cache int8/uint8 [pages, P, Hkv, D+2],
 //     slots int64 [T]): each (token, head) row quantized exactly as kv_quant.quantize does
 //     (scale = absmax * ((1 + 2^-8) / qmax) rounded to nearest bf16, code = round-half-even(x / s)
 //     clamped for int8, float8_e4m3fn of x / s clamped to 448 for uint8) and written with its
@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -102,14 +103,121 @@ void butterflies(float* x, int64_t d) {
   }
 }
 
+// bf16 <-> float32 a vector at a time: widening is exact (the bits shifted up by 16); narrowing
+// rounds to nearest even and maps NaN to 0x7fc0, as c10::BFloat16(float) and torch's
+// .to(bfloat16) do, so the vector and scalar paths write the same bits.
+typedef uint16_t vh __attribute__((vector_size(radixkv_vec::VW * 2)));
+typedef uint32_t vu __attribute__((vector_size(radixkv_vec::VW * 4)));
+
+inline radixkv_vec::vf widen_bf16(const c10::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return reinterpret_cast<radixkv_vec::vf>(__builtin_convertvector(h, vu) << 16);
+}
+
+inline void narrow_bf16(c10::BFloat16* p, radixkv_vec::vf x) {
+  const vu bits = reinterpret_cast<vu>(x);
+  const vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const vu nan = reinterpret_cast<vu>(x != x);  // all ones where x is NaN
+  const vh h = __builtin_convertvector((rounded & ~nan) | (nan & 0x7fc0u), vh);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// dst[0 .. d) = the row at src as float32.
+template <typename T>
+void load_row(const T* src, int64_t d, float* dst) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; j + radixkv_vec::VW <= d; j += radixkv_vec::VW) {
+      radixkv_vec::storev(dst + j, widen_bf16(src + j));
+    }
+  }
+  for (; j < d; ++j) dst[j] = load(src + j);
+}
+
+// dst[0 .. d) = src * scale, rounded once to T.
+template <typename T>
+void store_row(const float* src, int64_t d, float scale, T* dst) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const radixkv_vec::vf sv = radixkv_vec::splat(scale);
+    for (; j + radixkv_vec::VW <= d; j += radixkv_vec::VW) {
+      narrow_bf16(dst + j, radixkv_vec::loadv(src + j) * sv);
+    }
+  }
+  for (; j < d; ++j) dst[j] = static_cast<T>(src[j] * scale);
+}
+
+inline radixkv_vec::vf load_vec(const float* p) { return radixkv_vec::loadv(p); }
+inline radixkv_vec::vf load_vec(const c10::BFloat16* p) { return widen_bf16(p); }
+inline void store_vec(float* p, radixkv_vec::vf x) { radixkv_vec::storev(p, x); }
+inline void store_vec(c10::BFloat16* p, radixkv_vec::vf x) { narrow_bf16(p, x); }
+
+// Rows of d = blocks of NV vectors rotated in registers, straight from src to dst: the
+// butterflies_vec operations in the same order (so the same values), with every loop bound known
+// at compile time and no float32 buffer between the load, the butterflies and the store.
+template <typename T, int NV>
+void hadamard_rows_fixed(const T* src, T* dst, int64_t begin, int64_t end, int64_t d,
+                         float scale, const InVectorStages& st) {
+  using namespace radixkv_vec;
+  constexpr int kStages = VW == 16 ? 4 : 3;  // log2(VW): the in-vector stages
+  const vf sv = splat(scale);
+  for (int64_t base = begin * d; base < end * d; base += NV * VW) {
+    vf v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = load_vec(src + base + i * VW);
+    for (int s = 0; s < kStages; ++s) {
+      const vi perm = st.perm[s];
+      const vf sign = st.sign[s];
+      for (int i = 0; i < NV; ++i) v[i] = v[i] * sign + __builtin_shuffle(v[i], perm);
+    }
+    for (int step = 1; step < NV; step <<= 1) {
+      for (int i = 0; i < NV; i += 2 * step) {
+        for (int j = i; j < i + step; ++j) {
+          const vf a = v[j], c = v[j + step];
+          v[j] = a + c;
+          v[j + step] = a - c;
+        }
+      }
+    }
+    for (int i = 0; i < NV; ++i) store_vec(dst + base + i * VW, v[i] * sv);
+  }
+}
+
+// hadamard_rows_fixed for the block widths of the common head dims; false for the others.
+template <typename T>
+bool hadamard_rows_unrolled(const T* src, T* dst, int64_t begin, int64_t end, int64_t d,
+                            float scale) {
+  using radixkv_vec::VW;
+  static const InVectorStages st;
+  const int64_t b = d & -d;
+  if (b < VW) return false;
+  switch (b / VW) {
+    case 1:
+      hadamard_rows_fixed<T, 1>(src, dst, begin, end, d, scale, st);
+      return true;
+    case 2:
+      hadamard_rows_fixed<T, 2>(src, dst, begin, end, d, scale, st);
+      return true;
+    case 4:
+      hadamard_rows_fixed<T, 4>(src, dst, begin, end, d, scale, st);
+      return true;
+    case 8:
+      hadamard_rows_fixed<T, 8>(src, dst, begin, end, d, scale, st);
+      return true;
+    default:
+      return false;
+  }
+}
+
 template <typename T>
 void hadamard_impl(const T* src, T* dst, int64_t rows, int64_t d, float scale) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    if (hadamard_rows_unrolled(src, dst, begin, end, d, scale)) return;
     std::vector<float> buf(d);
     for (int64_t r = begin; r < end; ++r) {
-      for (int64_t j = 0; j < d; ++j) buf[j] = load(src + r * d + j);
+      load_row(src + r * d, d, buf.data());
       butterflies(buf.data(), d);
-      for (int64_t j = 0; j < d; ++j) dst[r * d + j] = static_cast<T>(buf[j] * scale);
+      store_row(buf.data(), d, scale, dst + r * d);
     }
   });
 }
@@ -119,25 +227,96 @@ uint16_t bf16_bits_nearest(float s) {
   return b.x;
 }
 
+typedef int8_t vc __attribute__((vector_size(radixkv_vec::VW)));
+typedef uint8_t vcu __attribute__((vector_size(radixkv_vec::VW)));
+
+#if defined(__AVX512F__) || defined(__AVX__)
+// Each lane rounded to the nearest integer, ties to even.
+inline radixkv_vec::vf round_even(radixkv_vec::vf y) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#if defined(__AVX512F__)
+  return reinterpret_cast<radixkv_vec::vf>(
+      _mm512_roundscale_ps(reinterpret_cast<__m512>(y), kMode));
+#else
+  return reinterpret_cast<radixkv_vec::vf>(_mm256_round_ps(reinterpret_cast<__m256>(y), kMode));
+#endif
+}
+#endif
+
+// The largest |x| of the d floats at x.
+float abs_max(const float* x, int64_t d) {
+  using namespace radixkv_vec;
+  int64_t j = 0;
+  float amax = 0.f;
+  if (d >= VW) {
+    vf m{};
+    for (; j + VW <= d; j += VW) {
+      const vf a = loadv(x + j);
+      const vf abs = a < vf{} ? -a : a;
+      m = abs > m ? abs : m;
+    }
+    for (int l = 0; l < VW; ++l) amax = std::max(amax, m[l]);
+  }
+  for (; j < d; ++j) amax = std::max(amax, std::fabs(x[j]));
+  return amax;
+}
+
+// Row r of x is token r / hkv, head r % hkv: tokens `token_stride` elements apart, each token's
+// hkv x d heads contiguous.
 template <typename T, bool kInt8>
-void quantize_rows(const T* x, int64_t rows, int64_t d, const int64_t* row_slot, int64_t hkv,
-                   int8_t* cache) {
+void quantize_rows(const T* x, int64_t token_stride, int64_t rows, int64_t d,
+                   const int64_t* row_slot, int64_t hkv, int8_t* cache) {
   constexpr float kQmax = kInt8 ? 127.f : 448.f;
   const float widen = static_cast<float>((1.0 + 1.0 / 256.0) / (kInt8 ? 127.0 : 448.0));
   const int64_t row_bytes = d + 2;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    using namespace radixkv_vec;
+    std::vector<float> buf(d);
     for (int64_t r = begin; r < end; ++r) {
-      const T* src = x + r * d;
-      float amax = 0.f;
-      for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(load(src + j)));
+      load_row(x + (r / hkv) * token_stride + (r % hkv) * d, d, buf.data());
+      const float amax = abs_max(buf.data(), d);
       const uint16_t sbits = bf16_bits_nearest(amax * widen);
-      // row r is token r / hkv, head r % hkv
       int8_t* dst = cache + (row_slot[r / hkv] * hkv + r % hkv) * row_bytes;
       std::memcpy(dst + d, &sbits, sizeof(sbits));
       const float sf = radixkv_kvq::row_scale(dst, d);  // the scale as every reader decodes it
       const float inv = sf > 0.f ? 1.f / sf : 0.f;
-      for (int64_t j = 0; j < d; ++j) {
-        const float y = load(src + j) * inv;
+      int64_t j = 0;
+#if defined(__AVX512F__) || defined(__AVX__)
+      if constexpr (kInt8) {
+        // x / scale rounded to float, then to the nearest integer, ties to even: what
+        // std::nearbyint gives (a round instruction, not an add, so nothing fuses the product
+        // into it and skips its rounding)
+        const vf iv = splat(inv), hi = splat(kQmax), lo = -hi;
+        for (; j + VW <= d; j += VW) {
+          vf q = round_even(loadv(buf.data() + j) * iv);
+          q = q > hi ? hi : q;
+          q = q < lo ? lo : q;
+          const vc codes = __builtin_convertvector(__builtin_convertvector(q, vi), vc);
+          std::memcpy(dst + j, &codes, sizeof(codes));
+        }
+      } else {
+        // x / scale clamped to +-448, then to e4m3 with ties to even, as c10::Float8_e4m3fn:
+        // a normal (|c| >= 2^-6) keeps the top 3 mantissa bits, rounded, and rebiases the
+        // exponent (bias 127 -> 7: 120 << 3 off the code); a subnormal is |c| / 2^-9 rounded to
+        // an integer code 0..8 (8 being 2^-6); the sign goes to bit 7.
+        const vf iv = splat(inv), hi = splat(kQmax), lo = -hi;
+        for (; j + VW <= d; j += VW) {
+          vf c = loadv(buf.data() + j) * iv;
+          c = c > hi ? hi : c;
+          c = c < lo ? lo : c;
+          const vu u = reinterpret_cast<vu>(c);
+          const vu a = u & 0x7fffffffu;
+          const vu normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+          const vf sub_f = round_even(reinterpret_cast<vf>(a) * splat(512.f));
+          const vu sub = reinterpret_cast<vu>(__builtin_convertvector(sub_f, vi));
+          const vu code = (a >= 0x3c800000u ? normal : sub) | ((u >> 24) & 0x80u);
+          const vcu bytes = __builtin_convertvector(code, vcu);
+          std::memcpy(dst + j, &bytes, sizeof(bytes));
+        }
+      }
+#endif
+      for (; j < d; ++j) {
+        const float y = buf[j] * inv;
         if constexpr (kInt8) {
           const float q = std::min(kQmax, std::max(-kQmax, std::nearbyint(y)));
           dst[j] = static_cast<int8_t>(q);
@@ -152,12 +331,12 @@ void quantize_rows(const T* x, int64_t rows, int64_t d, const int64_t* row_slot,
 
 template <typename T>
 void quantize_dispatch(const at::Tensor& x, const int64_t* slots, at::Tensor& cache) {
-  const int64_t hkv = x.size(1), d = x.size(2), rows = x.size(0) * hkv;
+  const int64_t hkv = x.size(1), d = x.size(2), rows = x.size(0) * hkv, ts = x.stride(0);
   int8_t* dst = static_cast<int8_t*>(cache.data_ptr());
   if (cache.scalar_type() == at::kChar) {
-    quantize_rows<T, true>(x.data_ptr<T>(), rows, d, slots, hkv, dst);
+    quantize_rows<T, true>(x.data_ptr<T>(), ts, rows, d, slots, hkv, dst);
   } else {
-    quantize_rows<T, false>(x.data_ptr<T>(), rows, d, slots, hkv, dst);
+    quantize_rows<T, false>(x.data_ptr<T>(), ts, rows, d, slots, hkv, dst);
   }
 }
 
@@ -196,9 +375,13 @@ at::Tensor hadamard_rows(const at::Tensor& x, double scale) {
 
 void store_kv_quant_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                      at::Tensor& v_cache, const at::Tensor& slots) {
-  TORCH_CHECK(k.device().is_cpu() && k.dim() == 3 && k.is_contiguous() && v.sizes() == k.sizes() &&
-                  v.is_contiguous() && v.scalar_type() == k.scalar_type(),
-              "store_kv_quant_: k, v must be contiguous CPU [T, Hkv, D] tensors of one dtype");
+  const auto rows_contiguous = [](const at::Tensor& x) {  // tokens at any stride
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) && x.stride(0) >= x.size(1) * x.size(2);
+  };
+  TORCH_CHECK(k.device().is_cpu() && k.dim() == 3 && v.sizes() == k.sizes() &&
+                  rows_contiguous(k) && rows_contiguous(v) && v.scalar_type() == k.scalar_type(),
+              "store_kv_quant_: k, v must be CPU [T, Hkv, D] tensors of one dtype, each token's "
+              "Hkv x D heads contiguous");
   TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
               "store_kv_quant_: k, v must be float32 or bfloat16");
   TORCH_CHECK((k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kByte) &&
