@@ -24,7 +24,7 @@ def _info(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def _runner(head_dim: int, dtype: torch.dtype) -> ModelRunner:
+def _runner(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> ModelRunner:
     """A runner of ``dtype`` on a one-layer random Llama whose attention heads are ``head_dim``
     wide: the backend an engine of that model would use."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -39,7 +39,13 @@ def _runner(head_dim: int, dtype: torch.dtype) -> ModelRunner:
         max_position_embeddings=64,
     )
     torch.manual_seed(0)
-    runner = ModelRunner(LlamaForCausalLM(cfg).eval(), num_pages=4, page_size=16, dtype=dtype)
+    runner = ModelRunner(
+        LlamaForCausalLM(cfg).eval(),
+        num_pages=4,
+        page_size=16,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     assert runner.config.head_dim == head_dim and runner.dtype == dtype
     return runner
 
@@ -95,6 +101,18 @@ def test_info_backend_follows_the_dtype_and_head_dim(
     # the same backend class a runner of that dtype and head dim builds
     runner = _runner(head_dim, getattr(torch, dtype))
     assert info["attention_impl"] == type(runner.backend).__name__
+
+
+def test_info_of_a_runner_names_the_backend_inside_a_wrapper() -> None:
+    """A runner over int8 pages wraps its backend in the rotation: the platform line (the
+    server logs it at start) names both, so which kernel serves is never hidden."""
+    from radixkv.model.platform_info import platform_info
+
+    plain = _runner(64, default_dtype("cpu"))
+    assert platform_info(runner=plain)["attention_impl"] == type(plain.backend).__name__
+    rotated = _runner(64, default_dtype("cpu"), kv_cache_dtype="int8")
+    inner = type(rotated.backend.inner).__name__
+    assert platform_info(runner=rotated)["attention_impl"] == f"RotatedKVBackend({inner})"
 
 
 def test_info_text_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,6 +62,9 @@ def platform_info(
         dtype = runner.dtype
         backend = runner.attention_backend
         impl = type(runner.backend).__name__
+        inner = getattr(runner.backend, "inner", None)  # a wrapper (RotatedKVBackend) names it
+        if inner is not None:
+            impl += f"({type(inner).__name__})"
         head_dim = runner.config.head_dim
         device = str(runner.device)
     else:
