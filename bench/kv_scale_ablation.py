@@ -68,6 +68,7 @@ class FakeQuantBackend(AttentionBackend):
             c.data_ptr(): torch.zeros(pool.num_pages, pool.num_kv_heads) for c in (*pool.k, *pool.v)
         }
         self._slots: torch.Tensor | None = None
+        self.regrown = 0  # (page, head) scales grown over rows already stored, re-rounding them
 
     def copy_scales(self, src: list[int], dst: list[int]) -> None:
         """Page copies carry their scales (called beside ``KVPool.copy_pages``)."""
@@ -105,6 +106,7 @@ class FakeQuantBackend(AttentionBackend):
             requant = _round_to(rows, new[grown].unsqueeze(1).expand(-1, p, -1), self.storage)
             rows = torch.where(keep[:, :, None, None], requant, rows)
             cache.index_copy_(0, g, rows)
+            self.regrown += int(((new > old) & (old > 0))[grown].sum())
         scales[uniq] = new
         return _round_to(x, new[inv], self.storage)
 

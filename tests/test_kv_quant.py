@@ -257,6 +257,57 @@ def test_rotation_of_fused_qkv_heads_is_one_pass_with_the_same_values(dtype) -> 
     assert float(seen[0][3]) == pytest.approx(0.125 / 64)
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_scale_ablation_simulates_the_engine_and_keeps_one_scale_a_page(tiny: Any, kv) -> None:
+    """bench/kv_scale_ablation.py, which chose per-token scales by measurement: per token, its
+    float32 simulation gives the quantized engine's own greedy tokens and logprobs; per page,
+    every (page, head) of the pool holds values on one grid (one scale, codes in range) after
+    decodes that grew pages' scales and re-rounded their rows."""
+    from bench.kv_scale_ablation import FakeQuantBackend, install
+    from radixkv import SamplingParams
+    from radixkv.model.kv_quant import kv_storage_dtype
+
+    storage = kv_storage_dtype(kv, torch.float32)
+    rotated = storage == torch.int8
+    prompts = cycle_workload(rounds=1, seed=3)[:3]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    real = engine(tiny, kv, chunked_prefill_tokens=32)
+    sim = engine(tiny, "auto", chunked_prefill_tokens=32)
+    install(sim, storage, per_page=False, rotated=rotated)
+    for a, b in zip(real.generate(prompts, params), sim.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            assert max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-4
+
+    paged = engine(tiny, "auto", chunked_prefill_tokens=32)
+    install(paged, storage, per_page=True, rotated=rotated)
+    paged.generate(prompts, params)
+    fake = paged.runner.backend.inner if rotated else paged.runner.backend
+    assert isinstance(fake, FakeQuantBackend)
+    pool = paged.runner.pool
+    qmax = 127.0 if rotated else 448.0
+    checked = 0
+    for cache in (*pool.k, *pool.v):
+        scales = fake.scales[cache.data_ptr()]
+        for page in scales.abs().sum(1).nonzero().flatten().tolist():
+            for h in range(pool.num_kv_heads):
+                s, rows = float(scales[page, h]), cache[page, :, h].double()
+                if s == 0:
+                    continue
+                written = rows.abs().amax(1) > 0  # rows never written stay zero
+                codes = rows[written] / s
+                assert float(codes.abs().max()) <= qmax
+                if rotated:  # int8: integer codes
+                    assert torch.equal(codes, codes.round())
+                else:  # e4m3: representable values
+                    c = codes.float()
+                    assert torch.equal(c.to(torch.float8_e4m3fn).float(), c)
+                checked += 1
+    assert checked > 0
+    assert fake.regrown > 0  # decodes grew scales over rows already stored (and re-rounded them)
+
+
 # ------------------------------------------------------------------------------- simulator
 def test_simulator_sizes_a_memory_budget_per_kv_dtype(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
