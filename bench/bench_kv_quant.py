@@ -22,9 +22,8 @@ Run from the repository root: ``python -m bench.bench_kv_quant`` (``--dtype`` fl
 bfloat16, default the host's; ``--skip-speed``, ``--skip-accuracy``; ``--rotation-ablation``:
 the accuracy measurements only, with int8 also measured without the Hadamard rotation and fp8
 with it; ``--scale-ablation --dtype float32``: the accuracy measurements only, int8 and fp8
-simulated with one scale per token and head and per page and head, ``bench/kv_scale_ablation.py``).
-Prints the
-host's ISA.
+simulated with one scale per token and head and per page and head,
+``bench/kv_scale_ablation.py``). Prints the host's ISA.
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@
 //     Hadamard matrix of kv_quant.hadamard (Sylvester blocks of b = D & -D), by the fast
 //     Walsh-Hadamard butterflies in float32 (one rounding to the dtype at the end). The rotation
 //     of q, k, v and of the attention output around a backend over quantized pages.
-//   store_kv_quant_(k, v [T, Hkv, D] f32/bf16 (tokens at any stride), k_cache, v_cache int8/uint8 [pages, P, Hkv, D+2],
-//     slots int64 [T]): each (token, head) row quantized exactly as kv_quant.quantize does
-//     (scale = absmax * ((1 + 2^-8) / qmax) rounded to nearest bf16, code = round-half-even(x / s)
-//     clamped for int8, float8_e4m3fn of x / s clamped to 448 for uint8) and written with its
-//     scale to slot slots[t]: the same bytes as the torch path, checked bit for bit by
-//     tests/test_kv_quant_native.py.
+//   store_kv_quant_(k, v [T, Hkv, D] f32/bf16, tokens at any stride, k_cache, v_cache int8/uint8
+//     [pages, P, Hkv, D+2], slots int64 [T]): each (token, head) row quantized exactly as
+//     kv_quant.quantize does (scale = absmax * ((1 + 2^-8) / qmax) rounded to nearest bf16,
+//     code = round-half-even(x / s) clamped for int8, float8_e4m3fn of x / s clamped to 448
+//     for uint8) and written with its scale to slot slots[t]: the same bytes as the torch path,
+//     checked bit for bit by tests/test_kv_quant_native.py.
 //   store_kv_(k, v [T, Hkv, D], k_cache, v_cache [pages, P, Hkv, D] of k's dtype, slots int64
 //     [T]): each token's Hkv x D row copied to slot slots[t] as it is (bf16 / float32 / fp16
 //     pools), tokens at any stride (k, v may be column slices of the fused QKV output), one
@@ -104,8 +104,9 @@ void butterflies(float* x, int64_t d) {
 }
 
 // bf16 <-> float32 a vector at a time: widening is exact (the bits shifted up by 16); narrowing
-// rounds to nearest even and maps NaN to 0x7fc0, as c10::BFloat16(float) and torch's
-// .to(bfloat16) do, so the vector and scalar paths write the same bits.
+// rounds to nearest even and maps NaN to 0x7fc0, as c10::BFloat16(float) does, so the vector and
+// scalar paths write the same bits (torch's .to(bfloat16) rounds the same way; its vectorized
+// cast keeps other NaN bits).
 typedef uint16_t vh __attribute__((vector_size(radixkv_vec::VW * 2)));
 typedef uint32_t vu __attribute__((vector_size(radixkv_vec::VW * 4)));
 
@@ -376,7 +377,7 @@ at::Tensor hadamard_rows(const at::Tensor& x, double scale) {
 void store_kv_quant_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                      at::Tensor& v_cache, const at::Tensor& slots) {
   const auto rows_contiguous = [](const at::Tensor& x) {  // tokens at any stride
-    return x.stride(2) == 1 && x.stride(1) == x.size(2) && x.stride(0) >= x.size(1) * x.size(2);
+    return x.stride(2) == 1 && x.stride(1) == x.size(2);
   };
   TORCH_CHECK(k.device().is_cpu() && k.dim() == 3 && v.sizes() == k.sizes() &&
                   rows_contiguous(k) && rows_contiguous(v) && v.scalar_type() == k.scalar_type(),
