@@ -12,7 +12,8 @@ in one run on SmolLM2-135M-Instruct: accuracy, capacity and the decode step.
 * **Logprob error against the float64 oracle**: for the first ``--oracle-prompts`` (8), each
   generated token's top-5 logprobs from the engine against transformers' float64 forward of the
   same prompt + continuation; the unquantized engine's own error is the baseline.
-* **Perplexity** of a fixed English text (``bench/data/ppl_text.txt``), prefilled in chunks of
+* **Perplexity** of two fixed English texts (``bench/data/ppl_text.txt``, 783 tokens, and
+  ``bench/data/ppl_gpl3.txt``, the GNU GPL v3, 7,658 tokens), each prefilled in chunks of
   32 tokens so that nearly every query attends over cached (quantized) keys; the change against
   the unquantized pool (target within 1%).
 * **Decode step**: the batch-64 step on 4 x 768 shared + 64 own tokens, greedy, median of the
@@ -41,7 +42,10 @@ from radixkv.model.kv_pool import KVPool
 from radixkv.model.kv_quant import is_rotated, kv_storage_dtype
 
 QUANT = ("int8", "fp8_e4m3")
-TEXT = Path(__file__).parent / "data" / "ppl_text.txt"
+# fixed English texts: a short one (783 tokens), and the GNU GPL v3 (7,658 tokens, copied
+# verbatim from Debian's /usr/share/common-licenses/GPL-3), long enough that the perplexity
+# moves by less than a rounding change's noise
+TEXTS = [Path(__file__).parent / "data" / name for name in ("ppl_text.txt", "ppl_gpl3.txt")]
 TOPICS = [
     "volcanoes", "the moon", "bread", "bees", "rivers", "chess", "glass", "tea", "whales",
     "maps", "bridges", "rain", "copper", "owls", "deserts", "paper", "trains", "salt",
@@ -191,20 +195,20 @@ def oracle_error(
 
 
 def perplexity(model: Any, dtype: str, cases: list[Case]) -> None:
-    """Perplexity per case (KV dtype, with or without the rotation)."""
-    text = TEXT.read_text()
-    results = {}
-    for case in cases:
-        e = make_engine(model, dtype, case, chunked_prefill_tokens=32, kv_cache_tokens=8192)
-        ids = e.tokenizer.encode(text)
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        (out,) = e.generate([ids], params)
-        nll = [-next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-        results[label_of(case)] = float(torch.tensor(nll, dtype=torch.float64).mean().exp())
-    base = results["unquantized"]
-    print(f"perplexity of bench/data/ppl_text.txt ({len(nll) + 1} tokens, chunks of 32, {dtype}):")
-    for label, ppl in results.items():
-        print(f"  {label:22s} {ppl:.4f}  ({(ppl / base - 1) * 100:+.2f}%)")
+    """Perplexity of each fixed text per case (KV dtype, with or without the rotation)."""
+    for path in TEXTS:
+        results = {}
+        for case in cases:
+            e = make_engine(model, dtype, case, chunked_prefill_tokens=32, kv_cache_tokens=16384)
+            ids = e.tokenizer.encode(path.read_text())
+            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            (out,) = e.generate([ids], params)
+            nll = [-next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+            results[label_of(case)] = float(torch.tensor(nll, dtype=torch.float64).mean().exp())
+        base = results["unquantized"]
+        print(f"perplexity of bench/data/{path.name} ({len(ids)} tokens, chunks of 32, {dtype}):")
+        for label, ppl in results.items():
+            print(f"  {label:22s} {ppl:.4f}  ({(ppl / base - 1) * 100:+.2f}%)")
 
 
 def multi_turn_hit_rate(model: Any, dtype: str, memory_gb: float) -> None:
@@ -282,6 +286,11 @@ def main() -> None:
         help="the accuracy measurements only (--dtype float32): int8 and fp8 simulated with one "
         "scale per (token, head) and per (page, head) (bench/kv_scale_ablation.py)",
     )
+    parser.add_argument(
+        "--perplexity-only",
+        action="store_true",
+        help="capacity and the fixed texts' perplexity only (with the cases the other flags pick)",
+    )
     args = parser.parse_args()
     from radixkv.model.loader import load_model
     from radixkv.model.runner import default_dtype
@@ -295,8 +304,11 @@ def main() -> None:
         parser.error("--scale-ablation simulates over a float32 pool: add --dtype float32")
     cases = scale_cases() if args.scale_ablation else cases_for(args.rotation_ablation)
     args.rotation_ablation = args.rotation_ablation or args.scale_ablation
-    if not args.rotation_ablation:
+    if not (args.rotation_ablation or args.perplexity_only):
         multi_turn_hit_rate(model, name, args.memory_gb)
+    if args.perplexity_only:
+        perplexity(model, name, cases)
+        return
     if not args.skip_accuracy:
         prompts = agreement(model, name, args.prompts, args.tokens, cases)
         oracle_error(model, name, prompts[: args.oracle_prompts], args.tokens, cases)
