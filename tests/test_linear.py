@@ -137,7 +137,7 @@ def _gemm(isa: str, dtype: torch.dtype):
     """(pack, multiply, columns per block) of the ``isa`` build's GEMM for ``dtype``."""
     module = native.load(isa)
     if dtype == torch.bfloat16:
-        return module.pack_bf16_weight, module.bf16_gemm, 16
+        return module.pack_bf16_weight, module.bf16_gemm, module.bf16_gemm_block()[0]
     return module.pack_f32_weight, module.f32_gemm, module.f32_gemm_cols()
 
 
@@ -226,6 +226,7 @@ def test_each_build_has_the_gemms_its_isa_runs(isa: str) -> None:
     assert module.has_bf16_gemm() is (isa == "avx512_bf16")
     assert module.has_f32_gemm() is (isa != "portable")
     assert module.f32_gemm_cols() == (8 if isa in ("avx2", "portable") else 16)
+    assert module.bf16_gemm_block() == (16, 2)  # pack_bf16_weight's [N / 16, K / 2, 32]
     if isa != "avx512_bf16":
         with pytest.raises(RuntimeError, match="avx512_bf16"):
             module.bf16_gemm(torch.zeros(1, 2, dtype=torch.bfloat16), torch.zeros(1, 1, 32))

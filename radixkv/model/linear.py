@@ -105,7 +105,10 @@ def native_gemm_module(weight: torch.Tensor) -> Any | None:
     module = native.load()
     if module is None or not getattr(module, funcs[0])():
         return None
-    cols, step = (16, 2) if weight.dtype == torch.bfloat16 else (module.f32_gemm_cols(), 1)
+    if weight.dtype == torch.bfloat16:
+        cols, step = module.bf16_gemm_block()
+    else:
+        cols, step = module.f32_gemm_cols(), 1
     if weight.dtype == torch.float32 and cols != 8:
         return None  # AVX-512 builds: oneDNN's float32 GEMM measured level or ahead there
     if weight.shape[0] % cols or weight.shape[1] % step:

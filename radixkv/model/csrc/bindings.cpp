@@ -33,6 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_gemm", &has_bf16_gemm, "Whether this build has the AVX512-BF16 GEMM");
   m.def("has_f32_gemm", &has_f32_gemm, "Whether this build has the float32 GEMM (AVX2/AVX-512)");
   m.def("f32_gemm_cols", &f32_gemm_cols, "Output columns per packed float32 block");
+  m.def("bf16_gemm_block", &bf16_gemm_block,
+        "(output columns, inputs per step) of a packed bf16 block: out_features and in_features "
+        "must be multiples of them");
   m.def("pack_bf16_weight", &pack_bf16_weight,
         "W [N, K] bf16 -> [N / 16, K / 2, 32], the layout bf16_gemm reads");
   m.def("bf16_gemm", &bf16_gemm, "x [M, K] W^T for bf16 rows, W from pack_bf16_weight");

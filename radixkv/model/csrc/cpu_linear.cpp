@@ -192,6 +192,7 @@ at::Tensor check_and_alloc(const at::Tensor& x, const at::Tensor& packed, at::Sc
 bool has_bf16_gemm() { return RADIXKV_BF16_GEMM; }
 bool has_f32_gemm() { return RADIXKV_F32_GEMM; }
 int64_t f32_gemm_cols() { return radixkv_vec::VW; }
+std::tuple<int64_t, int64_t> bf16_gemm_block() { return {kBf16Cols, kBf16Step}; }
 
 at::Tensor pack_bf16_weight(const at::Tensor& w) {
   check_weight(w, at::kBFloat16, kBf16Cols, kBf16Step);

@@ -3,12 +3,16 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <tuple>
+
 // Whether this build has the AVX512-BF16 GEMM / the float32 GEMM (AVX2 or AVX-512 builds);
 // without it the GEMM below raises.
 bool has_bf16_gemm();
 bool has_f32_gemm();
 // Output columns per packed float32 block in this build (its vector width).
 int64_t f32_gemm_cols();
+// The packed bf16 block: output columns, and inputs per step (16, 2).
+std::tuple<int64_t, int64_t> bf16_gemm_block();
 // W [N, K] bf16 (N % 16 == 0, K even) -> its packed form [N / 16, K / 2, 32].
 at::Tensor pack_bf16_weight(const at::Tensor& w);
 // y [M, N] = x [M, K] W^T in bf16 (float32 accumulation, one rounding), W given packed.
