@@ -56,31 +56,39 @@ struct InVectorStages {  // lane permutation and sign of each stage with len < V
   }
 };
 
+// The butterflies of one block held in v[0 .. nv): `stages` in-vector stages (len < VW: a lane
+// permutation and a sign each), then the cross-vector ones (whole vectors added and subtracted).
+// Inlined, so where nv and stages are constants the block stays in registers.
+__attribute__((always_inline)) inline void butterfly_block(radixkv_vec::vf* v, int64_t nv,
+                                                           const InVectorStages& st, int stages) {
+  using namespace radixkv_vec;
+  for (int s = 0; s < stages; ++s) {
+    const vi perm = st.perm[s];
+    const vf sign = st.sign[s];
+    for (int64_t i = 0; i < nv; ++i) v[i] = v[i] * sign + __builtin_shuffle(v[i], perm);
+  }
+  for (int64_t step = 1; step < nv; step <<= 1) {
+    for (int64_t i = 0; i < nv; i += 2 * step) {
+      for (int64_t j = i; j < i + step; ++j) {
+        const vf a = v[j], c = v[j + step];
+        v[j] = a + c;
+        v[j + step] = a - c;
+      }
+    }
+  }
+}
+
 bool butterflies_vec(float* x, int64_t d) {
   using namespace radixkv_vec;
   const int64_t b = d & -d;
   if (b < VW || b > 64 * VW) return false;
   static const InVectorStages in_vector;  // built once, not per row
-  const vi* perm = in_vector.perm;
-  const vf* sign = in_vector.sign;
-  const int stages = in_vector.count;
   const int64_t nv = b / VW;
   vf v[64];
   for (int64_t base = 0; base < d; base += b) {
     float* y = x + base;
     for (int64_t i = 0; i < nv; ++i) v[i] = loadv(y + i * VW);
-    for (int s = 0; s < stages; ++s) {
-      for (int64_t i = 0; i < nv; ++i) v[i] = v[i] * sign[s] + __builtin_shuffle(v[i], perm[s]);
-    }
-    for (int64_t step = 1; step < nv; step <<= 1) {
-      for (int64_t i = 0; i < nv; i += 2 * step) {
-        for (int64_t j = i; j < i + step; ++j) {
-          const vf a = v[j], c = v[j + step];
-          v[j] = a + c;
-          v[j + step] = a - c;
-        }
-      }
-    }
+    butterfly_block(v, nv, in_vector, in_vector.count);
     for (int64_t i = 0; i < nv; ++i) storev(y + i * VW, v[i]);
   }
   return true;
@@ -154,9 +162,9 @@ inline radixkv_vec::vf load_vec(const c10::BFloat16* p) { return widen_bf16(p); 
 inline void store_vec(float* p, radixkv_vec::vf x) { radixkv_vec::storev(p, x); }
 inline void store_vec(c10::BFloat16* p, radixkv_vec::vf x) { narrow_bf16(p, x); }
 
-// Rows of d = blocks of NV vectors rotated in registers, straight from src to dst: the
-// butterflies_vec operations in the same order (so the same values), with every loop bound known
-// at compile time and no float32 buffer between the load, the butterflies and the store.
+// Rows of d = blocks of NV vectors rotated in registers, straight from src to dst: butterfly_block
+// as butterflies_vec runs it (so the same values), with every loop bound known at compile time
+// and no float32 buffer between the load, the butterflies and the store.
 template <typename T, int NV>
 void hadamard_rows_fixed(const T* src, T* dst, int64_t begin, int64_t end, int64_t d,
                          float scale, const InVectorStages& st) {
@@ -166,20 +174,7 @@ void hadamard_rows_fixed(const T* src, T* dst, int64_t begin, int64_t end, int64
   for (int64_t base = begin * d; base < end * d; base += NV * VW) {
     vf v[NV];
     for (int i = 0; i < NV; ++i) v[i] = load_vec(src + base + i * VW);
-    for (int s = 0; s < kStages; ++s) {
-      const vi perm = st.perm[s];
-      const vf sign = st.sign[s];
-      for (int i = 0; i < NV; ++i) v[i] = v[i] * sign + __builtin_shuffle(v[i], perm);
-    }
-    for (int step = 1; step < NV; step <<= 1) {
-      for (int i = 0; i < NV; i += 2 * step) {
-        for (int j = i; j < i + step; ++j) {
-          const vf a = v[j], c = v[j + step];
-          v[j] = a + c;
-          v[j + step] = a - c;
-        }
-      }
-    }
+    butterfly_block(v, NV, st, kStages);
     for (int i = 0; i < NV; ++i) store_vec(dst + base + i * VW, v[i] * sv);
   }
 }
