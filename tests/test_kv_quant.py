@@ -171,12 +171,13 @@ def test_the_rotation_is_orthogonal_up_to_its_block(d: int) -> None:
     assert torch.equal(h @ h.T, b * torch.eye(d, dtype=torch.float64))
 
 
-def test_int8_pages_are_rotated_and_fp8_pages_are_not(
+def test_quantized_pages_are_rotated_and_unquantized_pages_are_not(
     tiny: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The rotation runs where it was measured to help (int8's uniform grid) and not where it
-    did not (e4m3, a float): the backend is wrapped for int8 only, and the fingerprint names the
-    rotation, so rotated and unrotated pages of one dtype never serve each other."""
+    """The rotation runs where it was measured to help (int8's uniform grid; e4m3's perplexity
+    on a long text) and nowhere else: the backend is wrapped for quantized pools only, and the
+    fingerprint names the rotation, so rotated and unrotated pages of one dtype never serve
+    each other."""
     from radixkv.engine import assembly
     from radixkv.model.attention.rotated_kv import RotatedKVBackend
     from radixkv.model.kv_quant import is_rotated
@@ -186,11 +187,11 @@ def test_int8_pages_are_rotated_and_fp8_pages_are_not(
         e = engine(tiny, kv, kv_cache_tokens=256)
         wrapped[kv] = isinstance(e.runner.backend, RotatedKVBackend)
         assert wrapped[kv] == is_rotated(e.runner.pool.dtype)
-    assert wrapped == {"auto": False, "int8": True, "fp8_e4m3": False}
+    assert wrapped == {"auto": False, "int8": True, "fp8_e4m3": True}
     pool, cfg, dtype = e.runner.pool, e.runner.hf_config, e.runner.dtype  # the fp8 engine's
-    unrotated = engine_fingerprint("m", pool, P, compute_dtype=dtype, config=cfg)
-    monkeypatch.setattr(assembly, "is_rotated", lambda storage: True)
-    assert engine_fingerprint("m", pool, P, compute_dtype=dtype, config=cfg) != unrotated
+    rotated = engine_fingerprint("m", pool, P, compute_dtype=dtype, config=cfg)
+    monkeypatch.setattr(assembly, "is_rotated", lambda storage: False)
+    assert engine_fingerprint("m", pool, P, compute_dtype=dtype, config=cfg) != rotated
 
 
 def test_rotating_q_k_v_leaves_attention_unchanged(tiny: Any) -> None:
@@ -265,10 +266,10 @@ def test_scale_ablation_simulates_the_engine_and_keeps_one_scale_a_page(tiny: An
     decodes that grew pages' scales and re-rounded their rows."""
     from bench.kv_scale_ablation import FakeQuantBackend, install
     from radixkv import SamplingParams
-    from radixkv.model.kv_quant import kv_storage_dtype
+    from radixkv.model.kv_quant import is_rotated, kv_storage_dtype
 
     storage = kv_storage_dtype(kv, torch.float32)
-    rotated = storage == torch.int8
+    rotated = is_rotated(storage)  # as the engine stores them
     prompts = cycle_workload(rounds=1, seed=3)[:3]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     real = engine(tiny, kv, chunked_prefill_tokens=32)
@@ -286,7 +287,8 @@ def test_scale_ablation_simulates_the_engine_and_keeps_one_scale_a_page(tiny: An
     fake = paged.runner.backend.inner if rotated else paged.runner.backend
     assert isinstance(fake, FakeQuantBackend)
     pool = paged.runner.pool
-    qmax = 127.0 if rotated else 448.0
+    int8 = storage == torch.int8
+    qmax = 127.0 if int8 else 448.0
     checked = 0
     for cache in (*pool.k, *pool.v):
         scales = fake.scales[cache.data_ptr()]
@@ -298,7 +300,7 @@ def test_scale_ablation_simulates_the_engine_and_keeps_one_scale_a_page(tiny: An
                 written = rows.abs().amax(1) > 0  # rows never written stay zero
                 codes = rows[written] / s
                 assert float(codes.abs().max()) <= qmax
-                if rotated:  # int8: integer codes
+                if int8:  # integer codes
                     assert torch.equal(codes, codes.round())
                 else:  # e4m3: representable values
                     c = codes.float()

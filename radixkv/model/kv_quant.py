@@ -18,19 +18,22 @@ simulated exactly (``python -m bench.bench_kv_quant --scale-ablation --dtype flo
 (0.046 vs 0.025) and keeps 34.5% of 200 greedy continuations identical to unquantized KV
 against 56.0% (docs/kv-quant.md).
 
-Rotation (int8 only, :func:`is_rotated`): int8 K and V are stored rotated by a Hadamard
+Rotation (every quantized pool, :func:`is_rotated`): K and V are stored rotated by a Hadamard
 transform of the head dim (:func:`hadamard`, entries +-1, block-diagonal with the largest
 power-of-two block dividing ``D``): ``k' = k H``, ``v' = v H``. Queries are rotated the same way
 and the attention output rotated back (``o = o' H^T / b``, ``b`` the block size, with the
 softmax scale divided by ``b``): ``q' . k' = b (q . k)``, so attention is unchanged, while a
 head's outlier channels (RoPE makes a few of K's channels far larger than the rest) are spread
 over all of its channels, and int8's uniform grid, whose step is the row's absolute maximum /
-127, loses less resolution. e4m3 is a float: its relative step is the same at every magnitude,
-so spreading outliers buys it nothing, and fp8 rows are stored unrotated. Measured
-(``python -m bench.bench_kv_quant --rotation-ablation --dtype float32``, SmolLM2, 2026-11-26):
-int8 with / without the rotation, mean |logprob - float64 oracle| 0.025 / 0.048, greedy
-continuations identical to unquantized KV 59% / 46.5% of 200; fp8 0.113 / 0.106 and 10% / 13.5%
-(docs/kv-quant.md). :class:`~radixkv.model.attention.rotated_kv.RotatedKVBackend` applies it
+127, loses less resolution. Measured (``python -m bench.bench_kv_quant --rotation-ablation
+--dtype float32``, SmolLM2, 2026-11-26): int8 with / without the rotation, mean |logprob -
+float64 oracle| 0.025 / 0.048, greedy continuations identical to unquantized KV 59% / 46.5% of
+200. e4m3 is a float whose relative step is the same at every magnitude, and on those two
+figures the rotation made no consistent difference to it (0.113 / 0.106, 10% / 13.5%; with a
+bf16 model the other way), so fp8 rows were first stored unrotated; the perplexity of a
+7,658-token text then separated them (``--rotation-ablation --perplexity-only``, 2026-11-27):
+fp8 +0.95% rotated against +1.87% unrotated with a float32 model, +0.92% against +1.86% with
+a bf16 one, so fp8 rows are rotated too (docs/kv-quant.md). :class:`~radixkv.model.attention.rotated_kv.RotatedKVBackend` applies it
 around any backend, so the kernels only dequantize (``code * scale``) what they read.
 
 Quantizing: ``scale = absmax / qmax`` rounded up to bfloat16 (``qmax`` 127 for int8, 448 for
@@ -64,9 +67,9 @@ _QMAX = {torch.int8: 127.0, torch.uint8: 448.0}
 
 
 def is_rotated(storage_dtype: torch.dtype) -> bool:
-    """Whether a pool of ``storage_dtype`` holds Hadamard-rotated rows (int8: module
-    docstring); unquantized and fp8 pools hold K/V as they are."""
-    return storage_dtype == torch.int8
+    """Whether a pool of ``storage_dtype`` holds Hadamard-rotated rows (every quantized pool:
+    module docstring); unquantized pools hold K/V as they are."""
+    return is_quantized(storage_dtype)
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -1,6 +1,6 @@
 """The rotation of quantized KV pages (:mod:`radixkv.model.kv_quant`) around any backend.
 
-:class:`RotatedKVBackend` wraps the backend of an int8 pool (``kv_quant.is_rotated``): per layer
+:class:`RotatedKVBackend` wraps the backend of a quantized pool (``kv_quant.is_rotated``): per layer
 it rotates ``q``, ``k`` and ``v`` by the ±1 Hadamard matrix ``H`` (``H H^T = b I``), lets the
 wrapped backend store ``k H``, ``v H`` (quantized) and attend with the softmax scale divided by
 ``b`` (``qH . kH = b q . k``), and rotates the output back (``o H^T / b``). Attention is unchanged
