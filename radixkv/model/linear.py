@@ -109,8 +109,8 @@ def native_gemm_module(weight: torch.Tensor) -> Any | None:
         cols, step = module.bf16_gemm_block()
     else:
         cols, step = module.f32_gemm_cols(), 1
-    if weight.dtype == torch.float32 and cols != 8:
-        return None  # AVX-512 builds: oneDNN's float32 GEMM measured level or ahead there
+        if cols != 8:
+            return None  # AVX-512 builds: oneDNN's float32 GEMM measured level or ahead there
     if weight.shape[0] % cols or weight.shape[1] % step:
         return None
     return module
