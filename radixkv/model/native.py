@@ -96,6 +96,9 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+# load(None)'s module and level by (RADIXKV_ISA, machine, CPU flags): the default level is
+# re-read at each call (a test may switch it), but its answer need not be re-derived
+_defaults: dict[tuple[str, str, frozenset[str]], tuple[Any, str]] = {}
 
 
 def missing_instructions(isa: str) -> list[str]:
@@ -192,7 +195,16 @@ def load(isa: str | None = None) -> Any | None:
     if os.environ.get("RADIXKV_NATIVE", "1") == "0":
         _state["error"] = "disabled by RADIXKV_NATIVE=0"
         return None
-    if isa is None:
+    if isa is None:  # the per-layer calls: what decides the default level, looked up
+        import platform
+
+        from radixkv.model import host_cpu
+
+        key = (os.environ.get("RADIXKV_ISA", ""), platform.machine(), host_cpu.cpu_flags())
+        hit = _defaults.get(key)
+        if hit is not None:
+            _state["isa"] = hit[1]
+            return hit[0]
         try:
             target = _target_isa()
         except ValueError as exc:  # a RADIXKV_ISA this host cannot run: warn, use pure torch
@@ -215,6 +227,8 @@ def load(isa: str | None = None) -> Any | None:
     module = modules[target]
     if isa is None:
         _state["isa"] = target if module is not None else None
+        if module is not None:
+            _defaults[key] = (module, target)
     return module
 
 
