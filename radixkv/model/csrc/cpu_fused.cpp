@@ -183,20 +183,23 @@ void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_
                   sin.numel() == rows * head_dim,
               "rope_: cos and sin must be contiguous float32 [rows, head_dim]");
   const int64_t half = head_dim / 2;
+  const int64_t hv = half - half % VW;  // a vector of lo and one of hi at a time up to here
   at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-    std::vector<float> lo(half), hi(half);
     for (int64_t r = b; r < e; ++r) {
       const float* c = cos.data_ptr<float>() + r * head_dim;
       const float* s = sin.data_ptr<float>() + r * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
         bf16* x = data(qkv) + r * qkv.stride(0) + h * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          lo[i] = to_f(x[i]);
-          hi[i] = to_f(x[i + half]);
+        for (int64_t i = 0; i < hv; i += VW) {
+          const vf lo = load_bf(x + i), hi = load_bf(x + i + half);
+          store_bf(x + i, lo * radixkv_vec::loadv(c + i) + hi * radixkv_vec::loadv(s + i));
+          store_bf(x + i + half,
+                   hi * radixkv_vec::loadv(c + i + half) + lo * radixkv_vec::loadv(s + i + half));
         }
-        for (int64_t i = 0; i < half; ++i) {
-          x[i] = to_bf(lo[i] * c[i] + hi[i] * s[i]);
-          x[i + half] = to_bf(hi[i] * c[i + half] + lo[i] * s[i + half]);
+        for (int64_t i = hv; i < half; ++i) {
+          const float lo = to_f(x[i]), hi = to_f(x[i + half]);
+          x[i] = to_bf(lo * c[i] + hi * s[i]);
+          x[i + half] = to_bf(hi * c[i + half] + lo * s[i + half]);
         }
       }
     }
