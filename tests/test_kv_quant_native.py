@@ -251,6 +251,37 @@ def test_engine_greedy_matches_torch_cascade(monkeypatch, isa, dtype, hidden, ti
     assert compared >= sum(len(r.token_ids) for r in ref) // 2, compared
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_fused_rope_rotation_is_the_two_pass_path(monkeypatch, isa, kv):
+    """The bf16 engine over rotated pages runs RoPE and the q/k/v rotation as one pass
+    (``RotatedKVBackend.forward_qkv``: ``rope_hadamard_``, the output rotated back in place);
+    its greedy tokens and logprobs are bit for bit those of the two passes it replaced (the
+    interface's ``forward_qkv``: ``rope_``, then ``forward`` rotating copies)."""
+    from radixkv.model.attention.base import AttentionBackend
+    from radixkv.model.attention.rotated_kv import RotatedKVBackend
+
+    monkeypatch.setenv("RADIXKV_ISA", isa)
+    knobs = dict(dtype="bfloat16", kv_cache_dtype=kv, page_size=16, kv_cache_tokens=4096)
+    calls = []
+    fused = RotatedKVBackend.forward_qkv
+
+    def counted(self, *args, **kw):
+        calls.append(1)
+        return fused(self, *args, **kw)
+
+    monkeypatch.setattr(RotatedKVBackend, "forward_qkv", counted)
+    got = greedy(Engine(tiny_loaded_model(hidden_size=256), **knobs))
+    assert calls, "the fused path did not run"
+    monkeypatch.setattr(RotatedKVBackend, "forward_qkv", AttentionBackend.forward_qkv)
+    ref = greedy(Engine(tiny_loaded_model(hidden_size=256), **knobs))
+    for g, r in zip(got, ref, strict=True):
+        assert g.token_ids == r.token_ids
+        assert [{t: lp.logprob for t, lp in step.items()} for step in g.logprobs] == [
+            {t: lp.logprob for t, lp in step.items()} for step in r.logprobs
+        ]
+
+
 # ------------------------------------------------------------------------- the write side
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -331,3 +362,72 @@ def test_native_rotation_of_bf16_rounds_the_float32_result_once(module, d) -> No
         want = module.hadamard_rows(x.float(), scale).bfloat16()
         assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
         assert bool((got[3, 1].view(torch.int16) == 0x7FC0).all())
+
+
+def rope_tables(t: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sign-folded sin ``[t, d]`` float32 as radixkv.model.llama builds them."""
+    pos = torch.randint(0, 4000, (t, 1), generator=torch.Generator().manual_seed(seed)).double()
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.cat([pos * inv, pos * inv], dim=-1)
+    half = d // 2
+    sin = ang.sin()
+    sin[:, :half] = -sin[:, :half]
+    return ang.cos().float(), sin.float()
+
+
+@pytest.mark.parametrize("d", [16, 24, 32, 64, 128])
+def test_native_rope_hadamard_is_rope_then_rotation(module, d) -> None:
+    """``rope_hadamard_(qkv, cos, sin, r, n, d)`` leaves each of the first ``n`` heads of a row
+    as ``rope(x) @ hadamard(d)`` (rope on the first ``r`` heads only): within a bf16 rounding
+    of each step against a float64 oracle, and bit for bit what ``rope_`` then
+    ``hadamard_rows`` write (the two-pass path it replaces in the engine). Heads after ``n``
+    and columns outside the view are untouched. Head dims cover the register paths of both
+    vector widths (2, 4, 8 vectors) and the buffered one (24; 128 under AVX2)."""
+    from radixkv.model.kv_quant import hadamard
+
+    t, hq, hkv = 33, 6, 2
+    n = hq + 2 * hkv
+    g = torch.Generator().manual_seed(d)
+    wide = (torch.randn(t, (n + 1) * d + 7, generator=g) * 3).bfloat16()
+    qkv = wide[:, : (n + 1) * d]  # rows at a stride wider than the view
+    before = wide.clone()
+    cos, sin = rope_tables(t, d, d)
+    module.rope_hadamard_(qkv, cos, sin, hq + hkv, n, d)
+    x = before[:, : n * d].double().view(t, n, d)
+    half = d // 2
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    rot = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    roped = x.clone()
+    roped[:, : hq + hkv] = (x * c + rot * s)[:, : hq + hkv]
+    want = roped @ hadamard(d).double()
+    got = wide[:, : n * d].double().view(t, n, d)
+    # two bf16 roundings: RoPE's (2^-9 of each input to the sum) and the result's (2^-9 of it)
+    bound = 2**-8 * (want.abs() + roped.abs().sum(dim=-1, keepdim=True))
+    assert bool(((got - want).abs() <= bound).all())
+    assert torch.equal(wide[:, n * d :], before[:, n * d :])
+    two_pass = before[:, : n * d].clone()
+    module.rope_(two_pass, cos, sin, hq + hkv, d)
+    two_pass = module.hadamard_rows(two_pass.view(t, n, d), 1.0)
+    assert torch.equal(qkv[:, : n * d].view(t, n, d).view(torch.int16), two_pass.view(torch.int16))
+
+
+def test_native_rotation_in_place_is_the_rotation(module) -> None:
+    """``hadamard_rows_`` writes over its input the bits ``hadamard_rows`` returns."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(50, 9, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+        want = module.hadamard_rows(x, 1 / 64)
+        module.hadamard_rows_(x, 1 / 64)
+        assert torch.equal(x, want)
+
+
+def test_native_rope_hadamard_rejects_bad_shapes(module) -> None:
+    qkv = torch.zeros(4, 5 * 64, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(4, 64)
+    with pytest.raises(RuntimeError, match="rope_heads <= heads"):
+        module.rope_hadamard_(qkv, cos, sin, 6, 5, 64)
+    with pytest.raises(RuntimeError, match="within the row"):
+        module.rope_hadamard_(qkv, cos, sin, 3, 6, 64)
+    with pytest.raises(RuntimeError, match="bf16 CPU"):
+        module.rope_hadamard_(qkv.float(), cos, sin, 3, 5, 64)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        module.rope_hadamard_(qkv, cos[:3], sin[:3], 3, 5, 64)

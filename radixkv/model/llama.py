@@ -246,12 +246,10 @@ class DecoderLayer(nn.Module):
             if pending is None
             else ops.add_rms_norm(x, pending, w_in, eps)
         )
-        qkv = self.qkv_proj(h)
-        ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
-        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.sm_scale)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        o = backend.forward_qkv(
+            ops, self.qkv_proj(h), cos, sin, heads, k_cache, v_cache, meta, self.sm_scale
+        )
         post = self.post_attention_layernorm
         h = ops.add_rms_norm(x, self.o_proj(o.reshape(t, self.q_size)), post.weight, post.eps)
         return self.down_proj(ops.silu_mul(self.gate_up_proj(h)))

@@ -115,6 +115,18 @@ def _rows_contiguous(*xs: torch.Tensor) -> bool:
     return all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in xs)
 
 
+def split_qkv(
+    qkv: torch.Tensor, heads: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` of the fused QKV rows ``[T, (Hq + 2 Hkv) D]``."""
+    hq, hkv, d = heads
+    t = qkv.shape[0]
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    return q, k, v
+
+
 def native_module_for(x: torch.Tensor) -> Any | None:
     """The native CPU build when ``x`` is a float32 / bfloat16 CPU tensor (what its quantized
     store and Hadamard rotation take), else None (also when the build is unavailable)."""
@@ -180,3 +192,23 @@ class AttentionBackend:
     ) -> torch.Tensor:
         """Store ``k, v [T, Hkv, D]`` in the caches and attend: ``q [T, Hq, D] -> [T, Hq, D]``."""
         raise NotImplementedError
+
+    def forward_qkv(
+        self,
+        ops: Any,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: tuple[int, int, int],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        """:meth:`forward` from the fused QKV projection's bf16 rows ``qkv [T, (Hq + 2 Hkv) D]``
+        (``heads = (Hq, Hkv, D)``), RoPE not yet applied: the native fused ops' ``rope_`` on the
+        q and k heads, in place (``cos``/``sin`` float32 ``[T, D]``, sin sign-folded), then
+        ``forward``. Backends that change the basis of q, k, v fold it into this pass."""
+        hq, hkv, d = heads
+        ops.rope_(qkv, cos, sin, hq + hkv, d)
+        return self.forward(*split_qkv(qkv, heads), k_cache, v_cache, meta, sm_scale)

@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from radixkv.model.attention.base import AttentionBackend, ForwardBatch, native_module_for
+from radixkv.model.attention.base import (
+    AttentionBackend,
+    ForwardBatch,
+    native_module_for,
+    split_qkv,
+)
 from radixkv.model.kv_quant import hadamard
 
 __all__ = ["RotatedKVBackend"]
@@ -62,11 +67,39 @@ class RotatedKVBackend(AttentionBackend):
             else:
                 q, k, v = (module.hadamard_rows(x.contiguous(), 1.0) for x in (q, k, v))
             out = self.inner.forward(q, k, v, k_cache, v_cache, meta, sm_scale / self.block)
-            # H is symmetric (Sylvester blocks), so H^T = H
-            return module.hadamard_rows(out.contiguous(), 1.0 / self.block)
+            return self._rotate_back(module, out)
         h = self._h(q)
         out = self.inner.forward(q @ h, k @ h, v @ h, k_cache, v_cache, meta, sm_scale / self.block)
         return (out @ self._h(out).T).mul_(1.0 / self.block)
+
+    def forward_qkv(
+        self,
+        ops: Any,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: tuple[int, int, int],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        """RoPE and the rotation of q, k and v in one in-place pass over the fused QKV rows
+        (``ops.rope_hadamard_``: one rounding to bf16 instead of two, no copies), the inner
+        backend, then the output rotated back in place."""
+        hq, hkv, d = heads
+        ops.rope_hadamard_(qkv, cos, sin, hq + hkv, hq + 2 * hkv, d)
+        q, k, v = split_qkv(qkv, heads)
+        out = self.inner.forward(q, k, v, k_cache, v_cache, meta, sm_scale / self.block)
+        return self._rotate_back(ops, out)
+
+    def _rotate_back(self, module: Any, out: torch.Tensor) -> torch.Tensor:
+        """``out H^T / b`` by the native butterflies (H is symmetric: Sylvester blocks), in
+        place when ``out`` is contiguous (the backends' fresh output)."""
+        if not out.is_contiguous():
+            return module.hadamard_rows(out.contiguous(), 1.0 / self.block)
+        module.hadamard_rows_(out, 1.0 / self.block)
+        return out
 
 
 def _fused_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

@@ -26,6 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "logits[r, j] = -inf where bit j of bitmask[r] is 0, r in rows (xgrammar's layout), in place");
   m.def("hadamard_rows", &hadamard_rows,
         "x H * scale over the last dim (kv_quant.hadamard's +-1 block Hadamard), float32/bf16");
+  m.def("hadamard_rows_", &hadamard_rows_, "hadamard_rows in place");
+  m.def("rope_hadamard_", &rope_hadamard_,
+        "In place on bf16 rows: RoPE on the first rope_heads heads, then x H on the first heads "
+        "(one rounding): the fused QKV output in the stored basis of rotated KV pages");
   m.def("store_kv_quant_", &store_kv_quant_,
         "Quantize k, v rows as kv_quant.quantize does and write them with their scales to slots");
   m.def("store_kv_", &store_kv_,

@@ -4,6 +4,13 @@
 //     Hadamard matrix of kv_quant.hadamard (Sylvester blocks of b = D & -D), by the fast
 //     Walsh-Hadamard butterflies in float32 (one rounding to the dtype at the end). The rotation
 //     of q, k, v and of the attention output around a backend over quantized pages.
+//   hadamard_rows_(x, scale): the same, in place.
+//   rope_hadamard_(qkv bf16 [T, W] rows at any stride, cos, sin float32 [T, D], rope_heads,
+//     heads, D): in place, each of the first `heads` heads of a row rotated by H, the first
+//     `rope_heads` of them after rotate-half RoPE (cos, sin as rope_ in cpu_fused.cpp takes
+//     them: sin sign-folded): the bits of rope_ then hadamard_rows(., 1) (RoPE's result rounded
+//     to bf16, the rotation in float32 rounded once), in one pass over the fused QKV output
+//     instead of RoPE's pass, a copy and the rotation's.
 //   store_kv_quant_(k, v [T, Hkv, D] f32/bf16, tokens at any stride, k_cache, v_cache int8/uint8
 //     [pages, P, Hkv, D+2], slots int64 [T]): each (token, head) row quantized exactly as
 //     kv_quant.quantize does (scale = absmax * ((1 + 2^-8) / qmax) rounded to nearest bf16,
@@ -40,35 +47,42 @@ float load(const T* p) {
 }
 
 // Butterfly stages with len < VW run inside a vector: lane j becomes v[j ^ len] + (j & len ?
-// -v[j] : v[j]); stages with len >= VW add and subtract whole vectors.
-struct InVectorStages {  // lane permutation and sign of each stage with len < VW
-  radixkv_vec::vi perm[8];
-  radixkv_vec::vf sign[8];
-  int count = 0;
-  InVectorStages() {
-    using radixkv_vec::VW;
-    for (int len = 1; len < VW; len <<= 1, ++count) {
-      for (int j = 0; j < VW; ++j) {
-        perm[count][j] = j ^ len;
-        sign[count][j] = (j & len) ? -1.f : 1.f;
-      }
-    }
-  }
-};
+// -v[j] : v[j]); stages with len >= VW add and subtract whole vectors. The lane permutations
+// are compile-time constants, so the compiler picks in-lane shuffles (vpermilps) and lane
+// swaps (vshuff32x4) for them rather than a general permute from a loaded index vector.
+template <int LEN>
+__attribute__((always_inline)) inline radixkv_vec::vf in_vector_stage(radixkv_vec::vf x) {
+  using radixkv_vec::vf;
+  using radixkv_vec::vi;
+#if defined(__AVX512F__)
+  constexpr vi perm = {0 ^ LEN, 1 ^ LEN, 2 ^ LEN,  3 ^ LEN,  4 ^ LEN,  5 ^ LEN,  6 ^ LEN,  7 ^ LEN,
+                       8 ^ LEN, 9 ^ LEN, 10 ^ LEN, 11 ^ LEN, 12 ^ LEN, 13 ^ LEN, 14 ^ LEN, 15 ^ LEN};
+#else
+  constexpr vi perm = {0 ^ LEN, 1 ^ LEN, 2 ^ LEN, 3 ^ LEN, 4 ^ LEN, 5 ^ LEN, 6 ^ LEN, 7 ^ LEN};
+#endif
+  vf sign;
+  for (int j = 0; j < radixkv_vec::VW; ++j) sign[j] = (j & LEN) ? -1.f : 1.f;
+  return x * sign + __builtin_shuffle(x, perm);
+}
 
-// The butterflies of one block held in v[0 .. nv): `stages` in-vector stages (len < VW: a lane
-// permutation and a sign each), then the cross-vector ones (whole vectors added and subtracted).
-// Inlined, so where nv and stages are constants the block stays in registers.
-__attribute__((always_inline)) inline void butterfly_block(radixkv_vec::vf* v, int64_t nv,
-                                                           const InVectorStages& st, int stages) {
+// The butterflies of one block held in v[0 .. nv): the log2(VW) in-vector stages, then the
+// cross-vector ones (whole vectors added and subtracted). Inlined, so where nv is a constant
+// the block stays in registers.
+__attribute__((always_inline)) inline void butterfly_block(radixkv_vec::vf* v, int64_t nv) {
   using namespace radixkv_vec;
-  for (int s = 0; s < stages; ++s) {
-    const vi perm = st.perm[s];
-    const vf sign = st.sign[s];
-    for (int64_t i = 0; i < nv; ++i) v[i] = v[i] * sign + __builtin_shuffle(v[i], perm);
+  // unrolled fully where nv is a constant (the fixed-width callers), so v stays in registers
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < nv; ++i) {
+    vf x = in_vector_stage<2>(in_vector_stage<1>(v[i]));
+    x = in_vector_stage<4>(x);
+    if constexpr (VW == 16) x = in_vector_stage<8>(x);
+    v[i] = x;
   }
+#pragma GCC unroll 8
   for (int64_t step = 1; step < nv; step <<= 1) {
+#pragma GCC unroll 16
     for (int64_t i = 0; i < nv; i += 2 * step) {
+#pragma GCC unroll 16
       for (int64_t j = i; j < i + step; ++j) {
         const vf a = v[j], c = v[j + step];
         v[j] = a + c;
@@ -82,13 +96,12 @@ bool butterflies_vec(float* x, int64_t d) {
   using namespace radixkv_vec;
   const int64_t b = d & -d;
   if (b < VW || b > 64 * VW) return false;
-  static const InVectorStages in_vector;  // built once, not per row
   const int64_t nv = b / VW;
   vf v[64];
   for (int64_t base = 0; base < d; base += b) {
     float* y = x + base;
     for (int64_t i = 0; i < nv; ++i) v[i] = loadv(y + i * VW);
-    butterfly_block(v, nv, in_vector, in_vector.count);
+    butterfly_block(v, nv);
     for (int64_t i = 0; i < nv; ++i) storev(y + i * VW, v[i]);
   }
   return true;
@@ -132,6 +145,13 @@ inline void narrow_bf16(c10::BFloat16* p, radixkv_vec::vf x) {
   std::memcpy(p, &h, sizeof(h));
 }
 
+// x rounded to the nearest bf16 (ties to even), kept as float32: narrow_bf16 then widen_bf16
+// for finite lanes, without the trip through memory.
+inline radixkv_vec::vf round_to_bf16(radixkv_vec::vf x) {
+  const vu bits = reinterpret_cast<vu>(x);
+  return reinterpret_cast<radixkv_vec::vf>((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
+}
+
 // dst[0 .. d) = the row at src as float32.
 template <typename T>
 void load_row(const T* src, int64_t d, float* dst) {
@@ -167,14 +187,13 @@ inline void store_vec(c10::BFloat16* p, radixkv_vec::vf x) { narrow_bf16(p, x); 
 // and no float32 buffer between the load, the butterflies and the store.
 template <typename T, int NV>
 void hadamard_rows_fixed(const T* src, T* dst, int64_t begin, int64_t end, int64_t d,
-                         float scale, const InVectorStages& st) {
+                         float scale) {
   using namespace radixkv_vec;
-  constexpr int kStages = VW == 16 ? 4 : 3;  // log2(VW): the in-vector stages
   const vf sv = splat(scale);
   for (int64_t base = begin * d; base < end * d; base += NV * VW) {
     vf v[NV];
     for (int i = 0; i < NV; ++i) v[i] = load_vec(src + base + i * VW);
-    butterfly_block(v, NV, st, kStages);
+    butterfly_block(v, NV);
     for (int i = 0; i < NV; ++i) store_vec(dst + base + i * VW, v[i] * sv);
   }
 }
@@ -184,21 +203,20 @@ template <typename T>
 bool hadamard_rows_unrolled(const T* src, T* dst, int64_t begin, int64_t end, int64_t d,
                             float scale) {
   using radixkv_vec::VW;
-  static const InVectorStages st;
   const int64_t b = d & -d;
   if (b < VW) return false;
   switch (b / VW) {
     case 1:
-      hadamard_rows_fixed<T, 1>(src, dst, begin, end, d, scale, st);
+      hadamard_rows_fixed<T, 1>(src, dst, begin, end, d, scale);
       return true;
     case 2:
-      hadamard_rows_fixed<T, 2>(src, dst, begin, end, d, scale, st);
+      hadamard_rows_fixed<T, 2>(src, dst, begin, end, d, scale);
       return true;
     case 4:
-      hadamard_rows_fixed<T, 4>(src, dst, begin, end, d, scale, st);
+      hadamard_rows_fixed<T, 4>(src, dst, begin, end, d, scale);
       return true;
     case 8:
-      hadamard_rows_fixed<T, 8>(src, dst, begin, end, d, scale, st);
+      hadamard_rows_fixed<T, 8>(src, dst, begin, end, d, scale);
       return true;
     default:
       return false;
@@ -238,6 +256,53 @@ inline radixkv_vec::vf round_even(radixkv_vec::vf y) {
 #endif
 }
 #endif
+
+// Rotate-half RoPE of one head held as float32 in x[0 .. 2 half), in place: lo' = lo c + hi s,
+// hi' = hi c' + lo s' with c = cos[0 .. half), c' = cos[half ..), s, s' likewise (sin
+// sign-folded, so no negation here), each rounded to bf16: rope_ of cpu_fused.cpp, value for
+// value, so that RoPE then the rotation give the bits the two ops give one after the other.
+void rope_row(float* __restrict x, const float* __restrict c, const float* __restrict s,
+              int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float lo = x[i], hi = x[i + half];
+    x[i] = static_cast<float>(c10::BFloat16(lo * c[i] + hi * s[i]));
+    x[i + half] = static_cast<float>(c10::BFloat16(hi * c[i + half] + lo * s[i + half]));
+  }
+}
+
+// A head of D = NV vectors (D a power of two, VW | D / 2): loaded, RoPE'd (rope; rounded to
+// bf16 as rope_ rounds), rotated and stored back rounded, without leaving registers.
+template <int NV>
+void rope_hadamard_head(c10::BFloat16* x, const float* c, const float* s, bool rope) {
+  using namespace radixkv_vec;
+  constexpr int kHalf = NV / 2;
+  vf v[NV];
+  for (int i = 0; i < NV; ++i) v[i] = widen_bf16(x + i * VW);
+  if (rope) {
+    for (int i = 0; i < kHalf; ++i) {
+      const vf lo = v[i], hi = v[i + kHalf];
+      v[i] = round_to_bf16(lo * loadv(c + i * VW) + hi * loadv(s + i * VW));
+      v[i + kHalf] =
+          round_to_bf16(hi * loadv(c + (i + kHalf) * VW) + lo * loadv(s + (i + kHalf) * VW));
+    }
+  }
+  butterfly_block(v, NV);
+  for (int i = 0; i < NV; ++i) narrow_bf16(x + i * VW, v[i]);
+}
+
+template <int NV>
+void rope_hadamard_rows_fixed(c10::BFloat16* base, int64_t stride, const float* cos,
+                              const float* sin, int64_t rope_heads, int64_t heads, int64_t begin,
+                              int64_t end) {
+  constexpr int64_t d = NV * radixkv_vec::VW;
+  for (int64_t r = begin; r < end; ++r) {
+    const float* c = cos + r * d;
+    const float* s = sin + r * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      rope_hadamard_head<NV>(base + r * stride + h * d, c, s, h < rope_heads);
+    }
+  }
+}
 
 // The largest |x| of the d floats at x.
 float abs_max(const float* x, int64_t d) {
@@ -367,6 +432,63 @@ at::Tensor hadamard_rows(const at::Tensor& x, double scale) {
     TORCH_CHECK(false, "hadamard_rows: x must be float32 or bfloat16");
   }
   return out;
+}
+
+void hadamard_rows_(at::Tensor& x, double scale) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
+              "hadamard_rows_: x must be a contiguous CPU tensor [..., D]");
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  if (x.scalar_type() == at::kFloat) {
+    hadamard_impl<float>(x.data_ptr<float>(), x.data_ptr<float>(), rows, d, float(scale));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    hadamard_impl<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), rows,
+                                 d, float(scale));
+  } else {
+    TORCH_CHECK(false, "hadamard_rows_: x must be float32 or bfloat16");
+  }
+}
+
+void rope_hadamard_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                    int64_t rope_heads, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2 &&
+                  qkv.stride(1) == 1,
+              "rope_hadamard_: qkv must be a bf16 CPU [T, W] tensor with contiguous rows");
+  const int64_t rows = qkv.size(0), d = head_dim;
+  TORCH_CHECK(d > 0 && d % 2 == 0 && 0 <= rope_heads && rope_heads <= heads &&
+                  heads * d <= qkv.size(1),
+              "rope_hadamard_: need an even head_dim and rope_heads <= heads, heads * head_dim "
+              "within the row");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * d &&
+                  sin.numel() == rows * d,
+              "rope_hadamard_: cos and sin must be contiguous float32 [rows, head_dim]");
+  using radixkv_vec::VW;
+  auto* base = qkv.data_ptr<c10::BFloat16>();
+  const int64_t stride = qkv.stride(0);
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  const bool pow2 = (d & (d - 1)) == 0;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    if (pow2 && d == 4 * VW) {
+      return rope_hadamard_rows_fixed<4>(base, stride, c, s, rope_heads, heads, begin, end);
+    }
+    if (pow2 && d == 8 * VW) {
+      return rope_hadamard_rows_fixed<8>(base, stride, c, s, rope_heads, heads, begin, end);
+    }
+    if (pow2 && d == 2 * VW) {
+      return rope_hadamard_rows_fixed<2>(base, stride, c, s, rope_heads, heads, begin, end);
+    }
+    std::vector<float> buf(d);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        c10::BFloat16* x = base + r * stride + h * d;
+        load_row(x, d, buf.data());
+        if (h < rope_heads) rope_row(buf.data(), c + r * d, s + r * d, d / 2);
+        butterflies(buf.data(), d);
+        store_row(buf.data(), d, 1.f, x);
+      }
+    }
+  });
 }
 
 void store_kv_quant_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
