@@ -16,8 +16,10 @@ in one run on SmolLM2-135M-Instruct: accuracy, capacity and the decode step.
   ``bench/data/ppl_gpl3.txt``, the GNU GPL v3, 7,658 tokens), each prefilled in chunks of
   32 tokens so that nearly every query attends over cached (quantized) keys; the change against
   the unquantized pool (target within 1%).
-* **Decode step**: the batch-64 step on 4 x 768 shared + 64 own tokens, greedy, median of the
-  steps with all 64 rows decoding, unquantized vs each quantized dtype (interleaved runs).
+* **Decode step**: the batch-64 step on 4 x 768 shared + 64 own tokens, greedy, while all 64
+  rows decode; the unquantized and quantized engines stepped in lockstep (one step of each in
+  turn, ``--runs`` bursts of ``--step-tokens``), each quantized step over the unquantized
+  one of the same round, the median ratio with a 95% bootstrap interval.
 
 Run from the repository root: ``python -m bench.bench_kv_quant`` (``--dtype`` float32 or
 bfloat16, default the host's; ``--skip-speed``, ``--skip-accuracy``; ``--rotation-ablation``:
@@ -231,36 +233,51 @@ def multi_turn_hit_rate(model: Any, dtype: str, memory_gb: float) -> None:
         print(f"  {label:11s} pool {e.kv_capacity_tokens:6d} tokens  hit rate {st['hit_rate']:.4f}")
 
 
-def decode_step(model: Any, dtype: str, runs: int) -> None:
-    from bench.bench_step import full_batch_step_ms, shared_prefix_prompts
+def decode_step(model: Any, dtype: str, runs: int, tokens: int) -> None:
+    """The batch-64 step per KV dtype, the engines stepped in lockstep (one step of each in
+    turn, ``bench_step.lockstep_full_batch_steps``), ``runs`` bursts of fresh engines: each
+    quantized dtype's step over the unquantized one's as the median of the per-round ratios,
+    with its 95% bootstrap interval and the rounds where it was the faster."""
+    from bench.bench_step import lockstep_full_batch_steps, paired_ratio, shared_prefix_prompts
 
     prompts = shared_prefix_prompts()
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    medians: dict[str, list[float]] = {kv: [] for kv in ("auto", *QUANT)}
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    steps: dict[str, list[float]] = {kv: [] for kv in ("auto", *QUANT)}
+    per_burst: dict[str, list[float]] = {kv: [] for kv in QUANT}
     backends: dict[str, str] = {}
-    for _ in range(runs):  # interleaved: a shared host's drift hits every dtype alike
-        for kv in medians:
+    for run in range(runs):
+        engines = {}
+        for kv in steps:
             e = Engine(
-                model,
-                dtype=dtype,
-                kv_cache_dtype=kv,
-                max_running_requests=64,
+                model, dtype=dtype, kv_cache_dtype=kv, max_running_requests=64,
                 kv_cache_tokens=16384,
-            )
+            )  # fmt: skip
             inner = getattr(e.runner.backend, "inner", e.runner.backend)
             backends[kv] = type(inner).__name__
-            medians[kv].append(full_batch_step_ms(e, prompts, params))
-    base = statistics.median(medians["auto"])
+            engines[kv] = e
+        burst = lockstep_full_batch_steps(engines, prompts, params, rotation=run)
+        for kv, ms in burst.items():
+            steps[kv].extend(ms)
+            if kv != "auto":
+                per_burst[kv].append(paired_ratio(burst["auto"], ms)[0])
+        del engines
+    base = steps["auto"]
     print(
-        f"batch-64 decode step (4 x 768 shared + 64 own tokens, {dtype}, medians of {runs} runs):"
+        f"batch-64 decode step (4 x 768 shared + 64 own tokens, {dtype}; {runs} bursts of "
+        f"{tokens} tokens, engines stepped in lockstep, {len(base)} paired rounds):"
     )
-    for kv, ms in medians.items():
-        m = statistics.median(ms)
+    for kv, ms in steps.items():
         label = "unquantized" if kv == "auto" else kv
-        print(
-            f"  {label:11s} {m:7.1f} ms  {m / base:.3f}x  ({backends[kv]}; runs "
-            f"{[round(x, 1) for x in ms]})"
-        )
+        line = f"  {label:11s} median step {statistics.median(ms):7.1f} ms  ({backends[kv]})"
+        if kv != "auto":
+            ratio, low, high = paired_ratio(base, ms)
+            faster = sum(o < b for b, o in zip(base, ms, strict=True))
+            line += (
+                f"  step ratio {ratio:.3f}x [95% CI {low:.3f}-{high:.3f}], faster in "
+                f"{faster}/{len(ms)} rounds; per burst "
+                f"{', '.join(f'{r:.3f}' for r in per_burst[kv])}"
+            )
+        print(line)
 
 
 def main() -> None:
@@ -269,7 +286,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--oracle-prompts", type=int, default=8)
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=2, help="decode-step bursts")
+    parser.add_argument(
+        "--step-tokens", type=int, default=64, help="tokens per request in a decode-step burst"
+    )
     parser.add_argument(
         "--memory-gb", type=float, default=0.25, help="KV pool of the multi-turn hit-rate run"
     )
@@ -316,7 +336,7 @@ def main() -> None:
     if args.rotation_ablation:
         return
     if not args.skip_speed:
-        decode_step(model, name, args.runs)
+        decode_step(model, name, args.runs, args.step_tokens)
 
 
 if __name__ == "__main__":

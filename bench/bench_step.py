@@ -115,6 +115,55 @@ def full_batch_step_ms(engine: Any, prompts: list[list[int]], params: Any) -> fl
     return statistics.median(steps[3:-2]) * 1e3
 
 
+def lockstep_full_batch_steps(
+    engines: dict[str, Any], prompts: list[list[int]], params: Any, rotation: int = 0
+) -> dict[str, list[float]]:
+    """Run ``prompts`` on every engine in lockstep, one step of each in turn (the order rotated
+    every round, starting ``rotation`` places on), and return each engine's step times (ms)
+    for the rounds where every engine had all of them decoding together, without the first 3
+    and the last 2 such rounds. Index ``i`` of every list is the same round: the steps of a
+    round ran within a few hundred ms of each other, so a shared host's drift cancels in their
+    ratio."""
+    names = list(engines)
+    for engine in engines.values():
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+    rounds: list[dict[str, float]] = []
+    turn = rotation
+    while any(e.has_unfinished() for e in engines.values()):
+        took: dict[str, float] = {}
+        full = True
+        for k in range(len(names)):
+            name = names[(turn + k) % len(names)]
+            engine = engines[name]
+            if not engine.has_unfinished():
+                full = False
+                continue
+            start = time.perf_counter()
+            engine.step()
+            took[name] = (time.perf_counter() - start) * 1e3
+            stats = engine.stats()
+            full = full and stats["running"] == len(prompts) and stats["waiting"] == 0
+        turn += 1
+        if full:
+            rounds.append(took)
+    rounds = rounds[3:-2]
+    return {name: [r[name] for r in rounds] for name in names}
+
+
+def paired_ratio(
+    base: list[float], other: list[float], seed: int = 0
+) -> tuple[float, float, float]:
+    """The median of ``other[i] / base[i]`` over paired samples, and a 95% bootstrap interval of
+    that median (2,000 resamples of the pairs, seeded): (median, low, high)."""
+    import random
+
+    ratios = [o / b for b, o in zip(base, other, strict=True)]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    return statistics.median(ratios), meds[49], meds[1949]
+
+
 def decode_step(runs: int, dtype_name: str | None, touched_pool: bool = False) -> None:
     import torch
 
