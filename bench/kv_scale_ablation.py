@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch
-from radixkv.model.kv_quant import dequantize, quantize
+from radixkv.model.kv_quant import code_values, dequantize, quantize
 
 __all__ = ["FakeQuantBackend", "install"]
 
@@ -39,12 +39,8 @@ def _bf16_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
 def _round_to(x: torch.Tensor, scale: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     """``x [..., D]`` rounded to the grid of ``scale [...]`` (int8 codes or e4m3 values)."""
-    qmax = _QMAX[storage]
     s = scale.unsqueeze(-1)
-    inv = torch.where(s > 0, 1.0 / s.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    y = (x * inv).clamp_(-qmax, qmax)
-    codes = y.round_() if storage == torch.int8 else y.to(torch.float8_e4m3fn).float()
-    return codes * s
+    return code_values(x, s, storage) * s
 
 
 class FakeQuantBackend(AttentionBackend):

@@ -105,19 +105,31 @@ def quantize(x: torch.Tensor, storage_dtype: torch.dtype) -> torch.Tensor:
     # a bfloat16 rounds to nearest within 2^-9: widening by 2^-8 first makes the stored scale
     # at least absmax / qmax, so no code overflows
     scale = (amax * ((1.0 + 2.0**-8) / qmax)).to(torch.bfloat16)
-    sf = scale.float()
-    inv = torch.where(sf > 0, 1.0 / sf.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    y = xf * inv
+    values = code_values(xf, scale.float(), storage_dtype)
     if storage_dtype == torch.int8:
-        codes = y.round_().clamp_(-qmax, qmax).to(torch.int8)
-    else:
-        codes = y.clamp_(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8)
+        codes = values.to(torch.int8)
+    else:  # e4m3 values already: the cast is exact
+        codes = values.to(torch.float8_e4m3fn).view(torch.uint8)
     out = torch.empty(
         (*x.shape[:-1], x.shape[-1] + SCALE_BYTES), dtype=storage_dtype, device=x.device
     )
     out[..., : x.shape[-1]] = codes
     out[..., x.shape[-1] :] = scale.view(storage_dtype)
     return out
+
+
+def code_values(x: torch.Tensor, scale: torch.Tensor, storage_dtype: torch.dtype) -> torch.Tensor:
+    """The codes of float32 rows ``x [..., D]`` on the grid of ``scale`` (float32, broadcast
+    against ``x``; 0 gives codes 0), as float32 values: ``x / scale`` clamped to +-qmax, then
+    rounded half to even (int8) or to the nearest e4m3 value (ties to even). :func:`quantize`'s
+    rounding step, for a scale it chose; the scale-granularity ablation
+    (``bench/kv_scale_ablation.py``) rounds to scales of its own with it."""
+    qmax = _QMAX[storage_dtype]
+    inv = torch.where(scale > 0, 1.0 / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    y = (x * inv).clamp_(-qmax, qmax)
+    if storage_dtype == torch.int8:
+        return y.round_()
+    return y.to(torch.float8_e4m3fn).float()
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -416,37 +416,30 @@ const int64_t* checked_slots(const at::Tensor& slots, int64_t T, const at::Tenso
   return s;
 }
 
-}  // namespace
-
-at::Tensor hadamard_rows(const at::Tensor& x, double scale) {
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
-              "hadamard_rows: x must be a contiguous CPU tensor [..., D]");
+// out = x H * scale; out is x (in place) or a tensor like it. `what` names the op in errors.
+void hadamard_into(const at::Tensor& x, at::Tensor& out, double scale, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0, what,
+              ": x must be a contiguous CPU tensor [..., D]");
   const int64_t d = x.size(-1), rows = x.numel() / d;
-  auto out = at::empty_like(x);
   if (x.scalar_type() == at::kFloat) {
     hadamard_impl<float>(x.data_ptr<float>(), out.data_ptr<float>(), rows, d, float(scale));
   } else if (x.scalar_type() == at::kBFloat16) {
     hadamard_impl<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows,
                                  d, float(scale));
   } else {
-    TORCH_CHECK(false, "hadamard_rows: x must be float32 or bfloat16");
+    TORCH_CHECK(false, what, ": x must be float32 or bfloat16");
   }
+}
+
+}  // namespace
+
+at::Tensor hadamard_rows(const at::Tensor& x, double scale) {
+  auto out = at::empty_like(x);
+  hadamard_into(x, out, scale, "hadamard_rows");
   return out;
 }
 
-void hadamard_rows_(at::Tensor& x, double scale) {
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
-              "hadamard_rows_: x must be a contiguous CPU tensor [..., D]");
-  const int64_t d = x.size(-1), rows = x.numel() / d;
-  if (x.scalar_type() == at::kFloat) {
-    hadamard_impl<float>(x.data_ptr<float>(), x.data_ptr<float>(), rows, d, float(scale));
-  } else if (x.scalar_type() == at::kBFloat16) {
-    hadamard_impl<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>(), rows,
-                                 d, float(scale));
-  } else {
-    TORCH_CHECK(false, "hadamard_rows_: x must be float32 or bfloat16");
-  }
-}
+void hadamard_rows_(at::Tensor& x, double scale) { hadamard_into(x, x, scale, "hadamard_rows_"); }
 
 void rope_hadamard_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                     int64_t rope_heads, int64_t heads, int64_t head_dim) {
