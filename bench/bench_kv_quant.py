@@ -233,12 +233,20 @@ def multi_turn_hit_rate(model: Any, dtype: str, memory_gb: float) -> None:
         print(f"  {label:11s} pool {e.kv_capacity_tokens:6d} tokens  hit rate {st['hit_rate']:.4f}")
 
 
-def decode_step(model: Any, dtype: str, runs: int, tokens: int) -> None:
+def decode_step(model: Any, dtype: str, runs: int, tokens: int, touched_pool: bool) -> None:
     """The batch-64 step per KV dtype, the engines stepped in lockstep (one step of each in
     turn, ``bench_step.lockstep_full_batch_steps``), ``runs`` bursts of fresh engines: each
     quantized dtype's step over the unquantized one's as the median of the per-round ratios,
-    with its 95% bootstrap interval and the rounds where it was the faster."""
-    from bench.bench_step import lockstep_full_batch_steps, paired_ratio, shared_prefix_prompts
+    with its 95% bootstrap interval and the rounds where it was the faster. ``touched_pool``:
+    each engine first runs the same burst untimed and drops its cache, so the measured burst
+    writes pool pages already faulted in (a serving engine's steady state) rather than fresh
+    ones (a quantized pool faults in half as many)."""
+    from bench.bench_step import (
+        full_batch_step_ms,
+        lockstep_full_batch_steps,
+        paired_ratio,
+        shared_prefix_prompts,
+    )
 
     prompts = shared_prefix_prompts()
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -254,6 +262,9 @@ def decode_step(model: Any, dtype: str, runs: int, tokens: int) -> None:
             )  # fmt: skip
             inner = getattr(e.runner.backend, "inner", e.runner.backend)
             backends[kv] = type(inner).__name__
+            if touched_pool:
+                full_batch_step_ms(e, prompts, params)
+                assert e.flush_cache()
             engines[kv] = e
         burst = lockstep_full_batch_steps(engines, prompts, params, rotation=run)
         for kv, ms in burst.items():
@@ -264,7 +275,8 @@ def decode_step(model: Any, dtype: str, runs: int, tokens: int) -> None:
     base = steps["auto"]
     print(
         f"batch-64 decode step (4 x 768 shared + 64 own tokens, {dtype}; {runs} bursts of "
-        f"{tokens} tokens, engines stepped in lockstep, {len(base)} paired rounds):"
+        f"{tokens} tokens, engines stepped in lockstep, {len(base)} paired rounds, "
+        f"{'pool pages touched before' if touched_pool else 'fresh pools'}):"
     )
     for kv, ms in steps.items():
         label = "unquantized" if kv == "auto" else kv
@@ -292,6 +304,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--memory-gb", type=float, default=0.25, help="KV pool of the multi-turn hit-rate run"
+    )
+    parser.add_argument(
+        "--touched-pool",
+        action="store_true",
+        help="decode step: each engine runs the burst once untimed first (pool pages faulted in)",
     )
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-accuracy", action="store_true")
@@ -336,7 +353,7 @@ def main() -> None:
     if args.rotation_ablation:
         return
     if not args.skip_speed:
-        decode_step(model, name, args.runs, args.step_tokens)
+        decode_step(model, name, args.runs, args.step_tokens, args.touched_pool)
 
 
 if __name__ == "__main__":

@@ -85,8 +85,8 @@ class RotatedKVBackend(AttentionBackend):
         sm_scale: float,
     ) -> torch.Tensor:
         """RoPE and the rotation of q, k and v in one in-place pass over the fused QKV rows
-        (``ops.rope_hadamard_``: one rounding to bf16 instead of two, no copies), the inner
-        backend, then the output rotated back in place."""
+        (``ops.rope_hadamard_``: the bits of ``rope_`` then the rotation, without the copies
+        and the second pass), the inner backend, then the output rotated back in place."""
         hq, hkv, d = heads
         ops.rope_hadamard_(qkv, cos, sin, hq + hkv, hq + 2 * hkv, d)
         q, k, v = split_qkv(qkv, heads)
