@@ -146,10 +146,12 @@ inline void narrow_bf16(c10::BFloat16* p, radixkv_vec::vf x) {
 }
 
 // x rounded to the nearest bf16 (ties to even), kept as float32: narrow_bf16 then widen_bf16
-// for finite lanes, without the trip through memory.
+// without the trip through memory (a NaN lane stays NaN; the carry could make it infinite).
 inline radixkv_vec::vf round_to_bf16(radixkv_vec::vf x) {
   const vu bits = reinterpret_cast<vu>(x);
-  return reinterpret_cast<radixkv_vec::vf>((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
+  const auto rounded =
+      reinterpret_cast<radixkv_vec::vf>((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
+  return x != x ? x : rounded;
 }
 
 // dst[0 .. d) = the row at src as float32.
@@ -460,15 +462,14 @@ void rope_hadamard_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& si
   const int64_t stride = qkv.stride(0);
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
-  const bool pow2 = (d & (d - 1)) == 0;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    if (pow2 && d == 4 * VW) {
+    if (d == 4 * VW) {
       return rope_hadamard_rows_fixed<4>(base, stride, c, s, rope_heads, heads, begin, end);
     }
-    if (pow2 && d == 8 * VW) {
+    if (d == 8 * VW) {
       return rope_hadamard_rows_fixed<8>(base, stride, c, s, rope_heads, heads, begin, end);
     }
-    if (pow2 && d == 2 * VW) {
+    if (d == 2 * VW) {
       return rope_hadamard_rows_fixed<2>(base, stride, c, s, rope_heads, heads, begin, end);
     }
     std::vector<float> buf(d);
