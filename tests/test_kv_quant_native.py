@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_native import rope64, rope_tables
 from test_native_f32 import Case, oracle
 
 from bench.tiny_model import tiny_loaded_model
@@ -364,17 +365,6 @@ def test_native_rotation_of_bf16_rounds_the_float32_result_once(module, d) -> No
         assert bool((got[3, 1].view(torch.int16) == 0x7FC0).all())
 
 
-def rope_tables(t: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sign-folded sin ``[t, d]`` float32 as radixkv.model.llama builds them."""
-    pos = torch.randint(0, 4000, (t, 1), generator=torch.Generator().manual_seed(seed)).double()
-    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = torch.cat([pos * inv, pos * inv], dim=-1)
-    half = d // 2
-    sin = ang.sin()
-    sin[:, :half] = -sin[:, :half]
-    return ang.cos().float(), sin.float()
-
-
 @pytest.mark.parametrize("d", [16, 24, 32, 64, 128])
 def test_native_rope_hadamard_is_rope_then_rotation(module, d) -> None:
     """``rope_hadamard_(qkv, cos, sin, r, n, d)`` leaves each of the first ``n`` heads of a row
@@ -392,14 +382,13 @@ def test_native_rope_hadamard_is_rope_then_rotation(module, d) -> None:
     qkv = wide[:, : (n + 1) * d]  # rows at a stride wider than the view
     wide[5, d + 3] = float("nan")  # a NaN in a q head: NaN in its blocks, both ways alike
     before = wide.clone()
-    cos, sin = rope_tables(t, d, d)
+    cos, sin = rope_tables(
+        torch.randint(0, 4000, (t,), generator=torch.Generator().manual_seed(d)), d
+    )
     module.rope_hadamard_(qkv, cos, sin, hq + hkv, n, d)
     x = before[:, : n * d].double().view(t, n, d)
-    half = d // 2
-    c, s = cos.double()[:, None], sin.double()[:, None]
-    rot = torch.cat([x[..., half:], x[..., :half]], dim=-1)
     roped = x.clone()
-    roped[:, : hq + hkv] = (x * c + rot * s)[:, : hq + hkv]
+    roped[:, : hq + hkv] = rope64(x, cos, sin)[:, : hq + hkv]
     want = roped @ hadamard(d).double()
     got = wide[:, : n * d].double().view(t, n, d)
     # two bf16 roundings: RoPE's (2^-9 of each input to the sum) and the result's (2^-9 of it)

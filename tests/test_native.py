@@ -337,23 +337,38 @@ def test_fused_rope_in_place_matches_apply_rope(level_module):
     assert torch.equal(out[:, 768:], qkv[:, 768:]), "V columns must be left alone"
 
 
+def rope_tables(pos: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sign-folded sin ``[len(pos), d]`` float32 at positions ``pos``, as
+    radixkv.model.llama builds them."""
+    ang = pos.double()[:, None] * (1.0 / 10000.0 ** (torch.arange(0, d, 2).double() / d))
+    ang = torch.cat([ang, ang], dim=-1)
+    sin = ang.sin()
+    sin[:, : d // 2] = -sin[:, : d // 2]
+    return ang.cos().float(), sin.float()
+
+
+def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [t, heads, d]`` in float64 with the float32 tables of
+    :func:`rope_tables` (the oracle of the native ``rope_``)."""
+    x = x.double()
+    half = x.shape[-1] // 2
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.double()[:, None] + swapped * sin.double()[:, None]
+
+
 @pytest.mark.parametrize("d", [24, 40, 64, 128])
 def test_fused_rope_rounds_the_float64_rope_once(level_module, d):
     """``rope_`` on head dims with and without a scalar tail (half = 12, 20 lanes: tails of
     both vector widths; 32, 64: none) against RoPE in float64 of the same bf16 inputs and
     float32 tables: within one bf16 rounding of the result plus float32's of the products."""
     t, heads = 9, 5
-    pos = torch.tensor([0, 1, 7, 30, 300, 999, 2000, 4095, 12]).double()[:, None]
-    ang = pos * (1.0 / 10000.0 ** (torch.arange(0, d, 2).double() / d))
-    ang = torch.cat([ang, ang], dim=-1)
-    cos, sin = ang.cos().float(), ang.sin().float()
-    sin[:, : d // 2] = -sin[:, : d // 2]  # sign-folded, as llama builds it
+    cos, sin = rope_tables(torch.tensor([0, 1, 7, 30, 300, 999, 2000, 4095, 12]), d)
     qkv = bf16(t, (heads + 1) * d, seed=d)
     out = qkv.clone()
     level_module.rope_(out, cos, sin, heads, d)
     x = qkv[:, : heads * d].double().view(t, heads, d)
     swapped = torch.cat([x[..., d // 2 :], x[..., : d // 2]], dim=-1)
-    want = x * cos.double()[:, None] + swapped * sin.double()[:, None]
+    want = rope64(x, cos, sin)
     got = out[:, : heads * d].double().view(t, heads, d)
     bound = 2**-8 * want.abs() + 2**-20 * (x.abs() + swapped.abs())
     assert bool(((got - want).abs() <= bound).all())

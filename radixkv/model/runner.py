@@ -225,9 +225,8 @@ class ModelRunner:
             self.backend = make_attention_backend(
                 attention_backend, self.device, self.dtype, self.config.head_dim, self.kv_dtype
             )
-            if is_rotated(
-                self.kv_dtype
-            ):  # quantized pages hold rotated rows (kv_quant's docstring)
+            # quantized pages hold rotated rows (kv_quant's docstring)
+            if is_rotated(self.kv_dtype):
                 from radixkv.model.attention.rotated_kv import RotatedKVBackend
 
                 self.backend = RotatedKVBackend(self.backend, self.config.head_dim)

@@ -29,7 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hadamard_rows_", &hadamard_rows_, "hadamard_rows in place");
   m.def("rope_hadamard_", &rope_hadamard_,
         "In place on bf16 rows: RoPE on the first rope_heads heads, then x H on the first heads "
-        "(one rounding): the fused QKV output in the stored basis of rotated KV pages");
+        "(the bits of rope_ then hadamard_rows): the fused QKV output in the stored basis of "
+        "rotated KV pages");
   m.def("store_kv_quant_", &store_kv_quant_,
         "Quantize k, v rows as kv_quant.quantize does and write them with their scales to slots");
   m.def("store_kv_", &store_kv_,
