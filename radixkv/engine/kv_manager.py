@@ -1,7 +1,7 @@
 """Page bookkeeping of running sequences against the radix tree and the block allocator.
 
 One idea: every page is owned exactly once — free in the allocator, held by the tree, or held by
-live sequences (by reference count when forked siblings share it). This module moves pages
+live sequences (by reference count when forked siblings or a borrowing sequence share it). This module moves pages
 between those owners; the scheduler decides *when*.
 """
 
@@ -222,6 +222,30 @@ class KVManager:
         own = child.pages[child.num_tree_tokens // self.page_size :]
         if own:
             self.allocator.incref(own)
+
+    def borrow(self, seq: Sequence, owner: Sequence, end: int) -> int:
+        """In-step prefix sharing: give ``seq`` (just admitted) ``owner``'s pages for its tokens
+        up to ``end``, which ``owner`` computes in the step both run in (or computed before), so
+        ``seq`` computes only what follows. Returns the tokens borrowed (0: nothing done).
+
+        Preconditions the caller guarantees: ``seq.tokens[:end] == owner.tokens[:end]``, ``end``
+        is page aligned, and ``owner``'s KV up to ``end`` is written before ``seq``'s attention
+        reads it (every backend stores a layer's new K/V for the whole batch before attending).
+        Borrows only when ``seq`` stands on the tree's pages alone (no copied partial page) and
+        at or past ``owner``'s tree part, so every borrowed page is one ``owner`` holds by
+        reference (counted here once more: :meth:`publish` and :meth:`release` give each owner's
+        reference back as they do for forks)."""
+        P = self.page_size
+        start = seq.num_computed
+        if start != seq.num_tree_tokens or start % P or end % P or start >= end:
+            return 0
+        if owner.num_tree_tokens > start or len(owner.pages) < end // P:
+            return 0
+        pages = owner.pages[start // P : end // P]
+        self.allocator.incref(pages)
+        seq.pages.extend(pages)
+        seq.num_computed = end
+        return end - start
 
     # -- checks ------------------------------------------------------------------------------
     def check_integrity(self, live: list[Sequence]) -> None:

@@ -130,6 +130,8 @@ def engine_stats(engine: StatsSource) -> dict[str, Any]:
         "generated_tokens_total": c["generated_tokens"],
         "cached_tokens_by_tier": dict(engine.cached_by_tier),
         "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+        # of cached_tokens_total: taken from a sibling's prefill in the step it ran
+        "borrowed_tokens_total": engine.scheduler.num_borrowed_tokens,
         "preemptions_total": engine.scheduler.num_preemptions,
         "steps_total": c["steps"],
     }

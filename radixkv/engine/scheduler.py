@@ -10,6 +10,16 @@ AVX2 host) 512 gave cold TPOT p50 581 and 813 ms in two runs against 658 ms for 
 host's run-to-run noise, so the default stays. Pages come from the free pool, then from evicting
 unlocked cache, then from preempting running sequences, newest first, by recompute.
 
+In-step prefix sharing: a waiting request that shares a prefix (at least ``DEDUPE_MIN_TOKENS``
+and a page, not yet cached) with a prefill in this step's batch borrows that prefill's pages for
+the shared whole pages (``KVManager.borrow``) and computes only the rest in the same step: every
+backend writes a layer's new K/V for the whole batch before it attends, so the borrowed pages
+hold the prefix when the borrower reads them. A burst of chats on one new system prompt thus
+gets its first tokens one step after the prompt arrives, not two; under ``lpm``/``dfs-weight``
+such borrowers are admitted right after the prefill they borrow from, before other prompts'
+cold prefixes. When the sibling's chunk stops short of the shared pages, the request waits for
+them to reach the tree (it never computes them twice).
+
 A waiting sequence whose host/disk hit does not fit in the device pages the running sequences
 leave waits for them (up to ``LOAD_WAIT_STEPS`` steps); with nothing running, or after that,
 the longest prefix of the hit that fits is loaded and the rest recomputed (partial load-back).
@@ -65,6 +75,8 @@ class Scheduler:
         self._admit_counter = 0
         self.num_preemptions = 0
         self.num_load_waits = 0
+        #: prompt tokens admitted sequences took from a sibling's prefill in the same step
+        self.num_borrowed_tokens = 0
         self._load_waits: dict[tuple[str, int], int] = {}  # steps each sequence waited so far
 
     # -- queue -------------------------------------------------------------------------------
@@ -139,8 +151,14 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, scheduled: set[int], budget: int) -> None:
         prefilling = [s for s in self.running if s.in_prefill]
+        # how far each prefill in this step's batch will have computed when the step ends
+        reach = {id(s): s.num_computed + n for s, n in batch.entries if s.in_prefill}
         deferred: list[Sequence] = []
-        for seq in self._ordered_waiting():
+        order = self._ordered_waiting()
+        pos = 0
+        while pos < len(order):
+            seq = order[pos]
+            pos += 1
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if seq.status is not SeqStatus.WAITING:
@@ -152,9 +170,14 @@ class Scheduler:
                 if budget is None:
                     break  # out of pages for the whole gang: try again next step
                 continue
-            if self._should_wait_for_sibling(seq, prefilling):
-                deferred.append(seq)
-                continue
+            sibling = self._prefilling_sibling(seq, prefilling)
+            end = 0  # tokens of the sibling's prefix to borrow in this step
+            if sibling is not None:
+                owner, shared = sibling
+                end = min(shared, seq.num_tokens - 1) // self.kv.page_size * self.kv.page_size
+                if reach.get(id(owner), 0) < end or owner.gang is not None:
+                    deferred.append(seq)  # wait for the sibling's prefill to reach the tree
+                    continue
             key = (seq.request_id, seq.index)
             may_wait = bool(self.running) and self._load_waits.get(key, 0) < LOAD_WAIT_STEPS
             cached, unloaded = self.kv.admit(seq, partial=not may_wait)
@@ -165,6 +188,13 @@ class Scheduler:
                 self._load_waits[key] = self._load_waits.get(key, 0) + 1
                 self.num_load_waits += 1
                 break
+            borrowed = 0
+            if sibling is not None:
+                borrowed = self.kv.borrow(seq, sibling[0], end)
+                if borrowed == 0:  # it stands on a copied partial page: wait as before
+                    self.kv.release(seq, publish=False)
+                    deferred.append(seq)
+                    continue
             chunk = self._fit_chunk(seq, min(budget, seq.num_tokens - seq.num_computed))
             if chunk == 0:
                 self.kv.release(seq, publish=False)
@@ -172,7 +202,12 @@ class Scheduler:
             self._load_waits.pop(key, None)
             self.waiting.remove(seq)
             if seq.cached_tokens is None:
-                seq.cached_tokens = cached
+                seq.cached_tokens = cached + borrowed
+                if borrowed and seq.cached_by_tier is not None:
+                    by_tier = dict(seq.cached_by_tier)
+                    by_tier["device"] = by_tier.get("device", 0) + borrowed
+                    seq.cached_by_tier = by_tier
+            self.num_borrowed_tokens += borrowed
             seq.status = SeqStatus.RUNNING
             self._admit_counter += 1
             seq.admit_order = self._admit_counter
@@ -180,7 +215,10 @@ class Scheduler:
             prefilling.append(seq)
             batch.entries.append((seq, chunk))
             scheduled.add(id(seq))
+            reach[id(seq)] = seq.num_computed + chunk
             budget -= chunk
+            if not borrowed and self.config.schedule_policy != "fcfs":
+                order[pos:] = self._borrowers_first(seq, order[pos:])
 
     def _admit_gang(
         self,
@@ -270,19 +308,43 @@ class Scheduler:
             stack.extend((kid, False) for kid in reversed(kids))  # heaviest popped first
         return order
 
-    def _should_wait_for_sibling(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
-        """In-batch prefix dedupe: wait while another request is computing our shared prefix."""
+    def _prefilling_sibling(
+        self, seq: Sequence, prefilling: list[Sequence]
+    ) -> tuple[Sequence, int] | None:
+        """In-batch prefix dedupe: the running prefill sharing the most not-yet-cached tokens
+        with ``seq`` (at least ``DEDUPE_MIN_TOKENS`` and a page), and the tokens shared; None
+        when ``seq`` has no such sibling. ``seq`` then borrows that prefix's pages in the step
+        the sibling computes them (:meth:`KVManager.borrow`) or waits for them to reach the tree;
+        it never computes them a second time."""
         if not self.kv.enable_prefix_cache or not prefilling or seq.skip_cache_read:
-            return False
+            return None
         cached = self.kv.peek(seq)[0]
         tokens = seq.tokens
+        best: tuple[Sequence, int] | None = None
         for other in prefilling:
             if other.salt != seq.salt:
                 continue
             shared = common_prefix_len(tokens, other.tokens)
-            if shared - cached >= max(DEDUPE_MIN_TOKENS, self.kv.page_size):
-                return True
-        return False
+            enough = shared - cached >= max(DEDUPE_MIN_TOKENS, self.kv.page_size)
+            if enough and (best is None or shared > best[1]):
+                best = (other, shared)
+        return best
+
+    def _borrowers_first(self, owner: Sequence, rest: list[Sequence]) -> list[Sequence]:
+        """``rest`` of the waiting order with the sequences that share at least
+        ``DEDUPE_MIN_TOKENS`` (and a page) of ``owner``'s uncomputed prefix moved to the front,
+        each group in its order: once ``owner``'s prefill is in the step they cost only their
+        own suffix (they borrow the prefix in the same step), so they go before other prompts'
+        cold prefixes — the longest-prefix-match idea, with the prefix computed this step."""
+        if owner.gang is not None or not self.kv.enable_prefix_cache:
+            return rest
+        need = owner.num_computed + max(DEDUPE_MIN_TOKENS, self.kv.page_size)
+        tokens = owner.tokens
+        first, other = [], []
+        for seq in rest:
+            share = seq.salt == owner.salt and common_prefix_len(seq.tokens, tokens) >= need
+            (first if share else other).append(seq)
+        return first + other if first else rest
 
     # -- pages -------------------------------------------------------------------------------
     def _fit_chunk(self, seq: Sequence, want: int) -> int:
