@@ -311,8 +311,69 @@ def test_fused_silu_mul(level_module, n, scale):
     got = level_module.silu_mul(gu).double()
     # one bf16 rounding of the result (2^-8 relative) and float32 arithmetic before it
     assert ((got - ref).abs() <= ref.abs() * 1.01 * 2**-8 + 1e-30).all()
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        level_module.silu_mul(bf16(2, 8).float())
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        level_module.silu_mul(bf16(2, 8).half())
+
+
+# float32 rows (the fused layers of float32 models over a native attention backend): float32
+# arithmetic throughout, judged against float64 with a bound of a few float32 roundings per
+# accumulated term; a weight of another dtype is refused.
+F32_EPS = 2.0**-24
+
+
+@pytest.mark.parametrize("h", [576, 45])
+def test_fused_rms_norm_float32(level_module, h):
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(37, h, generator=g), torch.randn(h, generator=g)
+    x64, w64 = x.double(), w.double()
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+    bound = (x64.abs() * w64.abs() * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)) * (
+        (h + 8) * F32_EPS
+    )
+    assert ((level_module.rms_norm(x, w, 1e-5).double() - ref).abs() <= bound).all()
+    residual, delta = torch.randn(37, h, generator=g), torch.randn(37, h, generator=g)
+    res = residual.clone()
+    y = level_module.add_rms_norm(res, delta, w, 1e-5)
+    assert torch.equal(res, residual + delta)  # the float32 residual add, one rounding
+    s64 = res.double()
+    ref = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+    bound = (s64.abs() * w64.abs() * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5)) * (
+        (h + 8) * F32_EPS
+    )
+    assert ((y.double() - ref).abs() <= bound).all()
+    with pytest.raises(RuntimeError, match="rows' dtype"):
+        level_module.rms_norm(x, w.to(torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        level_module.add_rms_norm(res, delta.to(torch.bfloat16), w, 1e-5)
+
+
+@pytest.mark.parametrize("n, scale", [(1536, 1.0), (1536, 30.0), (45, 4.0)])
+def test_fused_silu_mul_float32(level_module, n, scale):
+    gu = torch.randn(9, 2 * n, generator=torch.Generator().manual_seed(12)) * scale
+    g, u = gu[:, :n].double(), gu[:, n:].double()
+    ref = g * torch.sigmoid(g) * u
+    got = level_module.silu_mul(gu).double()
+    # exp2 by a polynomial (~2e-8 relative), a division and two products in float32; the
+    # exponent g log2(e) is rounded to float32 first, which exp amplifies by |g| (its condition);
+    # exp(-|g|) below float32's smallest normal (g < -87.3) is flushed to 0, as torch's float32
+    # silu flushes from -88.7
+    bound = ref.abs() * (1.5 * g.abs() + 16) * F32_EPS + g.abs() * u.abs() * 2.0**-126
+    assert ((got - ref).abs() <= bound).all()
+
+
+def test_fused_rope_float32(level_module):
+    pos = torch.tensor([0, 7, 300, 2000, 8191])
+    cos, sin = rope_tables(pos, 64)
+    g = torch.Generator().manual_seed(13)
+    qkv = torch.randn(5, 15 * 64, generator=g)
+    out = qkv.clone()
+    level_module.rope_(out, cos, sin, 12, 64)
+    x = qkv[:, : 12 * 64].double().view(5, 12, 64)
+    ref = rope64(x, cos, sin)
+    # two products and a sum of float32 operands, each term within a rounding of the float64 one
+    bound = (x.abs() + x.abs().roll(32, -1)) * 4 * F32_EPS
+    assert ((out[:, : 12 * 64].double().view(5, 12, 64) - ref).abs() <= bound).all()
+    assert torch.equal(out[:, 12 * 64 :], qkv[:, 12 * 64 :]), "V columns must be left alone"
 
 
 def test_fused_rope_in_place_matches_apply_rope(level_module):

@@ -232,7 +232,8 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         meta: Any,
     ) -> torch.Tensor:
-        """The same layer through the native fused bf16 ops (:mod:`radixkv.model.native`).
+        """The same layer through the native fused ops (:mod:`radixkv.model.native`), bf16 or
+        float32 rows.
 
         ``x`` is the residual stream, updated in place; ``pending`` is the previous layer's MLP
         output, not yet added (its add is fused into this layer's input RMSNorm). ``cos``/``sin``
@@ -353,12 +354,18 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
     def _fused_ops(self, backend: AttentionBackend) -> Any | None:
-        """The native fused ops when this model runs in bf16 on the CPU and they are built: the
-        attention backend's own native build where it has one (one ISA level per runner)."""
+        """The native fused ops when this model runs on the CPU and they are built: the attention
+        backend's own native build where it has one (one ISA level per runner). bf16 models use
+        them with every backend; float32 models only with a native attention backend (the plain
+        torch backend, ``RADIXKV_FP32_ATTENTION=plain``, keeps transformers' own op order)."""
         w = self.embed_tokens.weight
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not self.use_fused_ops:
+        if w.device.type != "cpu" or not self.use_fused_ops:
             return None
         module = getattr(backend, "module", None)
+        if w.dtype == torch.float32:
+            return module if module is not None and hasattr(module, "rms_norm") else None
+        if w.dtype != torch.bfloat16:
+            return None
         if module is not None:
             return module
         from radixkv.model import native

@@ -87,6 +87,8 @@ class RotatedKVBackend(AttentionBackend):
         """RoPE and the rotation of q, k and v in one in-place pass over the fused QKV rows
         (``ops.rope_hadamard_``: the bits of ``rope_`` then the rotation, without the copies
         and the second pass), the inner backend, then the output rotated back in place."""
+        if qkv.dtype != torch.bfloat16:  # float32 rows: RoPE, then forward's rotation pass
+            return super().forward_qkv(ops, qkv, cos, sin, heads, k_cache, v_cache, meta, sm_scale)
         hq, hkv, d = heads
         ops.rope_hadamard_(qkv, cos, sin, hq + hkv, hq + 2 * hkv, d)
         q, k, v = split_qkv(qkv, heads)

@@ -1,6 +1,7 @@
-// Fused elementwise layers of the bf16 CPU forward pass: each reads and writes its activations
-// once instead of once per torch op (a bf16 RMSNorm in torch is six passes and three temporaries).
-// All arithmetic is float32; results are rounded to bf16 once.
+// Fused elementwise layers of the CPU forward pass, bf16 or float32 rows: each reads and writes its
+// activations once instead of once per torch op (an RMSNorm in torch is six passes and three
+// temporaries). All arithmetic is float32; bf16 results are rounded to bf16 once. Every tensor of
+// one call has the rows' dtype (cos / sin of rope_ are always float32).
 //
 //   rms_norm(x, w)             y = x / sqrt(mean(x^2) + eps) * w
 //   add_rms_norm(res, x, w)    res += x (bf16, in place); y = rms_norm(res, w)
@@ -69,36 +70,69 @@ inline float hsum(vf v) {
   return s;
 }
 
-void check_bf16_2d(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 &&
-                  t.stride(1) == 1,
-              what, ": expected a CPU bfloat16 [rows, dim] tensor with contiguous rows");
+// The element types' loads and stores: bf16 as above, float32 as it is.
+inline vf load_e(const bf16* p) { return load_bf(p); }
+inline vf load_e(const float* p) { return radixkv_vec::loadv(p); }
+inline void store_e(bf16* p, vf f) { store_bf(p, f); }
+inline void store_e(float* p, vf f) { radixkv_vec::storev(p, f); }
+inline float to_f(float x) { return x; }
+template <class E>
+inline E from_f(float f);
+template <>
+inline bf16 from_f<bf16>(float f) { return to_bf(f); }
+template <>
+inline float from_f<float>(float f) { return f; }
+
+void check_rows_2d(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() &&
+                  (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat) &&
+                  t.dim() == 2 && t.stride(1) == 1,
+              what, ": expected a CPU bfloat16 or float32 [rows, dim] tensor with contiguous rows");
 }
 
-void check_norm_weight(const at::Tensor& w, int64_t h, const char* what) {
-  TORCH_CHECK(w.numel() == h && w.is_contiguous() && w.scalar_type() == at::kBFloat16, what,
-              ": weight must be a contiguous bfloat16 vector of the row size");
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, ": expected one dtype, got ",
+              a.scalar_type(), " and ", b.scalar_type());
 }
 
-bf16* data(const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); }
+void check_norm_weight(const at::Tensor& w, const at::Tensor& x, const char* what) {
+  TORCH_CHECK(w.numel() == x.size(1) && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+              what, ": weight must be a contiguous vector of the row size in the rows' dtype");
+}
+
+template <class E>
+E* data(const at::Tensor& t) {
+  return reinterpret_cast<E*>(t.data_ptr());
+}
+
+// Runs fn.template operator()<E>() with E the element type of `t` (bf16 or float).
+template <class Fn>
+void dispatch_rows(const at::Tensor& t, Fn&& fn) {
+  if (t.scalar_type() == at::kFloat) {
+    fn(float{});
+  } else {
+    fn(bf16{});
+  }
+}
 
 // y[r] = norm(src[r]) * w for rows [begin, end); whole vectors first, then a scalar tail
-void norm_rows(const bf16* src, int64_t src_stride, const bf16* w, bf16* dst, int64_t h,
-               float eps, int64_t begin, int64_t end) {
+template <class E>
+void norm_rows(const E* src, int64_t src_stride, const E* w, E* dst, int64_t h, float eps,
+               int64_t begin, int64_t end) {
   const int64_t hv = h - h % VW;
   for (int64_t r = begin; r < end; ++r) {
-    const bf16* x = src + r * src_stride;
+    const E* x = src + r * src_stride;
     vf acc{};
     for (int64_t i = 0; i < hv; i += VW) {
-      const vf v = load_bf(x + i);
+      const vf v = load_e(x + i);
       acc += v * v;
     }
     float ss = hsum(acc);
     for (int64_t i = hv; i < h; ++i) ss += to_f(x[i]) * to_f(x[i]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
-    bf16* y = dst + r * h;
-    for (int64_t i = 0; i < hv; i += VW) store_bf(y + i, load_bf(x + i) * inv * load_bf(w + i));
-    for (int64_t i = hv; i < h; ++i) y[i] = to_bf(to_f(x[i]) * inv * to_f(w[i]));
+    E* y = dst + r * h;
+    for (int64_t i = 0; i < hv; i += VW) store_e(y + i, load_e(x + i) * inv * load_e(w + i));
+    for (int64_t i = hv; i < h; ++i) y[i] = from_f<E>(to_f(x[i]) * inv * to_f(w[i]));
   }
 }
 
@@ -117,64 +151,76 @@ constexpr int64_t kRowGrain = 16;
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_bf16_2d(x, "rms_norm");
+  check_rows_2d(x, "rms_norm");
+  check_norm_weight(weight, x, "rms_norm");
   const int64_t rows = x.size(0), h = x.size(1);
-  check_norm_weight(weight, h, "rms_norm");
   auto y = at::empty({rows, h}, x.options());
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-    norm_rows(data(x), x.stride(0), data(weight), data(y), h, static_cast<float>(eps), b, e);
+  dispatch_rows(x, [&](auto e0) {
+    using E = decltype(e0);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+      norm_rows(data<E>(x), x.stride(0), data<E>(weight), data<E>(y), h, static_cast<float>(eps),
+                b, e);
+    });
   });
   return y;
 }
 
 at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
                         double eps) {
-  check_bf16_2d(residual, "add_rms_norm (residual)");
-  check_bf16_2d(x, "add_rms_norm (x)");
+  check_rows_2d(residual, "add_rms_norm (residual)");
+  check_rows_2d(x, "add_rms_norm (x)");
+  check_same_dtype(residual, x, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual and x shapes differ");
+  check_norm_weight(weight, x, "add_rms_norm");
   const int64_t rows = x.size(0), h = x.size(1);
-  check_norm_weight(weight, h, "add_rms_norm");
   auto y = at::empty({rows, h}, x.options());
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-    bf16* res = data(residual);
-    const bf16* xs = data(x);
-    for (int64_t r = b; r < e; ++r) {
-      bf16* dst = res + r * residual.stride(0);
-      const bf16* src = xs + r * x.stride(0);
-      const int64_t hv = h - h % VW;
-      for (int64_t i = 0; i < hv; i += VW) store_bf(dst + i, load_bf(dst + i) + load_bf(src + i));
-      for (int64_t i = hv; i < h; ++i) dst[i] = to_bf(to_f(dst[i]) + to_f(src[i]));
-    }
-    norm_rows(res, residual.stride(0), data(weight), data(y), h, static_cast<float>(eps), b, e);
+  dispatch_rows(x, [&](auto e0) {
+    using E = decltype(e0);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+      E* res = data<E>(residual);
+      const E* xs = data<E>(x);
+      for (int64_t r = b; r < e; ++r) {
+        E* dst = res + r * residual.stride(0);
+        const E* src = xs + r * x.stride(0);
+        const int64_t hv = h - h % VW;
+        for (int64_t i = 0; i < hv; i += VW) store_e(dst + i, load_e(dst + i) + load_e(src + i));
+        for (int64_t i = hv; i < h; ++i) dst[i] = from_f<E>(to_f(dst[i]) + to_f(src[i]));
+      }
+      norm_rows(res, residual.stride(0), data<E>(weight), data<E>(y), h, static_cast<float>(eps),
+                b, e);
+    });
   });
   return y;
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_bf16_2d(gate_up, "silu_mul");
+  check_rows_2d(gate_up, "silu_mul");
   const int64_t rows = gate_up.size(0), two = gate_up.size(1);
   TORCH_CHECK(two % 2 == 0, "silu_mul: the last dim must hold gate and up halves");
   const int64_t n = two / 2;
   auto y = at::empty({rows, n}, gate_up.options());
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const bf16* g = data(gate_up) + r * gate_up.stride(0);
-      const bf16* u = g + n;
-      bf16* dst = data(y) + r * n;
-      const int64_t nv = n - n % VW;
-      for (int64_t i = 0; i < nv; i += VW) store_bf(dst + i, silu_mul_v(load_bf(g + i), load_bf(u + i)));
-      for (int64_t i = nv; i < n; ++i) {
-        const float gv = to_f(g[i]);
-        dst[i] = to_bf(gv / (1.f + std::exp(-gv)) * to_f(u[i]));
+  dispatch_rows(gate_up, [&](auto e0) {
+    using E = decltype(e0);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const E* g = data<E>(gate_up) + r * gate_up.stride(0);
+        const E* u = g + n;
+        E* dst = data<E>(y) + r * n;
+        const int64_t nv = n - n % VW;
+        for (int64_t i = 0; i < nv; i += VW) store_e(dst + i, silu_mul_v(load_e(g + i), load_e(u + i)));
+        for (int64_t i = nv; i < n; ++i) {
+          const float gv = to_f(g[i]);
+          dst[i] = from_f<E>(gv / (1.f + std::exp(-gv)) * to_f(u[i]));
+        }
       }
-    }
+    });
   });
   return y;
 }
 
 void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
            int64_t head_dim) {
-  check_bf16_2d(qkv, "rope_");
+  check_rows_2d(qkv, "rope_");
   const int64_t rows = qkv.size(0);
   TORCH_CHECK(head_dim % 2 == 0 && num_heads * head_dim <= qkv.size(1),
               "rope_: num_heads * head_dim exceeds the row");
@@ -184,24 +230,27 @@ void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_
               "rope_: cos and sin must be contiguous float32 [rows, head_dim]");
   const int64_t half = head_dim / 2;
   const int64_t hv = half - half % VW;  // a vector of lo and one of hi at a time up to here
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const float* c = cos.data_ptr<float>() + r * head_dim;
-      const float* s = sin.data_ptr<float>() + r * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        bf16* x = data(qkv) + r * qkv.stride(0) + h * head_dim;
-        for (int64_t i = 0; i < hv; i += VW) {
-          const vf lo = load_bf(x + i), hi = load_bf(x + i + half);
-          store_bf(x + i, lo * radixkv_vec::loadv(c + i) + hi * radixkv_vec::loadv(s + i));
-          store_bf(x + i + half,
-                   hi * radixkv_vec::loadv(c + i + half) + lo * radixkv_vec::loadv(s + i + half));
-        }
-        for (int64_t i = hv; i < half; ++i) {
-          const float lo = to_f(x[i]), hi = to_f(x[i + half]);
-          x[i] = to_bf(lo * c[i] + hi * s[i]);
-          x[i + half] = to_bf(hi * c[i + half] + lo * s[i + half]);
+  dispatch_rows(qkv, [&](auto e0) {
+    using E = decltype(e0);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const float* c = cos.data_ptr<float>() + r * head_dim;
+        const float* s = sin.data_ptr<float>() + r * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          E* x = data<E>(qkv) + r * qkv.stride(0) + h * head_dim;
+          for (int64_t i = 0; i < hv; i += VW) {
+            const vf lo = load_e(x + i), hi = load_e(x + i + half);
+            store_e(x + i, lo * radixkv_vec::loadv(c + i) + hi * radixkv_vec::loadv(s + i));
+            store_e(x + i + half,
+                    hi * radixkv_vec::loadv(c + i + half) + lo * radixkv_vec::loadv(s + i + half));
+          }
+          for (int64_t i = hv; i < half; ++i) {
+            const float lo = to_f(x[i]), hi = to_f(x[i + half]);
+            x[i] = from_f<E>(lo * c[i] + hi * s[i]);
+            x[i + half] = from_f<E>(hi * c[i + half] + lo * s[i + half]);
+          }
         }
       }
-    }
+    });
   });
 }

@@ -1,4 +1,4 @@
-// Fused bf16 elementwise layers for the CPU forward pass (see cpu_fused.cpp).
+// Fused elementwise layers (bf16 or float32 rows) for the CPU forward pass (see cpu_fused.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
