@@ -1,8 +1,8 @@
 """Page bookkeeping of running sequences against the radix tree and the block allocator.
 
 One idea: every page is owned exactly once — free in the allocator, held by the tree, or held by
-live sequences (by reference count when forked siblings or a borrowing sequence share it). This module moves pages
-between those owners; the scheduler decides *when*.
+live sequences (by reference count when forked siblings or a borrowing sequence share it). This
+module moves pages between those owners; the scheduler decides *when*.
 """
 
 from __future__ import annotations
