@@ -80,11 +80,13 @@ def test_every_backend_reads_a_prefix_written_in_the_same_step(
         .cpu()
     )
 
-    tol = 2e-4 if dtype == torch.float32 and kv_cache_dtype == "auto" else 5e-2
+    # float32 math (quantized pages too: both runs read the same stored codes) vs bf16 rows
+    tol = 2e-4 if dtype == torch.float32 else 5e-2
     scale = after.abs().max().item()
     err = (together - after).abs().max().item()
     assert err <= tol * scale, (type(same.backend).__name__, err, scale)
-    assert (blind - after).abs().max().item() > 20 * tol * scale, "unwritten pages went unseen"
+    # unwritten prefix pages move the logits by about their own size (1.2-1.3x here)
+    assert (blind - after).abs().max().item() > 0.25 * scale, "unwritten pages went unseen"
 
 
 def test_the_backends_above_cover_this_hosts_kernels(tiny_llama, monkeypatch):
