@@ -67,7 +67,6 @@ class EngineParts:
 def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
     """Load ``model`` (a name, or a loaded model) and build every part ``cfg`` asks for."""
     template = load_chat_template(cfg.chat_template) if cfg.chat_template else None  # fail fast
-    from radixkv.model.heap import tune_heap
     from radixkv.model.loader import load_model, load_tokenizer
     from radixkv.model.runner import ModelRunner, default_dtype
 
@@ -76,8 +75,6 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         loaded = dataclasses.replace(loaded, tokenizer=load_tokenizer(cfg.tokenizer))
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
-    if device.type == "cpu":
-        tune_heap()  # the CPU step's activations: reuse freed buffers (radixkv.model.heap)
     context = getattr(loaded.config, "max_position_embeddings", None) or 2048
     max_model_len = min(cfg.max_model_len or context, context)
     pool = size_kv_pool(cfg, device, loaded, dtype, max_model_len)
