@@ -102,11 +102,17 @@ class KVManager:
         seq.num_computed = num
         seq.num_tree_tokens = num
         reused = self._reuse_partial_page(seq, node)
-        if reused and seq.cached_tokens is None and seq.cached_by_tier:
-            by_tier = dict(seq.cached_by_tier)
-            by_tier["device"] = by_tier.get("device", 0) + reused
-            seq.cached_by_tier = by_tier
+        self._count_device_reuse(seq, reused)
         return Admission(num + reused, unloaded)
+
+    @staticmethod
+    def _count_device_reuse(seq: Sequence, tokens: int) -> None:
+        """Add ``tokens`` reused on the device (a copied partial page, borrowed pages) to the
+        per-tier hit of ``seq``'s first admission (only kept with offload tiers)."""
+        if tokens and seq.cached_tokens is None and seq.cached_by_tier:
+            by_tier = dict(seq.cached_by_tier)
+            by_tier["device"] = by_tier.get("device", 0) + tokens
+            seq.cached_by_tier = by_tier
 
     def _reuse_partial_page(self, seq: Sequence, node: object) -> int:
         """Copy-on-write reuse past the page-aligned match: when a cached page below ``node``
@@ -245,6 +251,7 @@ class KVManager:
         self.allocator.incref(pages)
         seq.pages.extend(pages)
         seq.num_computed = end
+        self._count_device_reuse(seq, end - start)
         return end - start
 
     # -- checks ------------------------------------------------------------------------------

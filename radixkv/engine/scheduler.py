@@ -203,10 +203,6 @@ class Scheduler:
             self.waiting.remove(seq)
             if seq.cached_tokens is None:
                 seq.cached_tokens = cached + borrowed
-                if borrowed and seq.cached_by_tier is not None:
-                    by_tier = dict(seq.cached_by_tier)
-                    by_tier["device"] = by_tier.get("device", 0) + borrowed
-                    seq.cached_by_tier = by_tier
             self.num_borrowed_tokens += borrowed
             seq.status = SeqStatus.RUNNING
             self._admit_counter += 1

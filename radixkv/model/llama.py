@@ -363,7 +363,7 @@ class LlamaModel(nn.Module):
             return None
         module = getattr(backend, "module", None)
         if w.dtype == torch.float32:
-            return module if module is not None and hasattr(module, "rms_norm") else None
+            return module
         if w.dtype != torch.bfloat16:
             return None
         if module is not None:

@@ -105,7 +105,7 @@ E* data(const at::Tensor& t) {
   return reinterpret_cast<E*>(t.data_ptr());
 }
 
-// Runs fn.template operator()<E>() with E the element type of `t` (bf16 or float).
+// Calls fn with a value of the element type of `t` (bf16 or float), for `decltype`.
 template <class Fn>
 void dispatch_rows(const at::Tensor& t, Fn&& fn) {
   if (t.scalar_type() == at::kFloat) {
