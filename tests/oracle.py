@@ -41,6 +41,7 @@ __all__ = [
     "RATIOS",
     "check_greedy_tokens",
     "check_rows",
+    "onednn_linears",
     "record",
 ]
 
@@ -84,18 +85,22 @@ class Oracle:
         self._cache: dict[tuple, torch.Tensor] = {}
 
     def model(self, dtype: torch.dtype, attention: str = "sdpa") -> torch.nn.Module:
-        """transformers' model in ``dtype`` with ``attention`` ("sdpa" or "eager")."""
+        """transformers' model in ``dtype`` with ``attention`` ("sdpa", "eager", or
+        "sdpa-onednn": SDPA with every linear run by oneDNN's GEMM, :func:`onednn_linears`)."""
         key = (dtype, attention)
         if key not in self._copies:
             if key == (torch.float32, self.hf32.config._attn_implementation):
                 self._copies[key] = self.hf32
             else:
                 model = copy.deepcopy(self.hf32).to(dtype).eval()
-                model.config._attn_implementation = attention
+                kind = attention.removesuffix("-onednn")
+                model.config._attn_implementation = kind
                 for module in model.modules():
                     config = getattr(module, "config", None)
                     if config is not None and hasattr(config, "_attn_implementation"):
-                        config._attn_implementation = attention
+                        config._attn_implementation = kind
+                if attention != kind:
+                    onednn_linears(model)
                 self._copies[key] = model
         return self._copies[key]
 
@@ -132,13 +137,21 @@ class Oracle:
     def references(
         self, ids: Sequence[int], dtype: torch.dtype, prefill: int | None = None
     ) -> list[torch.Tensor]:
-        """transformers' logits of ``ids`` in ``dtype`` computed three valid ways: SDPA and eager
-        attention over the whole sequence, and (``prefill`` given) SDPA prefill then one-token
-        decodes. Their spread is how far a correct ``dtype`` implementation may land from the
-        oracle on each row: on an ill-conditioned step SDPA alone can land 25x nearer the oracle
-        than the same model's eager attention (measured on SmolLM2), which is luck, not a bound.
+        """transformers' logits of ``ids`` in ``dtype`` computed several valid ways: SDPA and
+        eager attention over the whole sequence, (float32, where oneDNN is built) SDPA with the
+        linears on oneDNN's GEMM (:func:`onednn_linears`), and (``prefill`` given) SDPA prefill
+        then one-token decodes. Their spread is how far a correct ``dtype`` implementation may
+        land from the oracle on each row: on an ill-conditioned step SDPA alone can land 25x
+        nearer the oracle than the same model's eager attention (measured on SmolLM2), which is
+        luck, not a bound. The linears' rounding dominates float32's error, and the other forms
+        share one GEMM (MKL's), whose error depends on the host: on an Intel AVX-512/AMX host it
+        was half oneDNN's (and radixkv's native GEMM's) per linear, and on one ill-conditioned
+        SmolLM2 row every MKL form landed 10x nearer the oracle than a oneDNN forward, where on
+        AMD hosts they land alike; hence a second GEMM among the references.
         """
         refs = [self.logits(ids, dtype, "sdpa"), self.logits(ids, dtype, "eager")]
+        if dtype == torch.float32 and onednn_available():
+            refs.append(self.logits(ids, dtype, "sdpa-onednn"))
         if prefill is not None and prefill < len(ids):
             refs.append(self.logits(ids, dtype, "sdpa", prefill))
         return refs
@@ -183,6 +196,28 @@ class Oracle:
             tokens.append(int(out.logits[0, -1].argmax()))
             out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values)
         return tokens
+
+
+def onednn_available() -> bool:
+    """Whether torch has oneDNN's prepacked linear (x86 and Arm CPU builds)."""
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+
+
+def onednn_linears(model: torch.nn.Module) -> None:
+    """Run every float32 ``nn.Linear`` of ``model`` on oneDNN's GEMM (weights prepacked once):
+    the same products summed in oneDNN's order, a second equally valid rounding beside MKL's."""
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+        bias = None if module.bias is None else module.bias.detach()
+
+        def forward(x: torch.Tensor, packed=packed, bias=bias) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+        module.forward = forward
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:

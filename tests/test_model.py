@@ -8,7 +8,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 from kernel_paths import assert_runs_path, bf16_paths, fp32_paths, use_path
-from oracle import BF16, FP32, Contract, Oracle, check_greedy_tokens, check_rows
+from oracle import (
+    BF16,
+    FP32,
+    Contract,
+    Oracle,
+    check_greedy_tokens,
+    check_rows,
+    onednn_available,
+)
 
 from radixkv.model.attention.base import torch_store_kvcache
 from radixkv.model.attention.torch_backend import torch_decode_attention, torch_extend_attention
@@ -146,6 +154,21 @@ def test_tiny_llama_matches_oracle_mixed_batch(
     tiny_llama, tiny_oracle, tiny_scenario, contract, path, monkeypatch
 ):
     run_and_judge(tiny_llama, tiny_oracle, tiny_scenario, contract, path, monkeypatch, 64)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+def test_oracle_onednn_form_computes_the_same_model(tiny_llama, tiny_oracle):
+    """The oracle's oneDNN-GEMM reference form is the model itself, summed in another order: its
+    logits sit as near the float64 oracle as transformers' float32 forward does (a transposed or
+    dropped weight would put them orders of magnitude away)."""
+    ids = list(range(5, 60))
+    truth = tiny_oracle.logits(ids)
+    sdpa = tiny_oracle.logits(ids, torch.float32, "sdpa")
+    onednn = tiny_oracle.logits(ids, torch.float32, "sdpa-onednn")
+    assert len(tiny_oracle.references(ids, torch.float32)) == 3
+    ref_err = (sdpa - truth).abs().max().item()
+    assert 0 < ref_err < 1e-4
+    assert (onednn - truth).abs().max().item() < 8 * ref_err
 
 
 def test_tiny_llama_config_and_state_dict_constructor(tiny_llama):
