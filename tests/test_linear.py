@@ -267,8 +267,8 @@ def test_packed_linear_takes_the_native_gemm(
         lin = make(n)
         packed = PackedLinear(lin)
         assert packed.kernel == kernel, (n, env)
-        if kernel == "native":  # copies like any module (oneDNN's opaque tensor does not)
-            packed = copy.deepcopy(packed)
+        packed = copy.deepcopy(packed)  # packs the copied weights afresh
+        assert packed.kernel == kernel and packed.weight is not lin.weight
         for rows in (1, 5, 64):
             x = torch.randn(2, rows, 96, generator=g).to(dtype)
             y = packed(x)
@@ -279,3 +279,57 @@ def test_packed_linear_takes_the_native_gemm(
                 rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-23
                 allowed = allowed + rounding * ref.abs()  # the bias is added to rounded rows
             assert ((y.double() - ref).abs() - allowed).max().item() <= 0
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_linears_take_onednn_from_amx_min_rows_on_amx_hosts(
+    amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an AMX-BF16 host a native bf16 linear also packs oneDNN's layout and runs it from
+    ``AMX_MIN_ROWS`` rows, radixkv's GEMM below; ``RADIXKV_CPU_GEMM=native`` keeps radixkv's
+    everywhere. AMX is faked where the host lacks it (oneDNN runs bf16 on AVX512-BF16 too), so
+    the switch is tested on every host with the bf16 GEMM."""
+    if ("avx512_bf16", torch.bfloat16) not in GEMM_BUILDS or not packed_linear_supported(
+        torch.bfloat16, "cpu"
+    ):
+        pytest.skip("no AVX512-BF16 build with the bf16 GEMM on this host")
+    monkeypatch.setenv("RADIXKV_ISA", "avx512_bf16")
+    monkeypatch.delenv("RADIXKV_CPU_GEMM", raising=False)
+    monkeypatch.setattr(linear, "has_amx_bf16", lambda: amx)
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(96, 160, bias=True).requires_grad_(False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(160, 96, generator=g))
+        lin.bias.copy_(torch.randn(160, generator=g))
+    packed = PackedLinear(lin)
+    assert packed.kernel == "native"
+    assert (packed.amx_packed is not None) is amx
+    assert packed.amx_min_rows == (linear.AMX_MIN_ROWS if amx else None)
+    calls: list[int] = []
+    onednn = PackedLinear._onednn
+    monkeypatch.setattr(
+        PackedLinear, "_onednn", lambda self, x, w: calls.append(x.shape[-2]) or onednn(self, x, w)
+    )
+    for rows in (1, linear.AMX_MIN_ROWS - 1, linear.AMX_MIN_ROWS, 64):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        y = packed(x)
+        ref, allowed = _gemm_bound(x, lin.weight, torch.bfloat16)
+        ref = ref + lin.bias.double()
+        allowed = allowed + 2.0**-8 * ref.abs()
+        assert ((y.double() - ref).abs() - allowed).max().item() <= 0, rows
+    assert calls == ([linear.AMX_MIN_ROWS, 64] if amx else [])
+    assert "AMX" in repr(packed) if amx else "AMX" not in repr(packed)
+    monkeypatch.setenv("RADIXKV_CPU_GEMM", "native")
+    assert PackedLinear(lin).amx_packed is None
+    monkeypatch.setenv("RADIXKV_CPU_GEMM", "fastest")
+    with pytest.raises(ValueError, match="auto, native or onednn"):
+        PackedLinear(lin)
+
+
+def test_has_amx_bf16_follows_the_cpu_flags() -> None:
+    from radixkv.model.host_cpu import cpu_flags, has_amx_bf16
+
+    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        assert has_amx_bf16() is False
+    else:  # Linux >= 5.16 grants the tile state; torch asks for it
+        assert has_amx_bf16() is True

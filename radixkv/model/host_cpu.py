@@ -84,6 +84,19 @@ def has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16", "bf16"} & flags)
 
 
+@functools.cache
+def has_amx_bf16() -> bool:
+    """Whether bfloat16 matrix multiplies can run on AMX tiles here: the CPU has AMX-BF16 (Intel
+    Sapphire Rapids and later) and the kernel lets this process use the tile state (torch asks
+    for it, as oneDNN does; Linux grants it from 5.16)."""
+    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        return False
+    import torch
+
+    init_amx = getattr(torch._C._cpu, "_init_amx", None)
+    return bool(init_amx()) if init_amx is not None else True
+
+
 def relevant_flags() -> list[str]:
     """The :data:`RELEVANT_FLAGS` this CPU has, in that order."""
     flags = cpu_flags()

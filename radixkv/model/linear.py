@@ -33,10 +33,18 @@ model's linears with the weights streamed (Zen 4): bf16 406 GFLOP/s where oneDNN
 rows (a batch-64 decode), 375 vs 275 at 32, 433 vs 391 at 128, level at 1,024-2,048; float32
 with both held to AVX2, 208 vs 163 at 64 rows, 176 vs 107 at 16 (``python -m
 bench.bench_linears``). ``RADIXKV_CPU_GEMM=onednn`` keeps oneDNN.
+
+On hosts with AMX-BF16 (Intel Sapphire Rapids and later) oneDNN's bf16 GEMM runs on the AMX
+tiles, and from a few rows on it leaves any vector-unit GEMM far behind: on a Xeon (family 6
+model 207, 2 cores) oneDNN ran the model's linears at 900-1,170 GFLOP/s at 64 rows and up to
+2,250 at 2,048, radixkv's GEMM 130-165 at every row count, which still leads at 1-4 rows (62 vs
+29 GFLOP/s at one row). There bf16 linears keep both packed copies and switch to oneDNN from
+:data:`AMX_MIN_ROWS` rows; ``RADIXKV_CPU_GEMM=native`` keeps radixkv's GEMM at every row count.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any
@@ -46,13 +54,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixkv.model import native
-from radixkv.model.host_cpu import has_native_bf16
+from radixkv.model.host_cpu import has_amx_bf16, has_native_bf16
 
 __all__ = [
     "PackedLinear",
     "native_gemm_module",
     "packed_linear_supported",
     "prepack_linears",
+    "AMX_MIN_ROWS",
     "MIN_PACKED_ROWS",
 ]
 
@@ -65,6 +74,21 @@ _GEMM_MODULES: dict[str, Any] = {}
 #: Below this many rows the plain weight (MKL sgemv) is used: for one row (a batch-1 decode)
 #: the packed path measured no better, and at times worse, on the AVX2 host.
 MIN_PACKED_ROWS = 2
+
+#: On AMX-BF16 hosts a bf16 linear with radixkv's GEMM runs oneDNN's (AMX) from this many rows:
+#: at 8 rows oneDNN led on every shape of SmolLM2 (114-236 vs 100-137 GFLOP/s), at 4 on all but
+#: one (``python -m bench.bench_linears --dtype bfloat16 --rows 4,8,12 --all``, Xeon model 207).
+AMX_MIN_ROWS = 8
+
+
+def cpu_gemm_choice() -> str:
+    """``RADIXKV_CPU_GEMM``: ``auto`` (default: radixkv's GEMM where :func:`native_gemm_module`
+    allows it, oneDNN's AMX GEMM beside it for bf16 from :data:`AMX_MIN_ROWS` rows), ``native``
+    (radixkv's at every row count) or ``onednn`` (oneDNN's only)."""
+    choice = os.environ.get("RADIXKV_CPU_GEMM", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "native", "onednn"):
+        raise ValueError(f"RADIXKV_CPU_GEMM must be auto, native or onednn, got {choice!r}")
+    return choice
 
 
 def packed_linear_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -96,8 +120,12 @@ def native_gemm_module(weight: torch.Tensor) -> Any | None:
     (an AVX512-BF16 build, ``out_features % 16 == 0``, ``in_features`` even) or float32 (the
     AVX2 build, ``out_features % 8 == 0``; AVX-512 builds have the kernel too, but there oneDNN's
     float32 GEMM ran level with it at 64 rows and ~4% ahead at 1,024), and ``RADIXKV_CPU_GEMM``
-    not ``onednn``."""
-    if os.environ.get("RADIXKV_CPU_GEMM", "native").strip().lower() == "onednn":
+    not ``onednn``.
+
+    On AMX-BF16 hosts a bf16 weight it serves is also packed for oneDNN, which
+    :class:`PackedLinear` runs from :data:`AMX_MIN_ROWS` rows (unless ``RADIXKV_CPU_GEMM=native``).
+    """
+    if cpu_gemm_choice() == "onednn":
         return None
     funcs = _GEMM_FUNCS.get(weight.dtype)
     if funcs is None or weight.device.type != "cpu" or weight.dim() != 2:
@@ -121,10 +149,14 @@ class PackedLinear(nn.Module):
 
     The packed copy is radixkv's own layout for its native GEMM where
     :func:`native_gemm_module` allows it (``kernel == "native"``, every row count), else oneDNN's
-    (``kernel == "onednn"``; below ``min_rows`` rows ``F.linear`` on the plain weight).
+    (``kernel == "onednn"``; below ``min_rows`` rows ``F.linear`` on the plain weight). A native
+    bf16 linear on an AMX-BF16 host also holds oneDNN's copy (``amx_packed``) and runs it from
+    ``amx_min_rows`` rows (``None`` where it holds none).
 
-    Invariant: ``packed`` is the chosen layout of ``weight`` at construction; the weights are
-    inference-only (``requires_grad=False``) and must not be modified in place afterwards.
+    Invariant: ``packed`` (and ``amx_packed``) are layouts of ``weight`` at construction; the
+    weights are inference-only (``requires_grad=False``) and must not be modified in place
+    afterwards. A deep copy packs the copied weights afresh (oneDNN's opaque packed tensor has
+    no copy of its own).
     """
 
     def __init__(self, linear: nn.Linear, min_rows: int = MIN_PACKED_ROWS) -> None:
@@ -134,6 +166,8 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.min_rows = min_rows
+        self.amx_min_rows: int | None = None
+        self.amx_packed: torch.Tensor | None = None
         module = native_gemm_module(self.weight)
         self._gemm: str | None = None if module is None else module.__name__
         if module is not None:
@@ -141,28 +175,53 @@ class PackedLinear(nn.Module):
             _, pack, self._gemm_fn = _GEMM_FUNCS[self.weight.dtype]
             self.kernel = "native"
             self.packed = getattr(module, pack)(self.weight.detach())
+            if (
+                self.weight.dtype == torch.bfloat16
+                and cpu_gemm_choice() == "auto"
+                and has_amx_bf16()
+            ):
+                self.amx_min_rows = AMX_MIN_ROWS
+                self.amx_packed = _onednn_pack(self.weight)
         else:
             self.kernel = "onednn"
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            self.packed = _onednn_pack(self.weight)
+
+    def __deepcopy__(self, memo: dict) -> PackedLinear:
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight = copy.deepcopy(self.weight, memo)
+        linear.bias = copy.deepcopy(self.bias, memo)
+        return PackedLinear(linear, self.min_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if self.amx_packed is not None and rows >= self.amx_min_rows:
+            return self._onednn(x, self.amx_packed)
         if self._gemm is not None and x.dtype == self.weight.dtype:
             gemm = getattr(_GEMM_MODULES[self._gemm], self._gemm_fn)
             y = gemm(x.reshape(-1, self.in_features), self.packed)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        rows = x.numel() // max(1, x.shape[-1])
         if rows < self.min_rows or self._gemm is not None:
             return F.linear(x, self.weight, self.bias)
+        return self._onednn(x, self.packed)
+
+    def _onednn(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     def extra_repr(self) -> str:
         rows = "all rows" if self.kernel == "native" else f"rows >= {self.min_rows}"
+        if self.amx_packed is not None:
+            rows = f"rows < {self.amx_min_rows}; oneDNN (AMX) from {self.amx_min_rows} rows"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, packed={self.kernel} ({rows})"
         )
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout for ``torch.ops.mkldnn._linear_pointwise``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 def prepack_linears(model: nn.Module, names: tuple[str, ...] | None = None) -> int:
