@@ -66,12 +66,24 @@ def test_grouped_decodes_and_extends_match_the_oracle(module, size, page, d):
     assert g_max <= 1.5 * p_max + 1e-3, (g_max, p_max)
 
 
-def test_block_aligned_shared_part_is_the_ungrouped_answer_to_float32_rounding(module):
+@pytest.fixture
+def vector_path(module):
+    """The vector path only: on AMX hosts phase A's stacked rows would run on AMX, in 256-key
+    blocks (tests/test_native_amx.py checks those)."""
+    on = getattr(module, "amx_attention_available", lambda: False)()
+    before = module.set_amx_attention(False) if on else False
+    yield module
+    if on:
+        module.set_amx_attention(before)
+
+
+def test_block_aligned_shared_part_is_the_ungrouped_answer_to_float32_rounding(vector_path):
     """With the shared part a multiple of the kernel's 64-key block, phase A + B visit the same
     key blocks in the same order as one pass per request. Phase A's 150 rows take the GEMM-form
     scores (16 rows along the lanes) where a decode's 3 rows sum each dot product across lanes,
     so the scores differ by float32 summation order alone: a few outputs move by a flipped bf16
     rounding (of P or of the output), nothing more, and both are as close to the oracle."""
+    module = vector_path
     reqs = [(1024 + 20 + b, 1) for b in range(48)] + [(1024, 7), (1100, 30)]
     case = bf16_case(16, 9, 3, 64, reqs, [(range(50), 1024)], seed=5)
     grouped, plain = run(case, module), run(case, module, groups=[])

@@ -25,6 +25,8 @@ def _native_info() -> dict[str, Any]:
     module = native.load()
     if module is not None:
         out["native_kernels"] = "built"
+        if hasattr(module, "amx_attention_available"):
+            out["amx_attention"] = module.amx_attention_available()
     else:  # a compiler error is many lines: the first says which; the log has the rest
         why = (native.build_error() or "unknown").strip().splitlines() or ["unknown"]
         out["native_kernels"] = f"unavailable ({why[0][:160]})"

@@ -27,6 +27,7 @@ prompt's KV once per step, not 64 times.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,7 +146,10 @@ class NativeAttentionBackend(AttentionBackend):
     quantized pools).
 
     The native build is chosen once, at construction (``isa``, else the default level of
-    :func:`radixkv.model.native.load`); :attr:`isa` names it.
+    :func:`radixkv.model.native.load`); :attr:`isa` names it. On hosts with AMX-BF16 the
+    kernel runs items of 16 or more query rows per KV head (prefill and extend blocks, shared
+    prefixes' stacked rows) on AMX through oneDNN's brgemm; ``RADIXKV_AMX_ATTENTION=0`` keeps
+    them on the AVX512-BF16 vector path (a process-wide switch of the build).
     """
 
     name = "torch"
@@ -155,6 +159,10 @@ class NativeAttentionBackend(AttentionBackend):
         if self.module is None:
             raise RuntimeError(f"native CPU kernels unavailable: {native.build_error()}")
         self.isa: str = self.module.kernel_isa()
+        if os.environ.get("RADIXKV_AMX_ATTENTION", "1") == "0" and hasattr(
+            self.module, "set_amx_attention"
+        ):
+            self.module.set_amx_attention(False)
 
     def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> NativeAttnMeta:
         if batch.page_size <= 0:

@@ -11,6 +11,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Paged attention over the KV pool for a step's decodes and extends (bf16, CPU)");
   m.def("has_fast_path", &has_fast_path, "Whether the AVX512-BF16 path serves this head dim");
+  m.def("amx_attention_available", &amx_attention_available,
+        "Whether paged_attention can run row tiles on AMX (oneDNN brgemm) here");
+  m.def("set_amx_attention", &set_amx_attention,
+        "Turn paged_attention's AMX items on or off; returns the previous setting");
+  m.def("amx_attention_items", &amx_attention_items,
+        "How many paged_attention work items this process has run on AMX");
   m.def("paged_attention_f32", &paged_attention_f32,
         "Paged attention, float32 math over float32/bf16/fp16 pools, shared-prefix groups");
   m.def("kernel_isa", []() { return std::string(f32_kernel_isa()); },

@@ -16,6 +16,13 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            double sm_scale, std::vector<int64_t> group_members,
                            std::vector<int64_t> group_offsets, std::vector<int64_t> group_shared);
 bool has_fast_path(int64_t head_dim);
+// Whether paged_attention can run its row-tile items on AMX (an AVX512-BF16 build on a host
+// whose oneDNN packs bf16 for AMX), and the switch (on by default where available; returns the
+// previous setting).
+bool amx_attention_available();
+bool set_amx_attention(bool on);
+// How many work items this process has run on AMX (for tests and diagnosis).
+int64_t amx_attention_items();
 // float32 math over float32 / bf16 / fp16 pools, with shared-prefix groups (cpu_attention_f32.cpp)
 at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                at::Tensor page_table, std::vector<int64_t> prefix_lens,

@@ -1,0 +1,103 @@
+"""AMX items of the bf16 native kernel (radixkv/model/csrc/cpu_attention.cpp, run_item_amx):
+on hosts whose oneDNN packs bf16 for AMX, items with 16 or more query rows per KV head (prefill
+and extend blocks, a group's stacked rows) run both products on oneDNN's brgemm. Checked against
+the float64 oracle and against the vector path on the same calls, with groups whose phase A and
+phase B run on different paths (the running state is handed over in the vector path's lane
+order). Hosts without AMX check that it cannot be switched on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_native_bf16_groups import MAX_ERR, MEAN_ERR, bf16_case, errors, run
+
+from radixkv.model import native
+
+
+@pytest.fixture(scope="module")
+def module():
+    if "avx512_bf16" not in native.runnable_isas():
+        pytest.skip("no AVX512-BF16 build on this host")
+    m = native.load("avx512_bf16")
+    assert m is not None, f"native kernels failed to build: {native.build_error()}"
+    return m
+
+
+@pytest.fixture
+def amx(module):
+    if not module.amx_attention_available():
+        pytest.skip("this host's oneDNN has no AMX-BF16 brgemm")
+    before = module.set_amx_attention(True)
+    yield module
+    module.set_amx_attention(before)
+
+
+def both_paths(module, case, groups=None):
+    """(AMX output, vector-path output, AMX items the first call ran)."""
+    module.set_amx_attention(True)
+    n0 = module.amx_attention_items()
+    with_amx = run(case, module, groups)
+    items = module.amx_attention_items() - n0
+    module.set_amx_attention(False)
+    vector = run(case, module, groups)
+    module.set_amx_attention(True)
+    return with_amx, vector, items
+
+
+CASES = {
+    # (prefix, extend) per request; groups: (members, shared tokens)
+    "fresh prefills": ([(0, 300), (0, 17), (0, 700)], []),
+    "extends on cached prefixes": ([(1000, 100), (37, 64), (255, 16)], []),
+    "a burst on one prompt": ([(0, 832)] + [(768, 64)] * 6, []),
+    "grouped decodes (phase A on AMX, B on vectors)": ([(130 + b, 1) for b in range(24)], [130]),
+    "grouped extends (both phases on AMX)": ([(130 + 5 * b, 40) for b in range(6)], [130]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_amx_items_match_the_oracle_and_the_vector_path(amx, name, page, d):
+    reqs, shared = CASES[name]
+    groups = [(range(len(reqs)), shared[0])] if shared else []
+    case = bf16_case(page, 9, 3, d, reqs, groups, seed=len(name) + page + d)
+    with_amx, vector, items = both_paths(amx, case)
+    assert items > 0, "no item ran on AMX"
+    a_max, a_mean = errors(with_amx, case)
+    v_max, _ = errors(vector, case)
+    assert a_max < MAX_ERR and a_mean < MEAN_ERR, (a_max, a_mean)
+    assert a_max <= 1.5 * v_max + 1e-3, (a_max, v_max)
+
+
+def test_decodes_alone_stay_on_the_vector_path(amx):
+    """A decode's item has G = 3 rows per KV head: too few for a tile, never on AMX."""
+    case = bf16_case(16, 9, 3, 64, [(200 + b, 1) for b in range(8)], [], seed=3)
+    n0 = amx.amx_attention_items()
+    run(case, amx)
+    assert amx.amx_attention_items() == n0
+
+
+def test_amx_cannot_be_switched_on_without_it(module):
+    if module.amx_attention_available():
+        assert module.set_amx_attention(True) in (True, False)
+        return
+    assert module.set_amx_attention(False) is False
+    with pytest.raises(RuntimeError, match="no AMX-BF16"):
+        module.set_amx_attention(True)
+
+
+def test_quantized_pools_stay_on_the_vector_path(amx):
+    """int8 pages keep the vector path (it reads the codes itself), and still compute the
+    attention of their dequantized rows."""
+    from radixkv.model.kv_quant import dequantize, quantize
+
+    case = bf16_case(16, 9, 3, 64, [(0, 300), (100, 40)], [], seed=9)
+    case.k_cache = quantize(case.k_cache, torch.int8)
+    case.v_cache = quantize(case.v_cache, torch.int8)
+    n0 = amx.amx_attention_items()
+    out = run(case, amx)
+    assert amx.amx_attention_items() == n0
+    case.k_cache = dequantize(case.k_cache, torch.bfloat16)
+    case.v_cache = dequantize(case.v_cache, torch.bfloat16)
+    a_max, a_mean = errors(out, case)
+    assert a_max < MAX_ERR and a_mean < MEAN_ERR, (a_max, a_mean)
