@@ -194,7 +194,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        if self.amx_packed is not None and rows >= self.amx_min_rows:
+        if self.amx_packed is not None and rows >= self.amx_min_rows and x.dtype == torch.bfloat16:
             return self._onednn(x, self.amx_packed)
         if self._gemm is not None and x.dtype == self.weight.dtype:
             gemm = getattr(_GEMM_MODULES[self._gemm], self._gemm_fn)

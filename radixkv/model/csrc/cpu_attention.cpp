@@ -960,6 +960,7 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
 // exp2, P rounded to bf16, l summed from the float32 P). A group's phase-A state is handed over
 // in the vpack lane order the other paths use (vpack_dim), so phase A and phase B may run on
 // different paths.
+
 // The head dim of position `pos` of O in vpack lane order (see store_dims32).
 inline int vpack_dim(int pos) {
   const int chunk = pos / 32, odd = (pos % 32) / 16, lane = pos % 16;
