@@ -39,6 +39,10 @@
 // before P is rounded to bf16. So the only roundings are bf16 pages' own (P, and the output): no
 // K/V value is rounded. The portable path dequantizes each row to float32 (exact).
 //
+// AMX (hosts with AMX-BF16, bf16 pools): items with kGemmRows or more rows per KV head run both
+// products on oneDNN's brgemm ukernel through ATen instead of vdpbf16ps (run_item_amx), in
+// 256-key blocks, with the same softmax; set_amx_attention switches it.
+//
 // A portable scalar path (any CPU, any head dim) computes the same thing; the AVX512 path needs a
 // head dim that is a multiple of 32 and at most 256.
 
