@@ -739,6 +739,41 @@ inline void v_pack_bf16(const char* vbase, const int64_t* off, int nk, int npair
   }
 }
 
+// One row's online-softmax step over a block of scores (srow: nk16 of them, scaled, masked keys
+// -inf; bmax their max): m and l updated, the row's O (D floats) rescaled by exp2(m_old - m_new),
+// and P = exp2(s - m_new) written to prow in bf16, times vs[j] where vs is given (quantized V's
+// row scales); l sums the float32 P before that factor. A row that has seen no key yet gets P = 0.
+template <int D>
+inline void softmax_step(const float* srow, int nk16, __m512 bmax, const float* vs, float* m,
+                         float* l, float* orow, bf16* prow) {
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  const float m_old = *m;
+  const float m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
+  if (m_new == -INFINITY) {  // nothing visible yet (cannot happen for block 0)
+    std::memset(prow, 0, nk16 * sizeof(bf16));
+    return;
+  }
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 lsum = _mm512_setzero_ps();
+  for (int j0 = 0; j0 < nk16; j0 += 16) {
+    const __m512 sv = _mm512_loadu_ps(srow + j0);
+    const __mmask16 live = _mm512_cmp_ps_mask(sv, neg_inf, _CMP_NEQ_OQ);
+    const __m512 pv = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(sv, mv)));
+    lsum = _mm512_add_ps(lsum, pv);
+    const __m512 pw = vs != nullptr ? _mm512_mul_ps(pv, _mm512_loadu_ps(vs + j0)) : pv;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j0), (__m256i)_mm512_cvtneps_pbh(pw));
+  }
+  const float alpha = m_old == -INFINITY ? 0.f : std::exp2(m_old - m_new);
+  *l = *l * alpha + _mm512_reduce_add_ps(lsum);
+  *m = m_new;
+  if (alpha != 1.f) {
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int c = 0; c < D / 16; ++c) {
+      _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(orow + 16 * c)));
+    }
+  }
+}
+
 template <int D>
 void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratch& sc) {
   constexpr int QV = D / 32;        // bf16 vectors per row
@@ -894,35 +929,9 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
           bmax = _mm512_max_ps(bmax, sv);
           drip(sc, 24);
         }
-        const float m_old = sc.m[r];
-        const float m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
-        bf16* prow = &sc.pbuf[r * kKeyBlock];
-        if (m_new == -INFINITY) {  // nothing visible yet (cannot happen for block 0)
-          std::memset(prow, 0, nk16 * sizeof(bf16));
-          continue;
-        }
-        const __m512 mv = _mm512_set1_ps(m_new);
-        __m512 lsum = _mm512_setzero_ps();
-        for (int j0 = 0; j0 < nk16; j0 += 16) {
-          const __m512 sv = _mm512_loadu_ps(srow + j0);
-          const __mmask16 live = _mm512_cmp_ps_mask(sv, neg_inf, _CMP_NEQ_OQ);
-          const __m512 pv = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(sv, mv)));
-          lsum = _mm512_add_ps(lsum, pv);
-          // quantized V: P V = (P times the V row's scale) times its codes
-          const __m512 pw = quant ? _mm512_mul_ps(pv, _mm512_loadu_ps(&sc.vs[j0])) : pv;
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j0),
-                              (__m256i)_mm512_cvtneps_pbh(pw));
-        }
-        const float alpha = m_old == -INFINITY ? 0.f : std::exp2(m_old - m_new);
-        sc.l[r] = sc.l[r] * alpha + _mm512_reduce_add_ps(lsum);
-        sc.m[r] = m_new;
-        if (alpha != 1.f) {
-          float* orow = &sc.o[r * D];
-          const __m512 av = _mm512_set1_ps(alpha);
-          for (int c = 0; c < OV; ++c) {
-            _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(orow + 16 * c)));
-          }
-        }
+        // quantized V: P V = (P times the V row's scale) times its codes
+        softmax_step<D>(srow, nk16, bmax, quant ? sc.vs.data() : nullptr, &sc.m[r], &sc.l[r],
+                        &sc.o[r * D], &sc.pbuf[r * kKeyBlock]);
       }
       if (!quant) v_pack_bf16<D>(vbase, koff, nk, npairs, sc.vpack.data());
       // ---- O += P V -------------------------------------------------------------------------
@@ -1109,32 +1118,11 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
           _mm512_storeu_ps(srow + j0, sv);
           bmax = _mm512_max_ps(bmax, sv);
         }
-        const float m_old = sc.m[r];
-        const float m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
-        if (valid == 0 || m_new == -INFINITY) {  // sees none of the block: P = 0, state kept
+        if (valid == 0) {  // sees none of the block: P = 0, state kept
           std::memset(prow, 0, nk16 * sizeof(bf16));
           continue;
         }
-        const __m512 mv = _mm512_set1_ps(m_new);
-        __m512 lsum = _mm512_setzero_ps();
-        for (int j0 = 0; j0 < nk16; j0 += 16) {
-          const __m512 sv = _mm512_loadu_ps(srow + j0);
-          const __mmask16 live = _mm512_cmp_ps_mask(sv, neg_inf, _CMP_NEQ_OQ);
-          const __m512 pv = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(sv, mv)));
-          lsum = _mm512_add_ps(lsum, pv);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j0),
-                              (__m256i)_mm512_cvtneps_pbh(pv));
-        }
-        const float alpha = m_old == -INFINITY ? 0.f : std::exp2(m_old - m_new);
-        sc.l[r] = sc.l[r] * alpha + _mm512_reduce_add_ps(lsum);
-        sc.m[r] = m_new;
-        if (alpha != 1.f) {
-          float* orow = &sc.o[r * D];
-          const __m512 av = _mm512_set1_ps(alpha);
-          for (int c = 0; c < D / 16; ++c) {
-            _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(orow + 16 * c)));
-          }
-        }
+        softmax_step<D>(srow, nk16, bmax, nullptr, &sc.m[r], &sc.l[r], &sc.o[r * D], prow);
       }
       at::native::cpublas::brgemm(head_rows, D, nk16, nk16, D, D, true,
                                   reinterpret_cast<const at::BFloat16*>(&sc.pbuf[r0 * KB]),
