@@ -739,6 +739,25 @@ inline void v_pack_bf16(const char* vbase, const int64_t* off, int nk, int npair
   }
 }
 
+// The item's query rows into sc.qbuf ([rows][D], KV head-major: row r = hh * head_rows + e * G
+// + g) and each one's q row (tok[e] * hq + (h0 + hh) * G + g) into sc.qr.
+template <int D>
+inline void gather_rows(const Problem& p, const Item& it, const int64_t* tok, Scratch& sc) {
+  const int64_t G = p.group, head_rows = it.ne * G, rows = it.nh * head_rows;
+  sc.qbuf.resize(rows * D);
+  sc.qr.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t hh = r / head_rows, e = (r % head_rows) / G, g = r % G;
+    sc.qr[r] = tok[e] * p.hq + (it.h0 + hh) * G + g;
+  }
+  for (int64_t hh = 0; hh < it.nh; ++hh) {
+    for (int64_t e = 0; e < it.ne; ++e) {
+      const bf16* src = p.q + (tok[e] * p.hq + (it.h0 + hh) * G) * D;
+      std::memcpy(&sc.qbuf[(hh * head_rows + e * G) * D], src, G * D * sizeof(bf16));
+    }
+  }
+}
+
 // One row's online-softmax step over a block of scores (srow: nk16 of them, scaled, masked keys
 // -inf; bmax their max): m and l updated, the row's O (D floats) rescaled by exp2(m_old - m_new),
 // and P = exp2(s - m_new) written to prow in bf16, times vs[j] where vs is given (quantized V's
@@ -787,7 +806,6 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
   const int64_t* tok = en.tok.data() + it.e0;
   const int64_t* lim = en.limit.data() + it.e0;
   const int32_t* table = p.page_table + it.req * p.table_stride;
-  sc.qbuf.resize(rows * D);
   sc.vpack.resize(kKeyBlock * D);
   sc.koff.resize(kKeyBlock);
   sc.knext.resize(kKeyBlock);
@@ -800,17 +818,7 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
   sc.ks.assign(kKeyBlock, p.scale_log2);
   // Row r of the scratch is q row (tok[e] * hq + (h0 + hh) * G + g) for r = hh * head_rows +
   // e * G + g; its running state starts empty or where the group's shared part left it.
-  sc.qr.resize(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t hh = r / head_rows, e = (r % head_rows) / G, g = r % G;
-    sc.qr[r] = tok[e] * p.hq + (it.h0 + hh) * G + g;
-  }
-  for (int64_t hh = 0; hh < it.nh; ++hh) {
-    for (int64_t e = 0; e < it.ne; ++e) {
-      const bf16* src = p.q + (tok[e] * p.hq + (it.h0 + hh) * G) * D;
-      std::memcpy(&sc.qbuf[(hh * head_rows + e * G) * D], src, G * D * sizeof(bf16));
-    }
-  }
+  gather_rows<D>(p, it, tok, sc);
   if (tiles) {
     tiles_begin<D>(p, it, sc, head_rows, lim);
   } else {
@@ -1046,8 +1054,6 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
   const int64_t* tok = en.tok.data() + it.e0;
   const int64_t* lim = en.limit.data() + it.e0;
   const int32_t* table = p.page_table + it.req * p.table_stride;
-  sc.qbuf.resize(rows * D);
-  sc.qr.resize(rows);
   sc.s.resize(rows * KB);
   sc.pbuf.resize(rows * KB);
   sc.o.resize(rows * D);
@@ -1057,16 +1063,7 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
   sc.knext.resize(KB);
   sc.kt.resize(D * KB);
   sc.vv.resize(KB * D);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t hh = r / head_rows, e = (r % head_rows) / G, g = r % G;
-    sc.qr[r] = tok[e] * p.hq + (it.h0 + hh) * G + g;
-  }
-  for (int64_t hh = 0; hh < it.nh; ++hh) {
-    for (int64_t e = 0; e < it.ne; ++e) {
-      const bf16* src = p.q + (tok[e] * p.hq + (it.h0 + hh) * G) * D;
-      std::memcpy(&sc.qbuf[(hh * head_rows + e * G) * D], src, G * D * sizeof(bf16));
-    }
-  }
+  gather_rows<D>(p, it, tok, sc);
   for (int64_t r = 0; r < rows; ++r) {
     float* o = &sc.o[r * D];
     if (it.resume) {  // phase A's state, O from vpack lane order
