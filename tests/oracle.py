@@ -146,8 +146,9 @@ class Oracle:
         luck, not a bound. The linears' rounding dominates float32's error, and the other forms
         share one GEMM (MKL's), whose error depends on the host: on an Intel AVX-512/AMX host it
         was half oneDNN's (and radixkv's native GEMM's) per linear, and on one ill-conditioned
-        SmolLM2 row every MKL form landed 10x nearer the oracle than a oneDNN forward, where on
-        AMD hosts they land alike; hence a second GEMM among the references.
+        SmolLM2 row every MKL form landed 10x nearer the oracle than a oneDNN forward (on the AMD
+        hosts before, radixkv's oneDNN-based float32 paths measured 3-3.8x the MKL references);
+        hence a second GEMM among the references.
         """
         refs = [self.logits(ids, dtype, "sdpa"), self.logits(ids, dtype, "eager")]
         if dtype == torch.float32 and onednn_available():
