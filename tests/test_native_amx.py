@@ -7,6 +7,10 @@ order). Hosts without AMX check that it cannot be switched on."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from test_native_bf16_groups import MAX_ERR, MEAN_ERR, bf16_case, errors, run
@@ -101,3 +105,20 @@ def test_quantized_pools_stay_on_the_vector_path(amx):
     case.v_cache = dequantize(case.v_cache, torch.bfloat16)
     a_max, a_mean = errors(out, case)
     assert a_max < MAX_ERR and a_mean < MEAN_ERR, (a_max, a_mean)
+
+
+def test_environment_switch_turns_amx_off_at_load(amx):
+    """``RADIXKV_AMX_ATTENTION=0`` is read when the build is first loaded in a process."""
+    code = (
+        "from radixkv.model import native; m = native.load('avx512_bf16'); "
+        "print(m.set_amx_attention(True))"
+    )
+    for env, before in (("0", "False"), ("1", "True")):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "RADIXKV_AMX_ATTENTION": env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.strip().splitlines()[-1] == before, (env, out.stdout, out.stderr)

@@ -224,6 +224,9 @@ def load(isa: str | None = None) -> Any | None:
                 except Exception as exc:  # a compiler error must not take the engine down
                     _record_failure(target, exc)
                     modules[target] = None
+                else:  # AMX attention items (cpu_attention.cpp) default on where available
+                    if os.environ.get("RADIXKV_AMX_ATTENTION", "1") == "0":
+                        modules[target].set_amx_attention(False)
     module = modules[target]
     if isa is None:
         _state["isa"] = target if module is not None else None

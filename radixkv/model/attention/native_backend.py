@@ -27,7 +27,6 @@ prompt's KV once per step, not 64 times.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +148,8 @@ class NativeAttentionBackend(AttentionBackend):
     :func:`radixkv.model.native.load`); :attr:`isa` names it. On hosts with AMX-BF16 the
     kernel runs items of 16 or more query rows per KV head (prefill and extend blocks, shared
     prefixes' stacked rows) on AMX through oneDNN's brgemm; ``RADIXKV_AMX_ATTENTION=0`` keeps
-    them on the AVX512-BF16 vector path (a process-wide switch of the build).
+    them on the AVX512-BF16 vector path (read when :mod:`radixkv.model.native` first loads the
+    build: a process-wide switch of it).
     """
 
     name = "torch"
@@ -159,10 +159,6 @@ class NativeAttentionBackend(AttentionBackend):
         if self.module is None:
             raise RuntimeError(f"native CPU kernels unavailable: {native.build_error()}")
         self.isa: str = self.module.kernel_isa()
-        if os.environ.get("RADIXKV_AMX_ATTENTION", "1") == "0" and hasattr(
-            self.module, "set_amx_attention"
-        ):
-            self.module.set_amx_attention(False)
 
     def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> NativeAttnMeta:
         if batch.page_size <= 0:
