@@ -1106,6 +1106,10 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
         float* srow = s + hr * nk16;
         bf16* prow = &sc.pbuf[r0 * KB + hr * nk16];
         const int64_t valid = std::clamp<int64_t>(lim[hr / G] - kb + 1, 0, nk);
+        if (valid == 0) {  // sees none of the block: P = 0, state kept
+          std::memset(prow, 0, nk16 * sizeof(bf16));
+          continue;
+        }
         __m512 bmax = neg_inf;
         for (int j0 = 0; j0 < nk16; j0 += 16) {
           const int64_t n = std::clamp<int64_t>(valid - j0, 0, 16);
@@ -1114,10 +1118,6 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
               _mm512_mask_mov_ps(neg_inf, keep, _mm512_mul_ps(_mm512_loadu_ps(srow + j0), scale));
           _mm512_storeu_ps(srow + j0, sv);
           bmax = _mm512_max_ps(bmax, sv);
-        }
-        if (valid == 0) {  // sees none of the block: P = 0, state kept
-          std::memset(prow, 0, nk16 * sizeof(bf16));
-          continue;
         }
         softmax_step<D>(srow, nk16, bmax, nullptr, &sc.m[r], &sc.l[r], &sc.o[r * D], prow);
       }
