@@ -1010,25 +1010,15 @@ struct VpackOrders {
 };
 const VpackOrders kVpackOrders;
 
-// dst[pos] = o[vpack_dim(pos)] for pos < D: O in head-dim order to vpack lane order.
+// dst = src with each 32-dim chunk permuted by `order` (dst[c + i] = src[c + order[i]]):
+// kVpackOrders.to takes O from head-dim order to vpack lane order, kVpackOrders.from back.
 template <int D>
-inline void to_vpack_order(const float* o, float* dst) {
-  const __m512i lo = _mm512_load_si512(kVpackOrders.to), hi = _mm512_load_si512(kVpackOrders.to + 16);
-  for (int c = 0; c < D; c += 32) {
-    const __m512 a = _mm512_loadu_ps(o + c), b = _mm512_loadu_ps(o + c + 16);
-    _mm512_storeu_ps(dst + c, _mm512_permutex2var_ps(a, lo, b));
-    _mm512_storeu_ps(dst + c + 16, _mm512_permutex2var_ps(a, hi, b));
-  }
-}
-
-// o[vpack_dim(pos)] = src[pos] for pos < D: the inverse of to_vpack_order.
-template <int D>
-inline void from_vpack_order(const float* src, float* o) {
-  const __m512i lo = _mm512_load_si512(kVpackOrders.from), hi = _mm512_load_si512(kVpackOrders.from + 16);
+inline void permute_chunks(const int32_t* order, const float* src, float* dst) {
+  const __m512i lo = _mm512_load_si512(order), hi = _mm512_load_si512(order + 16);
   for (int c = 0; c < D; c += 32) {
     const __m512 a = _mm512_loadu_ps(src + c), b = _mm512_loadu_ps(src + c + 16);
-    _mm512_storeu_ps(o + c, _mm512_permutex2var_ps(a, lo, b));
-    _mm512_storeu_ps(o + c + 16, _mm512_permutex2var_ps(a, hi, b));
+    _mm512_storeu_ps(dst + c, _mm512_permutex2var_ps(a, lo, b));
+    _mm512_storeu_ps(dst + c + 16, _mm512_permutex2var_ps(a, hi, b));
   }
 }
 
@@ -1166,7 +1156,7 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
       const int64_t qr = sc.qr[r];
       sc.m[r] = p.gm[qr];
       sc.l[r] = p.gl[qr];
-      from_vpack_order<D>(p.go + qr * D, o);
+      permute_chunks<D>(kVpackOrders.from, p.go + qr * D, o);
     } else {
       sc.m[r] = -INFINITY;
       sc.l[r] = 0.f;
@@ -1215,7 +1205,7 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
       const int64_t qr = sc.qr[r];
       p.gm[qr] = sc.m[r];
       p.gl[qr] = sc.l[r];
-      to_vpack_order<D>(&sc.o[r * D], p.go + qr * D);
+      permute_chunks<D>(kVpackOrders.to, &sc.o[r * D], p.go + qr * D);
     }
     return;
   }
