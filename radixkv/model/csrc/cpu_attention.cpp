@@ -41,7 +41,8 @@
 //
 // AMX (hosts with AMX-BF16, bf16 pools): items with kGemmRows or more rows per KV head run both
 // products on oneDNN's brgemm ukernel through ATen instead of vdpbf16ps (run_item_amx), in
-// 256-key blocks, with the same softmax; set_amx_attention switches it.
+// 256-key blocks, with the same softmax arithmetic (amx_softmax_row); set_amx_attention
+// switches it.
 //
 // A portable scalar path (any CPU, any head dim) computes the same thing; the AVX512 path needs a
 // head dim that is a multiple of 32 and at most 256.
@@ -764,6 +765,23 @@ inline void gather_rows(const Problem& p, const Item& it, const int64_t* tok, Sc
   }
 }
 
+// The end of a row's online-softmax step: the running max moves m_old -> m_new, so l and the
+// row's O (D floats) scale by exp2(m_old - m_new) (0 while nothing was seen) and l gains the
+// block's sum of P, `block_sum`.
+template <int D>
+inline void rescale_row(float m_old, float m_new, float block_sum, float* m, float* l,
+                        float* orow) {
+  const float alpha = m_old == -INFINITY ? 0.f : std::exp2(m_old - m_new);
+  *l = *l * alpha + block_sum;
+  *m = m_new;
+  if (alpha != 1.f) {
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int c = 0; c < D / 16; ++c) {
+      _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(orow + 16 * c)));
+    }
+  }
+}
+
 // One row's online-softmax step over a block of scores (srow: nk16 of them, scaled, masked keys
 // -inf; bmax their max): m and l updated, the row's O (D floats) rescaled by exp2(m_old - m_new),
 // and P = exp2(s - m_new) written to prow in bf16, times vs[j] where vs is given (quantized V's
@@ -788,15 +806,7 @@ inline void softmax_step(const float* srow, int nk16, __m512 bmax, const float* 
     const __m512 pw = vs != nullptr ? _mm512_mul_ps(pv, _mm512_loadu_ps(vs + j0)) : pv;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j0), (__m256i)_mm512_cvtneps_pbh(pw));
   }
-  const float alpha = m_old == -INFINITY ? 0.f : std::exp2(m_old - m_new);
-  *l = *l * alpha + _mm512_reduce_add_ps(lsum);
-  *m = m_new;
-  if (alpha != 1.f) {
-    const __m512 av = _mm512_set1_ps(alpha);
-    for (int c = 0; c < D / 16; ++c) {
-      _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(orow + 16 * c)));
-    }
-  }
+  rescale_row<D>(m_old, m_new, _mm512_reduce_add_ps(lsum), m, l, orow);
 }
 
 template <int D>
@@ -1120,15 +1130,7 @@ inline void amx_softmax_row(const float* srow, int nk16, int valid, __m512 scale
     j0 += 16;
   }
   if (j0 < nk16) std::memset(prow + j0, 0, (nk16 - j0) * sizeof(bf16));
-  const float alpha = m_old == -INFINITY ? 0.f : std::exp2(m_old - m_new);
-  *l = *l * alpha + _mm512_reduce_add_ps(lsum);
-  *m = m_new;
-  if (alpha != 1.f) {
-    const __m512 av = _mm512_set1_ps(alpha);
-    for (int c = 0; c < D / 16; ++c) {
-      _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(orow + 16 * c)));
-    }
-  }
+  rescale_row<D>(m_old, m_new, _mm512_reduce_add_ps(lsum), m, l, orow);
 }
 
 template <int D>
