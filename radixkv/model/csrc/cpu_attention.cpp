@@ -219,8 +219,9 @@ void run_item_scalar(const Problem& p, const Item& it, const Entries& en) {
 // error stays three orders below the output's bf16 rounding. Against float64 on a 17-request
 // burst and 64 grouped decodes, vector path, Xeon model 207: the same max and mean errors as the
 // degree-6 polynomial it replaced, to three digits, with two FMAs fewer per score).
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+// exp2_finite_ps skips the clamp: for finite x only (a very negative x still gives 0 through
+// scalef; -inf would give NaN).
+inline __m512 exp2_finite_ps(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 y = _mm512_set1_ps(9.582852944731712e-3f);
@@ -230,6 +231,8 @@ inline __m512 exp2_ps(__m512 x) {
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
 }
+
+inline __m512 exp2_ps(__m512 x) { return exp2_finite_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.f))); }
 
 // Given 16 vectors, returns the vector of their horizontal sums (lane i = sum of v[i]).
 inline __m512 reduce16(__m512* v) {
@@ -1089,12 +1092,49 @@ inline void amx_pack_v(const char* vbase, const int64_t* off, int nk, int nk16, 
   }
 }
 
+// P = 2^(s scale - mv) of one row's first `valid` scores (finite; keys past it get P = 0) written to
+// prow in bf16, for the nk16 scores of the block; returns their sum (float32 P). Two
+// accumulators, so the sum's add chain does not bound the loop.
+inline float amx_exp_row(const float* srow, int nk16, int valid, __m512 scale, __m512 mv,
+                         bf16* prow) {
+  const int full = valid & ~15, tail = valid - full;
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+  int j0 = 0;
+  for (; j0 + 32 <= full; j0 += 32) {
+    const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(srow + j0), scale, mv);
+    const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(srow + j0 + 16), scale, mv);
+    const __m512 p0 = exp2_finite_ps(x0), p1 = exp2_finite_ps(x1);
+    sum0 = _mm512_add_ps(sum0, p0);
+    sum1 = _mm512_add_ps(sum1, p1);
+    _mm512_storeu_si512(prow + j0, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  }
+  for (; j0 < full; j0 += 16) {
+    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(srow + j0), scale, mv);
+    const __m512 pv = exp2_finite_ps(x);
+    sum0 = _mm512_add_ps(sum0, pv);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j0), (__m256i)_mm512_cvtneps_pbh(pv));
+  }
+  if (tail > 0) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << tail) - 1);
+    const __m512 x = _mm512_maskz_fmsub_ps(keep, _mm512_loadu_ps(srow + full), scale, mv);
+    const __m512 pv = _mm512_maskz_mov_ps(keep, exp2_finite_ps(x));
+    sum0 = _mm512_add_ps(sum0, pv);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + full), (__m256i)_mm512_cvtneps_pbh(pv));
+    j0 = full + 16;
+  }
+  if (j0 < nk16) std::memset(prow + j0, 0, (nk16 - j0) * sizeof(bf16));
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
 // One row's online-softmax step over an AMX item's key block: srow holds the raw scores Q K^T
 // of nk16 keys, the first `valid` of them visible (the row's causal limit); m, l, O are the
-// row's running state. Two passes over the scores: the block max of scores times sm_scale
-// log2 e (scale), then P = 2^(s scale - m) by one fused multiply-subtract, summed into l and
-// written to prow in bf16 (keys past `valid` get P = 0). A row that sees none of the block keeps
-// its state and gets P = 0.
+// row's running state. Two passes over the scores: the block max of the raw scores (scale > 0,
+// so it is scaled once, after), then P = 2^(s scale - m) against the new max (amx_exp_row), O
+// rescaled. Keys past `valid` get P = 0; a row that sees none of the block keeps its state and
+// gets P = 0. (Keeping m while a block's scores rose at most 8 above it, FlashAttention-4's
+// conditional rescale, skipped the max pass for 3-4% more on a burst, but its P above 1 are
+// rounded where the max key's P = 1 is exact: mean error +8-14% on random rows, and the AMX
+// test's max-error bound against the vector path failed. Not kept.)
 template <int D>
 inline void amx_softmax_row(const float* srow, int nk16, int valid, __m512 scale, float* m,
                             float* l, float* orow, bf16* prow) {
@@ -1104,33 +1144,21 @@ inline void amx_softmax_row(const float* srow, int nk16, int valid, __m512 scale
   }
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   const int full = valid & ~15, tail = valid - full;
-  const __mmask16 keep = static_cast<__mmask16>((1u << tail) - 1);
-  __m512 bmax = neg_inf;
-  for (int j0 = 0; j0 < full; j0 += 16) {
-    bmax = _mm512_max_ps(bmax, _mm512_mul_ps(_mm512_loadu_ps(srow + j0), scale));
+  __m512 b0 = neg_inf, b1 = neg_inf;
+  int j0 = 0;
+  for (; j0 + 32 <= full; j0 += 32) {
+    b0 = _mm512_max_ps(b0, _mm512_loadu_ps(srow + j0));
+    b1 = _mm512_max_ps(b1, _mm512_loadu_ps(srow + j0 + 16));
   }
+  if (j0 < full) b0 = _mm512_max_ps(b0, _mm512_loadu_ps(srow + j0));
   if (tail > 0) {
-    bmax = _mm512_max_ps(bmax, _mm512_mask_mul_ps(neg_inf, keep, _mm512_loadu_ps(srow + full), scale));
+    const __mmask16 keep = static_cast<__mmask16>((1u << tail) - 1);
+    b0 = _mm512_mask_max_ps(b0, keep, b0, _mm512_loadu_ps(srow + full));
   }
-  const float m_old = *m;
-  const float m_new = std::max(m_old, _mm512_reduce_max_ps(bmax));
-  const __m512 mv = _mm512_set1_ps(m_new);
-  __m512 lsum = _mm512_setzero_ps();
-  for (int j0 = 0; j0 < full; j0 += 16) {
-    const __m512 pv = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j0), scale, mv));
-    lsum = _mm512_add_ps(lsum, pv);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j0), (__m256i)_mm512_cvtneps_pbh(pv));
-  }
-  int j0 = full;
-  if (tail > 0) {
-    const __m512 pv =
-        _mm512_maskz_mov_ps(keep, exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(srow + full), scale, mv)));
-    lsum = _mm512_add_ps(lsum, pv);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + full), (__m256i)_mm512_cvtneps_pbh(pv));
-    j0 += 16;
-  }
-  if (j0 < nk16) std::memset(prow + j0, 0, (nk16 - j0) * sizeof(bf16));
-  rescale_row<D>(m_old, m_new, _mm512_reduce_add_ps(lsum), m, l, orow);
+  const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(b0, b1)) * _mm512_cvtss_f32(scale);
+  const float m_old = *m, m_new = std::max(m_old, bmax);
+  const float sum = amx_exp_row(srow, nk16, valid, scale, _mm512_set1_ps(m_new), prow);
+  rescale_row<D>(m_old, m_new, sum, m, l, orow);
 }
 
 template <int D>
