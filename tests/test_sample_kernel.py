@@ -71,6 +71,34 @@ def test_native_and_torch_draws_pick_the_same_tokens_for_the_same_seeds(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_native_kernels_read_bf16_rows_as_their_float32_values(isa):
+    """``sample_rows`` and ``argmax_rows`` on bf16 logits pick exactly what they pick on the
+    float32 copy (the widening is exact), with -inf segments, ties and a vocab that is no multiple
+    of the vector width; ``sample_rows`` leaves rows with a NaN, a +inf or nothing above -inf to
+    its caller (-1) in both dtypes."""
+    module = _module(isa)
+    gen = torch.Generator().manual_seed(21)
+    b, vocab = 40, 5003
+    logits = (torch.randn(b, vocab, generator=gen) * 4).to(torch.bfloat16)
+    logits[0, 40:] = float("-inf")
+    logits[1, 7] = logits[1, 4000] = 60.0  # a tie for argmax
+    logits[2, vocab - 1] = 60.0  # in the scalar tail
+    logits[3, 11] = float("nan")
+    logits[4, 12] = float("inf")
+    logits[5] = float("-inf")
+    inv_t = torch.empty(b).uniform_(0.3, 5.0, generator=gen)
+    u = torch.rand(b, dtype=torch.float64, generator=gen)
+    as_f32 = logits.float()
+    got = module.sample_rows(logits, inv_t, u)
+    assert torch.equal(got, module.sample_rows(as_f32, inv_t, u))
+    assert got[3:6].tolist() == [-1, -1, -1] and bool((got[6:] >= 0).all()) and got[0] < 40
+    assert torch.equal(module.argmax_rows(logits), as_f32.argmax(-1))
+    assert module.argmax_rows(logits)[1:3].tolist() == [7, vocab - 1]
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        module.argmax_rows(logits.half())
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_native_draw_rejects_bad_inputs_with_a_message(isa):
     module = _module(isa)
     x = torch.zeros(2, 8)

@@ -296,6 +296,36 @@ def test_draws_follow_the_filtered_distribution(params):
     assert keep.sum() >= 2 or params.top_p < 1.0  # the case really samples among several
 
 
+@pytest.mark.parametrize("path", DRAW_PATHS)
+def test_plain_bf16_batches_pick_what_their_float32_copy_does(path):
+    """The engine hands a bf16 model's logits over as they are: a plain batch (greedy rows and
+    temperature-only rows) is read in bf16 by the native kernels, any other batch gets a float32
+    copy. Either way each row's token is the one its float32 copy gives, rows with NaN or +inf
+    included (tamed by the full path with the uniform the row drew), and the generators advance
+    alike (the next step's tokens agree too)."""
+    sampler = _sampler(path)
+    logits = (_logits(12, seed=8) * 3).to(torch.bfloat16)
+    logits[5, 3] = float("nan")
+    logits[6, 9] = float("inf")
+
+    def batch(extra: dict) -> list[SamplingParams]:
+        return [
+            SamplingParams(temperature=0.0 if i % 4 == 0 else 0.7 + 0.1 * i, seed=i, **extra)
+            for i in range(12)
+        ]
+
+    for extra in ({}, {"top_k": 20}, {"repetition_penalty": 1.3}):
+        a = [SequenceState(p, prompt_ids=[1, 2], output_ids=[3]) for p in batch(extra)]
+        b = [SequenceState(p, prompt_ids=[1, 2], output_ids=[3]) for p in batch(extra)]
+        for _ in range(2):
+            got = sampler.sample(logits, a).token_ids
+            want = sampler.sample(logits.float(), b).token_ids
+            assert got == want, (extra, got, want)
+    plain = [SequenceState(p) for p in batch({})]
+    assert (sampler.plain_tokens(logits, plain) is None) == (path == "torch")
+    assert sampler.plain_tokens(logits, [SequenceState(p) for p in batch({"top_k": 20})]) is None
+
+
 def test_overflowing_rows_fall_back_to_the_best_raw_logit():
     logits = _logits(3, seed=4)
     logits[1, 7] = float("nan")

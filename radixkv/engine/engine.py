@@ -264,7 +264,9 @@ class Engine:
             ),
             keep_started=True,
         )
-        logits = self.runner.forward(fb, return_all_logits=all_rows)
+        # the model's own dtype (no float32 copy of a bf16 batch's logits): the sampler reads
+        # bf16 rows itself; prompt logprobs and beams take float32
+        logits = self.runner.forward(fb, return_all_logits=all_rows, float_logits=all_rows)
         if all_rows:  # some prompt wants its logprobs: every row was computed
             logits = collect_prompt_logprobs(logits, batch.entries, self.token_texts)
         rows: list[int] = []
@@ -280,7 +282,7 @@ class Engine:
                     rows.append(row)
                     to_sample.append(child)
             if seq.gang is not None:  # a beam: its search picks the next tokens
-                self.beams.offer(seq, logits[row])
+                self.beams.offer(seq, logits[row].float())
                 continue
             rows.append(row)
             to_sample.append(seq)

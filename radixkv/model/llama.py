@@ -336,22 +336,27 @@ class LlamaModel(nn.Module):
         v_caches: list[torch.Tensor],
         backend: AttentionBackend,
         return_all_logits: bool = False,
+        float_logits: bool = True,
     ) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[B, vocab]`` (or ``[T, vocab]``)."""
+        """Run one step; returns logits ``[B, vocab]`` (or ``[T, vocab]``): float32, or with
+        ``float_logits=False`` in the model's dtype as the head computed them (a bf16 model's
+        float32 copy is exact, so a consumer may make it when it needs one)."""
         dtype = self.embed_tokens.weight.dtype
         meta = backend.prepare(batch, dtype)
         ops = self._fused_ops(backend)
         if ops is not None:
-            return self._forward_fused(
+            logits = self._forward_fused(
                 ops, batch, k_caches, v_caches, backend, meta, return_all_logits
             )
+            return logits.float() if float_logits else logits
         cos, sin = self.rotary.lookup(batch.positions, dtype)
         x = self.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_caches[i], v_caches[i], backend, meta)
         if not return_all_logits:
             (x,) = _last_token_rows(batch, x)
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x))
+        return logits.float() if float_logits else logits
 
     def _fused_ops(self, backend: AttentionBackend) -> Any | None:
         """The native fused ops when this model runs on the CPU and they are built: the attention
@@ -394,7 +399,7 @@ class LlamaModel(nn.Module):
         if not return_all_logits:
             x, pending = _last_token_rows(batch, x, pending)
         h = ops.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
-        return self.lm_head(h).float()
+        return self.lm_head(h)
 
 
 def _last_token_rows(batch: ForwardBatch, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

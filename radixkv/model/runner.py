@@ -247,10 +247,15 @@ class ModelRunner:
         return build_forward_batch(requests, self.page_size, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
-        """Run one step; float32 logits ``[B, vocab]`` (``[T, vocab]`` with return_all_logits)."""
+    def forward(
+        self, batch: ForwardBatch, return_all_logits: bool = False, float_logits: bool = True
+    ) -> torch.Tensor:
+        """Run one step; float32 logits ``[B, vocab]`` (``[T, vocab]`` with return_all_logits),
+        or in the model's dtype with ``float_logits=False`` (see ``LlamaModel.forward``)."""
         if batch.page_size == 0:
             batch.page_size = self.page_size
         elif batch.page_size != self.page_size:
             raise ValueError(f"batch page_size {batch.page_size} != pool's {self.page_size}")
-        return self.model(batch, self.pool.k, self.pool.v, self.backend, return_all_logits)
+        return self.model(
+            batch, self.pool.k, self.pool.v, self.backend, return_all_logits, float_logits
+        )

@@ -1092,8 +1092,8 @@ inline void amx_pack_v(const char* vbase, const int64_t* off, int nk, int nk16, 
   }
 }
 
-// P = 2^(s scale - mv) of one row's first `valid` scores (finite; keys past it get P = 0) written to
-// prow in bf16, for the nk16 scores of the block; returns their sum (float32 P). Two
+// P = 2^(s scale - mv) of one row's first `valid` scores (finite; keys past it get P = 0)
+// written to prow in bf16, for the nk16 scores of the block; returns their sum (float32 P). Two
 // accumulators, so the sum's add chain does not bound the loop.
 inline float amx_exp_row(const float* srow, int nk16, int valid, __m512 scale, __m512 mv,
                          bf16* prow) {

@@ -2,9 +2,13 @@
 // logits instead of the five full-width torch ops (subtract, scale, exp, cumsum, search) and
 // their temporaries.
 //
-//   sample_rows(logits [B, V] f32, inv_temperature [B] f32, uniforms [B] f64) -> int64 [B]
-//   argmax_rows(logits [B, V] f32) -> int64 [B]: torch.argmax(logits, -1) exactly (the first
-//     index of the row's largest value; the first NaN where the row has one), rows in parallel
+//   sample_rows(logits [B, V] f32 or bf16, inv_temperature [B] f32, uniforms [B] f64) -> int64 [B]
+//   argmax_rows(logits [B, V] f32 or bf16) -> int64 [B]: torch.argmax(logits, -1) exactly (the
+//     first index of the row's largest value; the first NaN where the row has one), rows in
+//     parallel
+//
+// bf16 logits are read as their float32 values (exact), so a bf16 row gives the token its float32
+// copy would, without the copy (a batch-64 step's logits are 12.6 MB in float32).
 //
 // Row i: w_j = exp((x_j - max_i) * inv_temperature_i) (2^x by the float32 polynomial of
 // cpu_vec.h; -inf logits weigh exactly 0), total = sum_j w_j, and the token is the first j whose
@@ -12,7 +16,7 @@
 // radixkv.engine.sampler.Sampler.draw, so it picks the same token for the same uniform except
 // where uniforms_i * total falls within float rounding of a CDF boundary. Sums are float64 (per
 // block of kBlock weights, then over blocks), so the search visits one block, not the row.
-// Preconditions (the caller's): every row's largest logit is finite, no logit is NaN or +inf.
+// A row with a NaN or +inf logit, or none above -inf, gets -1 (the caller tames such rows itself).
 
 #include "cpu_sample.h"
 
@@ -33,21 +37,34 @@ using namespace radixkv_vec;
 constexpr int64_t kBlock = 256;  // weights per partial sum (a multiple of VW)
 constexpr float kLog2e = 1.4426950408889634f;
 
-float row_max(const float* x, int64_t n) {
+// The row's largest logit (NaNs skipped); *any_nan whether the row holds a NaN.
+template <class E>
+float row_max(const E* x, int64_t n, bool* any_nan) {
   int64_t j = 0;
   vf mv = splat(-INFINITY);
+  vi nan{};
   for (; j + VW <= n; j += VW) {
     const vf v = loadv(x + j);
     mv = v > mv ? v : mv;
+    nan |= v != v;
   }
   float m = -INFINITY;
-  for (int i = 0; i < VW; ++i) m = std::max(m, mv[i]);
-  for (; j < n; ++j) m = std::max(m, x[j]);
+  *any_nan = false;
+  for (int i = 0; i < VW; ++i) {
+    m = std::max(m, mv[i]);
+    *any_nan |= nan[i] != 0;
+  }
+  for (; j < n; ++j) {
+    const float v = loads(x + j);
+    m = std::max(m, v);
+    *any_nan |= std::isnan(v);
+  }
   return m;
 }
 
 // Weights of x[0 .. n) into w, and the float64 sum of each block of kBlock into sums.
-void weights(const float* x, int64_t n, float m, float c, float* w, double* sums) {
+template <class E>
+void weights(const E* x, int64_t n, float m, float c, float* w, double* sums) {
   const vf mv = splat(m), cv = splat(c);
   for (int64_t b0 = 0, k = 0; b0 < n; b0 += kBlock, ++k) {
     const int64_t b1 = std::min(n, b0 + kBlock);
@@ -61,7 +78,7 @@ void weights(const float* x, int64_t n, float m, float c, float* w, double* sums
     double s = 0.0;
     for (int i = 0; i < VW; ++i) s += acc[i];
     for (; j < b1; ++j) {  // the row's tail, one at a time
-      float arg = (x[j] - m) * c;
+      float arg = (loads(x + j) - m) * c;
       w[j] = arg < -126.f ? 0.f : std::exp2(arg);
       s += w[j];
     }
@@ -94,11 +111,27 @@ int64_t draw(const float* w, const double* sums, int64_t n, double u) {
 
 }  // namespace
 
+void check_logits(const at::Tensor& logits, const char* what) {
+  TORCH_CHECK(logits.device().is_cpu() &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) &&
+                  logits.dim() == 2 && logits.is_contiguous(),
+              what, ": logits must be a contiguous CPU float32 or bfloat16 [B, V] tensor");
+  TORCH_CHECK(logits.size(1) > 0, what, ": empty vocabulary");
+}
+
+// Calls fn with the logits' data: float32, or bf16 as its bits (check_logits first).
+template <class Fn>
+void dispatch_logits(const at::Tensor& logits, Fn&& fn) {
+  if (logits.scalar_type() == at::kFloat) {
+    fn(logits.data_ptr<float>());
+  } else {
+    fn(reinterpret_cast<const uint16_t*>(logits.data_ptr()));
+  }
+}
+
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temperature,
                        const at::Tensor& uniforms) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
-                  logits.dim() == 2 && logits.is_contiguous(),
-              "sample_rows: logits must be a contiguous CPU float32 [B, V] tensor");
+  check_logits(logits, "sample_rows");
   const int64_t B = logits.size(0), V = logits.size(1);
   TORCH_CHECK(inv_temperature.scalar_type() == at::kFloat && inv_temperature.numel() == B &&
                   inv_temperature.is_contiguous(),
@@ -106,73 +139,59 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temperatu
   TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.numel() == B &&
                   uniforms.is_contiguous(),
               "sample_rows: uniforms must be a contiguous float64 [B] tensor");
-  TORCH_CHECK(V > 0, "sample_rows: empty vocabulary");
   auto out = at::empty({B}, logits.options().dtype(at::kLong));
-  const float* x = logits.data_ptr<float>();
   const float* inv_t = inv_temperature.data_ptr<float>();
   const double* u = uniforms.data_ptr<double>();
   int64_t* tok = out.data_ptr<int64_t>();
-  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(V);
-    std::vector<double> sums((V + kBlock - 1) / kBlock);
-    for (int64_t i = begin; i < end; ++i) {
-      const float* row = x + i * V;
-      const float m = row_max(row, V);
-      weights(row, V, m, inv_t[i] * kLog2e, w.data(), sums.data());
-      tok[i] = draw(w.data(), sums.data(), V, u[i]);
-    }
+  dispatch_logits(logits, [&](const auto* x) {
+    at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> w(V);
+      std::vector<double> sums((V + kBlock - 1) / kBlock);
+      for (int64_t i = begin; i < end; ++i) {
+        const auto* row = x + i * V;
+        bool nan;
+        const float m = row_max(row, V, &nan);
+        if (nan || !std::isfinite(m)) {
+          tok[i] = -1;
+          continue;
+        }
+        weights(row, V, m, inv_t[i] * kLog2e, w.data(), sums.data());
+        tok[i] = draw(w.data(), sums.data(), V, u[i]);
+      }
+    });
   });
   return out;
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
-                  logits.dim() == 2 && logits.is_contiguous(),
-              "argmax_rows: logits must be a contiguous CPU float32 [B, V] tensor");
+  check_logits(logits, "argmax_rows");
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0, "argmax_rows: empty vocabulary");
   auto out = at::empty({B}, logits.options().dtype(at::kLong));
-  const float* x = logits.data_ptr<float>();
   int64_t* tok = out.data_ptr<int64_t>();
-  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* row = x + i * V;
-      // one pass for the largest value (NaNs skipped) and whether any NaN is there
-      int64_t j = 0;
-      vf mv = splat(-INFINITY);
-      vi nan{};
-      for (; j + VW <= V; j += VW) {
-        const vf v = loadv(row + j);
-        mv = v > mv ? v : mv;
-        nan |= v != v;
-      }
-      float m = -INFINITY;
-      bool any_nan = false;
-      for (int k = 0; k < VW; ++k) {
-        m = std::max(m, mv[k]);
-        any_nan |= nan[k] != 0;
-      }
-      for (; j < V; ++j) {
-        m = std::max(m, row[j]);
-        any_nan |= std::isnan(row[j]);
-      }
-      // the first index holding it: whole blocks of 4 vectors tested at once, then one by one
-      auto hit = [&](float v) { return any_nan ? std::isnan(v) : v == m; };
-      const vf target = splat(m);
-      int64_t c = 0;
-      for (; c + 4 * VW <= V; c += 4 * VW) {
-        vi any{};
-        for (int u = 0; u < 4; ++u) {
-          const vf v = loadv(row + c + u * VW);
-          any |= any_nan ? (v != v) : (v == target);
+  dispatch_logits(logits, [&](const auto* x) {
+    at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const auto* row = x + i * V;
+        bool any_nan;  // one pass: the largest value (NaNs skipped), and whether a NaN is there
+        const float m = row_max(row, V, &any_nan);
+        // the first index holding it: whole blocks of 4 vectors tested at once, then one by one
+        auto hit = [&](float v) { return any_nan ? std::isnan(v) : v == m; };
+        const vf target = splat(m);
+        int64_t c = 0;
+        for (; c + 4 * VW <= V; c += 4 * VW) {
+          vi any{};
+          for (int u = 0; u < 4; ++u) {
+            const vf v = loadv(row + c + u * VW);
+            any |= any_nan ? (v != v) : (v == target);
+          }
+          bool found = false;
+          for (int k = 0; k < VW; ++k) found |= any[k] != 0;
+          if (found) break;
         }
-        bool found = false;
-        for (int k = 0; k < VW; ++k) found |= any[k] != 0;
-        if (found) break;
+        while (c < V - 1 && !hit(loads(row + c))) ++c;
+        tok[i] = c;
       }
-      while (c < V - 1 && !hit(row[c])) ++c;
-      tok[i] = c;
-    }
+    });
   });
   return out;
 }

@@ -40,6 +40,23 @@ inline vf loadv(const float* p) {
 }
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Elements of a row that is float32 or bf16 (the bits of a bfloat16, as uint16_t), read as float32
+// (exact: a bf16 widens by shifting its bits up 16): one vector, or one element.
+inline vf loadv(const uint16_t* p) {
+  typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+  typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
+}
+inline float loads(const float* p) { return *p; }
+inline float loads(const uint16_t* p) {
+  const uint32_t u = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
 // 2^x for x <= 0 (clamped at -126): x = n + f, f in [-0.5, 0.5], 2^f = 1 + f P(f).
 inline vf exp2v(vf x0) {
   const vf lo = splat(-126.f);
