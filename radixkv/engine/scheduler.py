@@ -316,13 +316,15 @@ class Scheduler:
             return None
         cached = self.kv.peek(seq)[0]
         tokens = seq.tokens
+        need = cached + max(DEDUPE_MIN_TOKENS, self.kv.page_size)  # shared tokens, at least
+        if len(tokens) < need:
+            return None
         best: tuple[Sequence, int] | None = None
         for other in prefilling:
-            if other.salt != seq.salt:
+            if other.salt != seq.salt or not _may_share(tokens, other.tokens, need):
                 continue
             shared = common_prefix_len(tokens, other.tokens)
-            enough = shared - cached >= max(DEDUPE_MIN_TOKENS, self.kv.page_size)
-            if enough and (best is None or shared > best[1]):
+            if shared >= need and (best is None or shared > best[1]):
                 best = (other, shared)
         return best
 
@@ -336,9 +338,15 @@ class Scheduler:
             return rest
         need = owner.num_computed + max(DEDUPE_MIN_TOKENS, self.kv.page_size)
         tokens = owner.tokens
+        if len(tokens) < need:  # nothing left to compute that others could borrow
+            return rest
         first, other = [], []
         for seq in rest:
-            share = seq.salt == owner.salt and common_prefix_len(seq.tokens, tokens) >= need
+            share = (
+                seq.salt == owner.salt
+                and _may_share(seq.tokens, tokens, need)
+                and seq.tokens[:need] == tokens[:need]
+            )
             (first if share else other).append(seq)
         return first + other if first else rest
 
@@ -411,6 +419,13 @@ class Scheduler:
         seq.preemptions += 1
         self.num_preemptions += 1
         self.add(seq, front=True)
+
+
+def _may_share(a: list[int], b: list[int], n: int) -> bool:
+    """Whether ``a`` and ``b`` may share their first ``n`` tokens: both are that long and agree
+    at the first and the n-th token (an O(1) test that rules out most unrelated prompts before a
+    prefix comparison; the scheduler makes O(waiting x prefilling) of them a step)."""
+    return len(a) >= n and len(b) >= n and a[0] == b[0] and a[n - 1] == b[n - 1]
 
 
 def members(seq: Sequence) -> list[Sequence]:
