@@ -18,6 +18,7 @@ from oracle import (
     onednn_available,
 )
 
+from radixkv.model import native
 from radixkv.model.attention.base import torch_store_kvcache
 from radixkv.model.attention.torch_backend import torch_decode_attention, torch_extend_attention
 from radixkv.model.kv_pool import KVPool
@@ -284,21 +285,32 @@ def test_standalone_torch_attention_functions(dtype):
         torch.testing.assert_close(outd[i : i + 1].float(), ref, atol=tol, rtol=tol)
 
 
-def test_kv_pool_copy_pages_and_budget():
-    pool = KVPool(num_layers=2, num_pages=6, page_size=4, num_kv_heads=2, head_dim=8)
+@pytest.mark.parametrize("native_on", ["1", "0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_pool_copy_pages_and_budget(monkeypatch, native_on, dtype):
+    """Page copies in every layer's K and V (the native copy_pages_ on the CPU, the torch
+    gather with RADIXKV_NATIVE=0), other pages untouched; the budget arithmetic."""
+    monkeypatch.setenv("RADIXKV_NATIVE", native_on)
+    pool = KVPool(num_layers=2, num_pages=6, page_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
     for c in pool.k + pool.v:
         c.copy_(torch.randn_like(c))
     before = [c.clone() for c in pool.k + pool.v]
     pool.copy_pages([1, 2], [4, 0])
     for c, b in zip(pool.k + pool.v, before):
         assert torch.equal(c[4], b[1]) and torch.equal(c[0], b[2])
-        assert torch.equal(c[1], b[1]) and torch.equal(c[3], b[3])
+        assert torch.equal(c[1], b[1]) and torch.equal(c[3], b[3]) and torch.equal(c[5], b[5])
+    if dtype is torch.bfloat16:
+        return
     assert pool.bytes_per_page == 2 * 2 * 4 * 2 * 8 * 4
     assert pool.k_flat(1).shape == (24, 2, 8)
     big = KVPool.from_memory_budget(10 * pool.bytes_per_page + 5, 2, 4, 2, 8)
     assert big.num_pages == 10
     with pytest.raises(ValueError):
         KVPool.from_memory_budget(10, 2, 4, 2, 8)
+    module = native.load() if native_on == "1" else None
+    if module is not None:
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            module.copy_pages_(pool.k, torch.tensor([6]), torch.tensor([0]))
 
 
 def test_triton_backend_same_greedy_tokens_as_torch(tiny_llama):

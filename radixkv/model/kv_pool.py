@@ -127,13 +127,22 @@ class KVPool:
     def copy_pages(
         self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor
     ) -> None:
-        """Copy whole pages ``src[i] -> dst[i]`` in every layer (copy-on-write, tier loads)."""
+        """Copy whole pages ``src[i] -> dst[i]`` in every layer (copy-on-write, tier loads); on
+        the CPU in one native call (a warm burst of 64 copies a partial page per admission: 60
+        layer caches each, two torch ops apiece, were ~40 ms of its first step)."""
         src_t = torch.as_tensor(src, dtype=torch.long, device=self.device).flatten()
         dst_t = torch.as_tensor(dst, dtype=torch.long, device=self.device).flatten()
         if src_t.numel() != dst_t.numel():
             raise ValueError(f"copy_pages: {src_t.numel()} sources but {dst_t.numel()} targets")
         if src_t.numel() == 0:
             return
+        if self.device.type == "cpu":  # one native call for every layer's K and V
+            from radixkv.model import native
+
+            module = native.load()
+            if module is not None and hasattr(module, "copy_pages_"):
+                module.copy_pages_([*self.k, *self.v], src_t.contiguous(), dst_t.contiguous())
+                return
         for layer in range(self.num_layers):
             for cache in (self.k[layer], self.v[layer]):
                 cache.index_copy_(0, dst_t, cache.index_select(0, src_t))

@@ -41,6 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Quantize k, v rows as kv_quant.quantize does and write them with their scales to slots");
   m.def("store_kv_", &store_kv_,
         "Copy k, v token rows [T, Hkv, D] to slots of same-dtype caches (any token stride)");
+  m.def("copy_pages_", &copy_pages_,
+        "Copy page src[i] to dst[i] in every cache of a list (one shape and dtype, contiguous)");
   m.def("has_bf16_gemm", &has_bf16_gemm, "Whether this build has the AVX512-BF16 GEMM");
   m.def("has_f32_gemm", &has_f32_gemm, "Whether this build has the float32 GEMM (AVX2/AVX-512)");
   m.def("f32_gemm_cols", &f32_gemm_cols, "Output columns per packed float32 block");

@@ -21,6 +21,9 @@
 //     [T]): each token's Hkv x D row copied to slot slots[t] as it is (bf16 / float32 / fp16
 //     pools), tokens at any stride (k, v may be column slices of the fused QKV output), one
 //     pass for both caches instead of two index_copy_ calls and the copies they take.
+//   copy_pages_(caches [pages, ...] list, src, dst int64 [n]): page src[i] copied to dst[i] in
+//     every cache of the list (all of one shape and dtype, contiguous): a pool's copy-on-write
+//     of pages in one call instead of two torch ops per layer and cache.
 
 #include "cpu_kv_store.h"
 
@@ -542,4 +545,29 @@ void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
       std::memcpy(vc + s[t] * row, vs + t * vst, row);
     }
   });
+}
+
+void copy_pages_(std::vector<at::Tensor> caches, const at::Tensor& src, const at::Tensor& dst) {
+  TORCH_CHECK(src.scalar_type() == at::kLong && dst.scalar_type() == at::kLong && src.dim() == 1 &&
+                  dst.sizes() == src.sizes() && src.is_contiguous() && dst.is_contiguous(),
+              "copy_pages_: src and dst must be contiguous int64 [n] tensors of one size");
+  if (caches.empty() || src.numel() == 0) return;
+  const at::Tensor& first = caches.front();
+  for (const at::Tensor& c : caches) {
+    TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.sizes() == first.sizes() &&
+                    c.scalar_type() == first.scalar_type() && c.dim() >= 1,
+                "copy_pages_: caches must be contiguous CPU tensors of one shape and dtype");
+  }
+  const int64_t pages = first.size(0), n = src.numel();
+  const int64_t bytes = first.numel() / std::max<int64_t>(pages, 1) * first.element_size();
+  const int64_t* s = src.data_ptr<int64_t>();
+  const int64_t* d = dst.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(s[i] >= 0 && s[i] < pages && d[i] >= 0 && d[i] < pages,
+                "copy_pages_: a page index is outside the cache");
+  }
+  for (const at::Tensor& c : caches) {
+    char* base = static_cast<char*>(c.data_ptr());
+    for (int64_t i = 0; i < n; ++i) std::memmove(base + d[i] * bytes, base + s[i] * bytes, bytes);
+  }
 }
