@@ -264,8 +264,6 @@ class Engine:
             ),
             keep_started=True,
         )
-        # the model's own dtype (no float32 copy of a bf16 batch's logits): the sampler reads
-        # bf16 rows itself; prompt logprobs and beams take float32
         logits = self.runner.forward(fb, return_all_logits=all_rows, float_logits=all_rows)
         if all_rows:  # some prompt wants its logprobs: every row was computed
             logits = collect_prompt_logprobs(logits, batch.entries, self.token_texts)
