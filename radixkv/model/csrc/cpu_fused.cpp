@@ -24,12 +24,7 @@ namespace {
 
 using bf16 = uint16_t;
 
-inline float to_f(bf16 x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+inline float to_f(bf16 x) { return radixkv_vec::loads(&x); }
 
 inline bf16 to_bf(float f) {  // round to nearest even; NaN stays NaN
   uint32_t u;
@@ -45,14 +40,7 @@ using radixkv_vec::VW;
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 
-inline vf load_bf(const bf16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  vf f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+inline vf load_bf(const bf16* p) { return radixkv_vec::loadv(p); }
 
 inline void store_bf(bf16* p, vf f) {
   vu u;

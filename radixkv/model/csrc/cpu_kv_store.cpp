@@ -135,9 +135,7 @@ typedef uint16_t vh __attribute__((vector_size(radixkv_vec::VW * 2)));
 typedef uint32_t vu __attribute__((vector_size(radixkv_vec::VW * 4)));
 
 inline radixkv_vec::vf widen_bf16(const c10::BFloat16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  return reinterpret_cast<radixkv_vec::vf>(__builtin_convertvector(h, vu) << 16);
+  return radixkv_vec::loadv(reinterpret_cast<const uint16_t*>(p));
 }
 
 inline void narrow_bf16(c10::BFloat16* p, radixkv_vec::vf x) {

@@ -109,8 +109,6 @@ int64_t draw(const float* w, const double* sums, int64_t n, double u) {
   return 0;
 }
 
-}  // namespace
-
 void check_logits(const at::Tensor& logits, const char* what) {
   TORCH_CHECK(logits.device().is_cpu() &&
                   (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) &&
@@ -128,6 +126,8 @@ void dispatch_logits(const at::Tensor& logits, Fn&& fn) {
     fn(reinterpret_cast<const uint16_t*>(logits.data_ptr()));
   }
 }
+
+}  // namespace
 
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& inv_temperature,
                        const at::Tensor& uniforms) {

@@ -1,7 +1,7 @@
 // Float vectors of the build's width for radixkv's native CPU kernels: GCC vector extensions of
 // 16 floats with AVX-512, 8 otherwise (AVX2, or the portable baseline, where the compiler splits
-// them), so one source serves every ISA level. Shared by the float32 attention kernel and the
-// sampler's draw.
+// them), so one source serves every ISA level. Shared by the float32 attention kernel, the
+// sampler's draw, and (for bf16 reads) the fused layers and the KV store.
 #pragma once
 
 #include <cstdint>
