@@ -140,7 +140,7 @@ class KVPool:
             from radixkv.model import native
 
             module = native.load()
-            if module is not None and hasattr(module, "copy_pages_"):
+            if module is not None:
                 module.copy_pages_([*self.k, *self.v], src_t.contiguous(), dst_t.contiguous())
                 return
         for layer in range(self.num_layers):

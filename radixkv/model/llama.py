@@ -348,14 +348,14 @@ class LlamaModel(nn.Module):
             logits = self._forward_fused(
                 ops, batch, k_caches, v_caches, backend, meta, return_all_logits
             )
-            return logits.float() if float_logits else logits
-        cos, sin = self.rotary.lookup(batch.positions, dtype)
-        x = self.embed_tokens(batch.input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_caches[i], v_caches[i], backend, meta)
-        if not return_all_logits:
-            (x,) = _last_token_rows(batch, x)
-        logits = self.lm_head(self.norm(x))
+        else:
+            cos, sin = self.rotary.lookup(batch.positions, dtype)
+            x = self.embed_tokens(batch.input_ids)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, k_caches[i], v_caches[i], backend, meta)
+            if not return_all_logits:
+                (x,) = _last_token_rows(batch, x)
+            logits = self.lm_head(self.norm(x))
         return logits.float() if float_logits else logits
 
     def _fused_ops(self, backend: AttentionBackend) -> Any | None:
