@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -72,3 +73,27 @@ def test_engine_wraps_the_real_tokenizer(real_model):
     assert isinstance(engine.tokenizer, LockedTokenizer)
     ids = engine.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert engine.tokenizer.decode(ids).startswith("<|im_start|>")
+
+
+@pytest.mark.real_model
+def test_fast_encode_returns_transformers_ids(real_model):
+    """``encode`` of a fast tokenizer skips transformers' Python layer for the Rust backend: the
+    same ids, with and without special tokens, on random, special-token and edge-case text."""
+    inner = getattr(real_model.tokenizer, "wrapped", real_model.tokenizer)
+    tok = LockedTokenizer(inner)
+    assert inner.is_fast
+    rng = random.Random(0)
+    texts = [inner.decode([rng.randrange(len(inner)) for _ in range(n)]) for n in (1, 7, 300)]
+    texts += [inner.decode([i]) for i in range(0, 400, 3)]
+    texts += ["", " ", "  two leading spaces", "<|im_start|>user\nhi<|im_end|>\n", "a\r\nb\tc"]
+    texts += ["<|endoftext|>x<|endoftext|>", "caf\u00e9 \u00e9\u0301 \U0001f600 \x00", " " * 40]
+    for text in texts:
+        for special in (False, True):
+            assert tok.encode(text, add_special_tokens=special) == inner.encode(
+                text, add_special_tokens=special
+            ), (text, special)
+    assert tok.encode(texts[2]) == inner.encode(texts[2])
+    # other arguments go through transformers unchanged
+    assert tok.encode(texts[2], max_length=5, truncation=True) == inner.encode(
+        texts[2], max_length=5, truncation=True
+    )
