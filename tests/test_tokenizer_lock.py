@@ -97,3 +97,25 @@ def test_fast_encode_returns_transformers_ids(real_model):
     assert tok.encode(texts[2], max_length=5, truncation=True) == inner.encode(
         texts[2], max_length=5, truncation=True
     )
+
+
+@pytest.mark.real_model
+def test_fast_decode_returns_transformers_text(real_model):
+    """``decode(ids, clean_up_tokenization_spaces=False)`` (the incremental detokenizer's call)
+    skips transformers' Python layer: the same text for random windows, special tokens and
+    partial UTF-8, with and without skipping special tokens; other calls go through it."""
+    inner = getattr(real_model.tokenizer, "wrapped", real_model.tokenizer)
+    tok = LockedTokenizer(inner)
+    rng = random.Random(1)
+    specials = list(inner.all_special_ids)
+    windows = [[rng.randrange(len(inner)) for _ in range(rng.randrange(0, 5))] for _ in range(500)]
+    windows += [[s, rng.randrange(len(inner))] for s in specials] + [specials, []]
+    windows += [
+        inner.encode("caf\u00e9 \U0001f600", add_special_tokens=False)[:k] for k in range(6)
+    ]
+    for ids in windows:
+        for skip in (False, True):
+            got = tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            want = inner.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert got == want, (ids, skip)
+    assert tok.decode(windows[0]) == inner.decode(windows[0])

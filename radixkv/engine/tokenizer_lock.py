@@ -4,10 +4,12 @@ Hugging Face fast tokenizers are Rust objects that raise "Already borrowed" when
 one at the same moment (e.g. an encode that sets truncation while a decode runs). Every method
 call through :class:`LockedTokenizer` holds one lock; attributes are passed through unchanged.
 
-``encode(text, add_special_tokens=...)`` of a transformers fast tokenizer goes straight to its
-Rust backend (``encode_batch`` of one text: the ids transformers returns, which calls the same
-backend, without ~1.2 ms of Python bookkeeping per 832-token prompt held under the GIL, and the
-Rust work runs with the GIL released); any other call goes through transformers.
+``encode(text, add_special_tokens=...)`` and ``decode(ids, skip_special_tokens=...,
+clean_up_tokenization_spaces=False)`` of a transformers fast tokenizer go straight to its Rust
+backend (``encode_batch`` of one text, ``decode``): what transformers returns, as it calls the
+same backend, without its Python bookkeeping (~1.2 ms per 832-token prompt encoded, held under
+the GIL; 6.3 -> 1.9 us per incremental-detokenizer window, two per running request a step). Any
+other call goes through transformers.
 """
 
 from __future__ import annotations
@@ -57,6 +59,21 @@ class LockedTokenizer:
                 special = bool(kwargs.get("add_special_tokens", True))
                 return backend.encode_batch([text], add_special_tokens=special)[0].ids
             return self._tokenizer.encode(text, *args, **kwargs)
+
+    def decode(self, ids: Any, *args: Any, **kwargs: Any) -> Any:
+        """The text of ``ids`` (transformers' ``decode``; see the module docstring)."""
+        backend = getattr(self._tokenizer, "_tokenizer", None)
+        plain = (
+            not args
+            and set(kwargs) <= {"skip_special_tokens", "clean_up_tokenization_spaces"}
+            and kwargs.get("clean_up_tokenization_spaces", True) is False
+            and isinstance(ids, list)
+        )
+        with self._lock:
+            if plain and getattr(self._tokenizer, "is_fast", False) and hasattr(backend, "decode"):
+                special = bool(kwargs.get("skip_special_tokens", False))
+                return backend.decode(ids, skip_special_tokens=special)
+            return self._tokenizer.decode(ids, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
