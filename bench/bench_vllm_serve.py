@@ -28,10 +28,13 @@ Workloads, each measured cold and warm after a warm-up of other prompts:
 
 Printed: the host ISA line, then per workload and cache state throughput (req/s), TTFT p50/p99
 and TPOT p50/p99 for each server, and radixkv / vLLM ratios (throughput: higher is better for
-radixkv; latencies: lower is). ``--repeats N`` runs the servers in turn N times (radixkv, vLLM,
-radixkv, ...), prints each repeat's table, then every ratio per repeat and its median: on a
-2-core host another day's or another hour's run moves both servers by 10-20%, so one run's
-ratios near a target are not verdicts. ``--output`` writes everything as JSON.
+radixkv; latencies: lower is). Both servers are up at once and every phase is measured on one
+and then the other, who goes first alternating phase by phase (``--order interleaved``, the
+default): this host's speed drifts by up to 1.5x within an hour (two runs of the old sequential
+order, an hour apart, gave cold prefix_repetition 0.66x and 1.19x), and a phase pair a minute
+apart sees nearly the same host. ``--order sequential`` runs one server's phases, then the
+other's. ``--repeats N`` repeats the whole, prints each repeat's table, then every ratio per
+repeat and its median. ``--output`` writes everything as JSON.
 """
 
 from __future__ import annotations
@@ -206,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         help="run the servers in turn this many times (radixkv, vLLM, radixkv, ...) and print "
         "each repeat's table, then the median over repeats of each ratio",
     )
+    ap.add_argument(
+        "--order",
+        choices=["interleaved", "sequential"],
+        default="interleaved",
+        help="interleaved (default): both servers up at once, each phase measured on one and "
+        "then the other (who goes first alternates), so the host's drift over a run falls on "
+        "both alike; sequential: one server's phases, then the other's",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.warmup, args.prefix_len, args.output_len = 8, 4, 256, 8
@@ -254,30 +265,41 @@ def main(argv: list[str] | None = None) -> int:
                 "warm": (mt(2, 2, args.requests), args.requests)}  # fmt: skip
 
     results: dict[str, Any] = {"host": host, "dtype": dtype, "args": vars(args), "repeats": []}
+    phases = [(w, phase) for w in args.workloads.split(",") for phase in datasets(w)]
     for repeat in range(args.repeats):
         runs: dict[str, Any] = {}
-        for spec in server_specs(args, dtype, hf_dir, shim):
-            server = ManagedServer(spec, work, args.startup_timeout)
-            t = time.perf_counter()
-            server.start()
-            start_s = time.perf_counter() - t
-            print(f"[{spec.name}] healthy after {start_s:.0f} s ({spec.notes})", flush=True)
-            runs.setdefault(spec.name, {"start_s": start_s})
+        specs = server_specs(args, dtype, hf_dir, shim)
+        # sequential: each server's phases in a block; interleaved: both up, each phase on both
+        groups = [specs] if args.order == "interleaved" else [[spec] for spec in specs]
+        for group in groups:
+            servers: dict[str, ManagedServer] = {}
             try:
-                for workload in args.workloads.split(","):
-                    for phase, (dataset, n) in datasets(workload).items():
-                        out = work / f"{spec.name}-{workload}-{phase}-{repeat}.json"
-                        r = run_client(args.vllm_python, shim, server.url, hf_dir, dataset, n, out)
+                for spec in group:
+                    servers[spec.name] = ManagedServer(spec, work, args.startup_timeout)
+                    t = time.perf_counter()
+                    servers[spec.name].start()
+                    runs[spec.name] = {"start_s": time.perf_counter() - t}
+                    print(f"[{spec.name}] healthy after {runs[spec.name]['start_s']:.0f} s "
+                          f"({spec.notes})", flush=True)  # fmt: skip
+                for i, (workload, phase) in enumerate(phases):
+                    dataset, n = datasets(workload)[phase]
+                    for name in phase_order(list(servers), i):
+                        out = work / f"{name}-{workload}-{phase}-{repeat}.json"
+                        r = run_client(
+                            args.vllm_python, shim, servers[name].url, hf_dir, dataset, n, out
+                        )
                         row = {k: r.get(k) for k, _ in METRICS}
                         row["duration"] = r.get("duration")
-                        runs[spec.name][f"{workload}/{phase}"] = row
+                        runs[name][f"{workload}/{phase}"] = row
                         print(
-                            f"[{spec.name}] {workload}/{phase}: "
+                            f"[{name}] {workload}/{phase}: "
                             + ", ".join(f"{label} {row[k]:.2f}" for k, label in METRICS),
                             flush=True,
                         )
             finally:
-                server.stop()
+                for server in servers.values():
+                    server.stop()
+        runs = {spec.name: runs[spec.name] for spec in specs}  # the table's server order
         results["repeats"].append(runs)
         if args.repeats > 1:
             print(f"\nrepeat {repeat + 1} of {args.repeats}:")
@@ -288,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def phase_order(names: list[str], index: int) -> list[str]:
+    """The servers in the order phase ``index`` measures them: as given on even phases,
+    reversed on odd ones (a run's drift then favours neither)."""
+    return list(names) if index % 2 == 0 else list(reversed(names))
 
 
 def measured_keys(run: dict[str, Any]) -> list[str]:

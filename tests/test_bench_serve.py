@@ -28,7 +28,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from bench.bench_vllm_serve import multi_turn_dataset, print_median_ratios, print_table
+from bench.bench_vllm_serve import (
+    multi_turn_dataset,
+    phase_order,
+    print_median_ratios,
+    print_table,
+)
 from bench.serve import ARRAY_KEYS, METRIC_KEYS, BenchConfig, main, run_benchmark
 from radixkv.server.ports import free_port
 from radixkv.sim.simulator import hash_tokenize
@@ -478,3 +483,13 @@ def test_vllm_serve_multi_turn_dataset_extends_turn_one(real_model, tmp_path: Pa
     with contextlib.redirect_stdout(buf):
         print_median_ratios({"host": "isa=test", "repeats": [runs, slower, faster]})
     assert "| w/cold | req/s | 1.50x, 0.50x, 2.50x | 1.50x |" in buf.getvalue()
+
+
+def test_vllm_serve_interleaves_who_goes_first() -> None:
+    """Interleaved phases alternate the servers' order, so neither is always measured first
+    (the host's drift within a phase pair then favours neither); one server: always itself."""
+    names = ["radixkv", "vllm"]
+    orders = [phase_order(names, i) for i in range(6)]
+    assert orders[0::2] == [names] * 3 and orders[1::2] == [names[::-1]] * 3
+    assert [o[0] for o in orders].count("radixkv") == 3
+    assert phase_order(["radixkv"], 1) == ["radixkv"] and names == ["radixkv", "vllm"]
