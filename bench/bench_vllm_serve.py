@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats",
         type=int,
         default=1,
-        help="run the servers in turn this many times (radixkv, vLLM, radixkv, ...) and print "
-        "each repeat's table, then the median over repeats of each ratio",
+        help="repeat the whole run this many times and print each repeat's table, then the "
+        "median over repeats of each ratio",
     )
     ap.add_argument(
         "--order",
@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                 "warm": (mt(2, 2, args.requests), args.requests)}  # fmt: skip
 
     results: dict[str, Any] = {"host": host, "dtype": dtype, "args": vars(args), "repeats": []}
-    phases = [(w, phase) for w in args.workloads.split(",") for phase in datasets(w)]
+    plan = {w: datasets(w) for w in args.workloads.split(",")}  # the client's arguments, once
+    phases = [(w, phase) for w, by_phase in plan.items() for phase in by_phase]
     for repeat in range(args.repeats):
         runs: dict[str, Any] = {}
         specs = server_specs(args, dtype, hf_dir, shim)
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{spec.name}] healthy after {runs[spec.name]['start_s']:.0f} s "
                           f"({spec.notes})", flush=True)  # fmt: skip
                 for i, (workload, phase) in enumerate(phases):
-                    dataset, n = datasets(workload)[phase]
+                    dataset, n = plan[workload][phase]
                     for name in phase_order(list(servers), i):
                         out = work / f"{name}-{workload}-{phase}-{repeat}.json"
                         r = run_client(
