@@ -24,6 +24,12 @@ class LockedTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         object.__setattr__(self, "_tokenizer", tokenizer)
         object.__setattr__(self, "_lock", threading.RLock())
+        # a transformers fast tokenizer's Rust backend (encode/decode call it directly), or None
+        backend = getattr(tokenizer, "_tokenizer", None)
+        fast = getattr(tokenizer, "is_fast", False) and all(
+            hasattr(backend, name) for name in ("encode_batch", "decode")
+        )
+        object.__setattr__(self, "_backend", backend if fast else None)
 
     @property
     def wrapped(self) -> Any:
@@ -48,21 +54,17 @@ class LockedTokenizer:
 
     def encode(self, text: Any, *args: Any, **kwargs: Any) -> Any:
         """The token ids of ``text`` (transformers' ``encode``; see the module docstring)."""
-        backend = getattr(self._tokenizer, "_tokenizer", None)
+        backend = self._backend
         plain = not args and set(kwargs) <= {"add_special_tokens"} and isinstance(text, str)
         with self._lock:
-            if (
-                plain
-                and getattr(self._tokenizer, "is_fast", False)
-                and hasattr(backend, "encode_batch")
-            ):
+            if backend is not None and plain:
                 special = bool(kwargs.get("add_special_tokens", True))
                 return backend.encode_batch([text], add_special_tokens=special)[0].ids
             return self._tokenizer.encode(text, *args, **kwargs)
 
     def decode(self, ids: Any, *args: Any, **kwargs: Any) -> Any:
         """The text of ``ids`` (transformers' ``decode``; see the module docstring)."""
-        backend = getattr(self._tokenizer, "_tokenizer", None)
+        backend = self._backend
         plain = (
             not args
             and set(kwargs) <= {"skip_special_tokens", "clean_up_tokenization_spaces"}
@@ -70,7 +72,7 @@ class LockedTokenizer:
             and isinstance(ids, list)
         )
         with self._lock:
-            if plain and getattr(self._tokenizer, "is_fast", False) and hasattr(backend, "decode"):
+            if backend is not None and plain:
                 special = bool(kwargs.get("skip_special_tokens", False))
                 return backend.decode(ids, skip_special_tokens=special)
             return self._tokenizer.decode(ids, *args, **kwargs)
