@@ -34,7 +34,8 @@ inline bf16 to_bf(float f) {  // round to nearest even; NaN stays NaN
   return static_cast<bf16>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
-// The same conversions on a vector of the build's width (cpu_vec.h): bit for bit those above.
+// The same conversions on a vector of the build's width (cpu_vec.h): bit for bit those above,
+// except that AVX512-BF16 builds store float32 subnormals as zero (see store_bf).
 using radixkv_vec::vf;
 using radixkv_vec::VW;
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
@@ -43,6 +44,13 @@ typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 inline vf load_bf(const bf16* p) { return radixkv_vec::loadv(p); }
 
 inline void store_bf(bf16* p, vf f) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  // the instruction rounds to nearest even as below, NaN to a quiet NaN; it flushes float32
+  // subnormals (|f| < 2^-126) to a signed zero, where the form below keeps their bf16 rounding
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(f))));
+  return;
+#endif
   vu u;
   std::memcpy(&u, &f, sizeof(u));
   const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
@@ -130,7 +138,7 @@ inline vf silu_mul_v(vf g, vf u) {
   constexpr float kLog2e = 1.4426950408889634f;
   const vf neg_abs = g < 0.f ? g : -g;
   const vf e = radixkv_vec::exp2v(neg_abs * kLog2e);
-  const vf sig = (g < 0.f ? e : radixkv_vec::splat(1.f)) / (1.f + e);
+  const vf sig = (g < 0.f ? e : radixkv_vec::splat(1.f)) * radixkv_vec::recip(1.f + e);
   return g * sig * u;
 }
 
