@@ -127,3 +127,42 @@ def test_bad_groups_raise_clear_errors(module):
         native_paged_attention(
             case.q, case.k_cache, case.v_cache, bad, case.prefix, case.ext, case.starts, 0.1
         )
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_q_as_a_view_of_fused_qkv_rows_gives_the_contiguous_answer(module, amx):
+    """The model passes q as a view of the fused QKV projection's rows (each token's [Hq, D]
+    contiguous, tokens a row apart): the kernel reads it in place, with no copy, and must give
+    bit for bit the answer of the same q made contiguous, on every path this host runs."""
+    if amx and not module.amx_attention_available():
+        pytest.skip("this host or build has no AMX-BF16 brgemm")
+    reqs = [(96, 1), (96, 4), (0, 40), (200, 1), (210, 12), (300, 70)]
+    case = bf16_case(16, 9, 3, 64, reqs, [([0, 1], 96), ([3, 4], 200)], seed=9)
+    t, hq, d = case.q.shape
+    rows = torch.randn(t, (hq + 6) * d).to(torch.bfloat16)
+    rows[:, : hq * d] = case.q.reshape(t, hq * d)
+    view = rows[:, : hq * d].view(t, hq, d)
+    assert not view.is_contiguous()
+    before = module.set_amx_attention(amx) if amx or module.amx_attention_available() else None
+    try:
+        got = run(case, module)
+        case.q = view
+        assert torch.equal(run(case, module), got)
+    finally:
+        if before is not None:
+            module.set_amx_attention(before)
+    assert errors(got, case)[0] < MAX_ERR
+    with pytest.raises(RuntimeError, match=r"each token's \[Hq, D\] row"):
+        module.paged_attention(
+            rows[:, : hq * d].view(t, d, hq).transpose(1, 2),
+            case.k_cache,
+            case.v_cache,
+            case.table,
+            case.prefix,
+            case.ext,
+            case.starts,
+            0.1,
+            [],
+            [],
+            [],
+        )

@@ -115,8 +115,11 @@ def native_paged_attention(
     """
     module = _module(module)
     table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
+    q = q.to(torch.bfloat16)
+    if not (q.stride(2) == 1 and q.stride(1) == q.shape[2]):
+        q = q.contiguous()  # the kernel takes each token's [Hq, D] row contiguous, rows strided
     return module.paged_attention(
-        q.to(torch.bfloat16).contiguous(),
+        q,
         k_cache,
         v_cache,
         table.contiguous(),

@@ -103,6 +103,7 @@ enum class Quant { None, I8, FP8 };
 
 struct Problem {
   const bf16* q;
+  int64_t q_stride;  // elements from one token's q row to the next (hq * d when contiguous)
   const char* k_cache;
   const char* v_cache;
   Quant quant;
@@ -184,7 +185,7 @@ void run_item_scalar(const Problem& p, const Item& it, const Entries& en) {
     for (int64_t g = 0; g < it.nh * G; ++g) {
       const int64_t kvh = it.h0 + g / G;
       const int64_t qh = it.h0 * G + g;
-      const bf16* qp = p.q + (tok * p.hq + qh) * d;
+      const bf16* qp = p.q + tok * p.q_stride + qh * d;
       for (int64_t i = 0; i < d; ++i) qrow[i] = bf16_to_float(qp[i]);
       float mx = -INFINITY;
       for (int64_t j = 0; j < nkeys; ++j) {
@@ -762,7 +763,7 @@ inline void gather_rows(const Problem& p, const Item& it, const int64_t* tok, Sc
   }
   for (int64_t hh = 0; hh < it.nh; ++hh) {
     for (int64_t e = 0; e < it.ne; ++e) {
-      const bf16* src = p.q + (tok[e] * p.hq + (it.h0 + hh) * G) * D;
+      const bf16* src = p.q + tok[e] * p.q_stride + (it.h0 + hh) * G * D;
       std::memcpy(&sc.qbuf[(hh * head_rows + e * G) * D], src, G * D * sizeof(bf16));
     }
   }
@@ -1337,9 +1338,13 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
               "quantized)");
   TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.dim() == 2,
               "paged_attention: page_table must be int32 [B, max_pages]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+  // q may be a view of the fused QKV rows: each token's [Hq, D] row contiguous, rows strided
+  const bool q_rows = q.is_contiguous() || (q.dim() == 3 && q.stride(2) == 1 &&
+                                            q.stride(1) == q.size(2) &&
+                                            q.stride(0) >= q.size(1) * q.size(2));
+  TORCH_CHECK(q_rows && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   page_table.is_contiguous(),
-              "paged_attention: inputs must be contiguous");
+              "paged_attention: inputs must be contiguous (q: each token's [Hq, D] row)");
   const int64_t B = static_cast<int64_t>(extend_lens.size());
   TORCH_CHECK(static_cast<int64_t>(prefix_lens.size()) == B &&
                   static_cast<int64_t>(extend_starts.size()) == B && page_table.size(0) >= B,
@@ -1368,9 +1373,10 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
       check_prefix_groups("paged_attention", group_members, group_offsets, group_shared,
                           prefix_lens, tab, stride, page_size);
   if (!fast) std::fill(shared_of.begin(), shared_of.end(), 0);  // the portable path: no groups
-  auto out = at::empty_like(q);
+  auto out = at::empty(q.sizes(), q.options());  // contiguous, whatever q's row stride
   Problem p{};
   p.q = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
+  p.q_stride = q.is_contiguous() ? q.size(1) * q.size(2) : q.stride(0);
   p.k_cache = static_cast<const char*>(k_cache.data_ptr());
   p.v_cache = static_cast<const char*>(v_cache.data_ptr());
   p.quant = quant;
