@@ -487,5 +487,17 @@ def test_store_kv_matches_index_copy_for_strided_rows(level_module, dtype):
     routed = [c.clone() for c in caches]  # the path every backend's forward takes
     torch_store_kvcache(k, v, routed[0], routed[1], slots.to(torch.int32))
     assert torch.equal(routed[0], expect[0]) and torch.equal(routed[1], expect[1])
+    # a backend passes the build it holds: the store runs on that build, not the default one
+    calls = []
+
+    class Held:
+        def store_kv_(self, *args):
+            calls.append(len(args))
+            return level_module.store_kv_(*args)
+
+    held = [c.clone() for c in caches]
+    torch_store_kvcache(k, v, held[0], held[1], slots, Held())
+    assert torch.equal(held[0], expect[0]) and torch.equal(held[1], expect[1])
+    assert calls == ([5] if dtype != torch.float16 else []), "float16 rows take index_copy_"
     with pytest.raises(RuntimeError, match="outside the pool"):
         level_module.store_kv_(k, v, got[0], got[1], torch.full((t,), 24, dtype=torch.long))

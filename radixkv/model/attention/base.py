@@ -88,13 +88,17 @@ def torch_store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     out_slots: torch.Tensor,
+    module: Any | None = None,
 ) -> None:
     """Write ``k, v [T, Hkv, D]`` into the slots ``out_slots [T]`` of the paged caches
-    (quantized on the way into an int8 / fp8 pool, :mod:`radixkv.model.kv_quant`)."""
+    (quantized on the way into an int8 / fp8 pool, :mod:`radixkv.model.kv_quant`).
+
+    ``module``: the native build to store with where :func:`native_module_for` would find one
+    (a backend that holds its build passes it: finding it is a per-layer lookup otherwise)."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     slots = out_slots if out_slots.dtype == torch.long else out_slots.long()
     if is_quantized(k_cache):
-        module = native_module_for(k) if k_cache.is_contiguous() else None
+        module = _store_module(k, module) if k_cache.is_contiguous() else None
         if module is not None:  # the same bytes in one pass (csrc/cpu_kv_store.cpp)
             if not _rows_contiguous(k, v):  # tokens may be at any stride, heads not
                 k, v = k.contiguous(), v.contiguous()
@@ -102,12 +106,19 @@ def torch_store_kvcache(
             return
         k, v = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
     elif k.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous():
-        module = native_module_for(k)
+        module = _store_module(k, module)
         if module is not None and _rows_contiguous(k, v):
             module.store_kv_(k, v, k_cache, v_cache, slots)  # one pass, no copies of k, v
             return
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _store_module(k: torch.Tensor, module: Any | None) -> Any | None:
+    """``module`` where :func:`native_module_for` would serve ``k``, else that lookup's answer."""
+    if module is not None and k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16):
+        return module
+    return native_module_for(k)
 
 
 def _rows_contiguous(*xs: torch.Tensor) -> bool:

@@ -194,7 +194,7 @@ class NativeAttentionBackend(AttentionBackend):
         meta: Any,
         sm_scale: float,
     ) -> torch.Tensor:
-        torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots)
+        torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots, self.module)
         return native_paged_attention(
             q,
             k_cache,
@@ -266,7 +266,7 @@ class NativeCascadeBackend(NativeAttentionBackend):
         meta: Any,
         sm_scale: float,
     ) -> torch.Tensor:
-        torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots)
+        torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots, self.module)
         out = native_paged_attention_f32(
             q,
             k_cache,
