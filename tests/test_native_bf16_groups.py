@@ -166,3 +166,54 @@ def test_q_as_a_view_of_fused_qkv_rows_gives_the_contiguous_answer(module, amx):
             [],
             [],
         )
+
+
+GIL_PROBE = r"""
+import sys, threading, time
+import torch
+sys.path.insert(0, {tests!r})
+from test_native_bf16_groups import bf16_case
+from radixkv.model import native
+m = native.load()
+# head dim 80: the portable path, slow enough (a 1,024-token causal prefill) to watch
+case = bf16_case(16, 4, 4, 80, [(0, 1024)], [], seed=3)
+args = (case.q.contiguous(), case.k_cache, case.v_cache, case.table.to(torch.int32).contiguous(),
+        list(case.prefix), list(case.ext), list(case.starts), float(case.scale), [], [], [])
+span, ticks = [], []
+def kernel():
+    span.append(time.perf_counter()); m.paged_attention(*args); span.append(time.perf_counter())
+t = threading.Thread(target=kernel); t.start()
+while t.is_alive():
+    ticks.append(time.perf_counter())
+t.join()
+t0, t1 = span
+inside = [x for x in ticks if t0 + 0.2 * (t1 - t0) < x < t1 - 0.1 * (t1 - t0)]
+print("RESULT", t1 - t0, len(inside))
+"""
+
+
+@pytest.mark.parametrize("mode", ["release", "hold"])
+def test_kernels_run_without_the_gil_unless_asked_to_hold_it(mode, tmp_path):
+    """A server's other Python threads (HTTP, tokenization, streaming) must run while the engine
+    thread is inside a native kernel, as during torch's ops: a thread spinning in Python ticks
+    through the middle of a long kernel call. RADIXKV_NATIVE_GIL=hold keeps the GIL (no tick
+    there). Each mode in a fresh process: the setting is read once."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "RADIXKV_NATIVE_GIL": mode}
+    out = subprocess.run(
+        [sys.executable, "-c", GIL_PROBE.format(tests=tests)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))
+    seconds, inside = float(line.split()[1]), int(line.split()[2])
+    assert seconds > 0.02, f"the kernel took {seconds:.3f} s: too short to tell"
+    if mode == "release":
+        assert inside > 0, "no Python thread ran during the kernel: the GIL was held"
+    else:
+        assert inside == 0, f"{inside} ticks inside the kernel with RADIXKV_NATIVE_GIL=hold"

@@ -7,8 +7,42 @@
 #include "cpu_linear.h"
 #include "cpu_sample.h"
 
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+// Whether the kernels run with the GIL released: yes unless RADIXKV_NATIVE_GIL=hold (read once).
+// Released, a server's other Python threads (HTTP parsing, tokenization, streaming) run while
+// the engine thread is inside a kernel, as they do during torch's own ops.
+bool release_gil() {
+  static const bool release = [] {
+    const char* v = std::getenv("RADIXKV_NATIVE_GIL");
+    return v == nullptr || std::strcmp(v, "hold") != 0;
+  }();
+  return release;
+}
+
+// Fn's binding: its arguments are converted with the GIL held, the call runs without it. The
+// kernels touch no Python object (tensors and std::vectors only).
+template <auto Fn>
+struct NoGil;
+template <class R, class... A, R (*Fn)(A...)>
+struct NoGil<Fn> {
+  static R call(A... args) {
+    if (release_gil()) {
+      pybind11::gil_scoped_release released;
+      return Fn(std::forward<A>(args)...);
+    }
+    return Fn(std::forward<A>(args)...);
+  }
+};
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
+  m.def("paged_attention", &NoGil<&paged_attention>::call,
         "Paged attention over the KV pool for a step's decodes and extends (bf16, CPU)");
   m.def("has_fast_path", &has_fast_path, "Whether the AVX512-BF16 path serves this head dim");
   m.def("amx_attention_available", &amx_attention_available,
@@ -17,31 +51,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Turn paged_attention's AMX items on or off; returns the previous setting");
   m.def("amx_attention_items", &amx_attention_items,
         "How many paged_attention work items this process has run on AMX");
-  m.def("paged_attention_f32", &paged_attention_f32,
+  m.def("paged_attention_f32", &NoGil<&paged_attention_f32>::call,
         "Paged attention, float32 math over float32/bf16/fp16 pools, shared-prefix groups");
   m.def("kernel_isa", []() { return std::string(f32_kernel_isa()); },
         "The ISA level this build was compiled for");
-  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows (float32 math)");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of the residual");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [rows, 2 * n] bf16 tensor");
-  m.def("sample_rows", &sample_rows,
+  m.def("rms_norm", &NoGil<&rms_norm>::call, "RMSNorm of bf16 rows (float32 math)");
+  m.def("add_rms_norm", &NoGil<&add_rms_norm>::call, "residual += x in place, then RMSNorm of the residual");
+  m.def("silu_mul", &NoGil<&silu_mul>::call, "silu(gate) * up of a [rows, 2 * n] bf16 tensor");
+  m.def("sample_rows", &NoGil<&sample_rows>::call,
         "Inverse-CDF draw per row of float32 logits at a temperature (the sampler's plain rows)");
-  m.def("argmax_rows", &argmax_rows,
+  m.def("argmax_rows", &NoGil<&argmax_rows>::call,
         "torch.argmax(logits, -1) of contiguous float32 rows, rows in parallel");
-  m.def("apply_token_bitmask_", &apply_token_bitmask_,
+  m.def("apply_token_bitmask_", &NoGil<&apply_token_bitmask_>::call,
         "logits[r, j] = -inf where bit j of bitmask[r] is 0, r in rows (xgrammar's layout), in place");
-  m.def("hadamard_rows", &hadamard_rows,
+  m.def("hadamard_rows", &NoGil<&hadamard_rows>::call,
         "x H * scale over the last dim (kv_quant.hadamard's +-1 block Hadamard), float32/bf16");
-  m.def("hadamard_rows_", &hadamard_rows_, "hadamard_rows in place");
-  m.def("rope_hadamard_", &rope_hadamard_,
+  m.def("hadamard_rows_", &NoGil<&hadamard_rows_>::call, "hadamard_rows in place");
+  m.def("rope_hadamard_", &NoGil<&rope_hadamard_>::call,
         "In place on bf16 rows: RoPE on the first rope_heads heads, then x H on the first heads "
         "(the bits of rope_ then hadamard_rows): the fused QKV output in the stored basis of "
         "rotated KV pages");
-  m.def("store_kv_quant_", &store_kv_quant_,
+  m.def("store_kv_quant_", &NoGil<&store_kv_quant_>::call,
         "Quantize k, v rows as kv_quant.quantize does and write them with their scales to slots");
-  m.def("store_kv_", &store_kv_,
+  m.def("store_kv_", &NoGil<&store_kv_>::call,
         "Copy k, v token rows [T, Hkv, D] to slots of same-dtype caches (any token stride)");
-  m.def("copy_pages_", &copy_pages_,
+  m.def("copy_pages_", &NoGil<&copy_pages_>::call,
         "Copy page src[i] to dst[i] in every cache of a list (one shape and dtype, contiguous)");
   m.def("has_bf16_gemm", &has_bf16_gemm, "Whether this build has the AVX512-BF16 GEMM");
   m.def("has_f32_gemm", &has_f32_gemm, "Whether this build has the float32 GEMM (AVX2/AVX-512)");
@@ -49,11 +83,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm_block", &bf16_gemm_block,
         "(output columns, inputs per step) of a packed bf16 block: out_features and in_features "
         "must be multiples of them");
-  m.def("pack_bf16_weight", &pack_bf16_weight,
+  m.def("pack_bf16_weight", &NoGil<&pack_bf16_weight>::call,
         "W [N, K] bf16 -> [N / 16, K / 2, 32], the layout bf16_gemm reads");
-  m.def("bf16_gemm", &bf16_gemm, "x [M, K] W^T for bf16 rows, W from pack_bf16_weight");
-  m.def("pack_f32_weight", &pack_f32_weight,
+  m.def("bf16_gemm", &NoGil<&bf16_gemm>::call, "x [M, K] W^T for bf16 rows, W from pack_bf16_weight");
+  m.def("pack_f32_weight", &NoGil<&pack_f32_weight>::call,
         "W [N, K] float32 -> [N / cols, K, cols], the layout f32_gemm reads");
-  m.def("f32_gemm", &f32_gemm, "x [M, K] W^T for float32 rows, W from pack_f32_weight");
-  m.def("rope_", &rope_, "In-place rotate-half RoPE on the first heads of each bf16 row");
+  m.def("f32_gemm", &NoGil<&f32_gemm>::call, "x [M, K] W^T for float32 rows, W from pack_f32_weight");
+  m.def("rope_", &NoGil<&rope_>::call, "In-place rotate-half RoPE on the first heads of each bf16 row");
 }
