@@ -17,6 +17,8 @@ lacks its instructions, and an edited source rebuilds. ``RADIXKV_ISA=<isa>`` for
 
 If the build fails (no C++ compiler, unusual platform) :func:`load` returns ``None``, warns once,
 and callers fall back to the pure-torch paths. ``RADIXKV_NATIVE=0`` disables the kernels.
+The kernels run with the GIL released, as torch's own ops do, so a server's HTTP and tokenizing
+threads run while the engine thread is inside one; ``RADIXKV_NATIVE_GIL=hold`` keeps it held.
 ``radixkv prepare-model`` (run by ``setup.sh``) builds them ahead of the first request.
 """
 
