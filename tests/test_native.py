@@ -301,6 +301,22 @@ def test_fused_rms_norm_and_residual_add(level_module, h):
     torch.testing.assert_close(y.float(), ref * w.float(), atol=2e-2, rtol=1e-2)
 
 
+def test_fused_residual_add_of_subnormals(level_module):
+    """The bf16 residual stream's add rounds as torch does on every build, except float32
+    subnormal sums (|x| < 2^-126), which AVX512-BF16 builds store as a zero of the same sign
+    (vcvtneps2bf16 flushes them; cpu_fused.cpp's store_bf says so)."""
+    tiny = torch.tensor([1e-39, -1e-39, 3e-40, -2e-39] * 8).view(1, 32).to(torch.bfloat16)
+    assert bool((tiny != 0).all()), "the inputs must be bf16 subnormals"
+    res = tiny.clone()
+    level_module.add_rms_norm(
+        res, torch.zeros_like(res), torch.ones(32, dtype=torch.bfloat16), 1e-5
+    )
+    if level_module.kernel_isa() == "avx512_bf16":
+        assert bool((res == 0).all()) and torch.equal(torch.signbit(res), torch.signbit(tiny))
+    else:
+        assert torch.equal(res, tiny)
+
+
 @pytest.mark.parametrize("n, scale", [(1536, 1.0), (1536, 30.0), (45, 4.0)])
 def test_fused_silu_mul(level_module, n, scale):
     """Against float64: gates far into both tails (the sigmoid from exp(-|g|) never overflows)
