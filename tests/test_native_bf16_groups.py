@@ -152,20 +152,10 @@ def test_q_as_a_view_of_fused_qkv_rows_gives_the_contiguous_answer(module, amx):
         if before is not None:
             module.set_amx_attention(before)
     assert errors(got, case)[0] < MAX_ERR
+    bad_q = rows[:, : hq * d].view(t, d, hq).transpose(1, 2)  # heads strided within a token
+    pages = (case.k_cache, case.v_cache, case.table, case.prefix, case.ext, case.starts)
     with pytest.raises(RuntimeError, match=r"each token's \[Hq, D\] row"):
-        module.paged_attention(
-            rows[:, : hq * d].view(t, d, hq).transpose(1, 2),
-            case.k_cache,
-            case.v_cache,
-            case.table,
-            case.prefix,
-            case.ext,
-            case.starts,
-            0.1,
-            [],
-            [],
-            [],
-        )
+        module.paged_attention(bad_q, *pages, 0.1, [], [], [])
 
 
 GIL_PROBE = r"""
