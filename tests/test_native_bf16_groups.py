@@ -182,28 +182,29 @@ print("RESULT", t1 - t0, len(inside))
 """
 
 
-@pytest.mark.parametrize("mode", ["release", "hold"])
-def test_kernels_run_without_the_gil_unless_asked_to_hold_it(mode, tmp_path):
+def test_kernels_run_without_the_gil_unless_asked_to_hold_it():
     """A server's other Python threads (HTTP, tokenization, streaming) must run while the engine
     thread is inside a native kernel, as during torch's ops: a thread spinning in Python ticks
-    through the middle of a long kernel call. RADIXKV_NATIVE_GIL=hold keeps the GIL (no tick
-    there). Each mode in a fresh process: the setting is read once."""
+    through the middle of a long kernel call. RADIXKV_NATIVE_GIL=hold keeps the GIL: at most a
+    stray switch's worth of ticks there (under 5% of the released rate). Each mode in a fresh
+    process: the setting is read once."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     tests = str(Path(__file__).parent)
-    env = {**os.environ, "RADIXKV_NATIVE_GIL": mode}
-    out = subprocess.run(
-        [sys.executable, "-c", GIL_PROBE.format(tests=tests)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))
-    seconds, inside = float(line.split()[1]), int(line.split()[2])
-    assert seconds > 0.02, f"the kernel took {seconds:.3f} s: too short to tell"
-    if mode == "release":
-        assert inside > 0, "no Python thread ran during the kernel: the GIL was held"
-    else:
-        assert inside == 0, f"{inside} ticks inside the kernel with RADIXKV_NATIVE_GIL=hold"
+    rate = {}
+    for mode in ("release", "hold"):
+        out = subprocess.run(
+            [sys.executable, "-c", GIL_PROBE.format(tests=tests)],
+            env={**os.environ, "RADIXKV_NATIVE_GIL": mode}, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))
+        seconds, inside = float(line.split()[1]), int(line.split()[2])
+        assert seconds > 0.02, f"the kernel took {seconds:.3f} s: too short to tell"
+        rate[mode] = inside / (0.7 * seconds)  # ticks a second in the watched 70% of the call
+    assert rate["release"] > 0, "no Python thread ran during the kernel: the GIL was held"
+    assert rate["hold"] < 0.05 * rate["release"], f"RADIXKV_NATIVE_GIL=hold let threads run: {rate}"
