@@ -93,35 +93,28 @@ def torch_store_kvcache(
     """Write ``k, v [T, Hkv, D]`` into the slots ``out_slots [T]`` of the paged caches
     (quantized on the way into an int8 / fp8 pool, :mod:`radixkv.model.kv_quant`).
 
-    ``module``: the native build to store with where :func:`native_module_for` would find one
-    (a backend that holds its build passes it: finding it is a per-layer lookup otherwise)."""
+    ``module``: the native build to store with (see :func:`native_module_for`; a backend that
+    holds its build passes it: finding it is a per-layer lookup otherwise)."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     slots = out_slots if out_slots.dtype == torch.long else out_slots.long()
     if is_quantized(k_cache):
-        module = _store_module(k, module) if k_cache.is_contiguous() else None
+        module = native_module_for(k, module) if k_cache.is_contiguous() else None
         if module is not None:  # the same bytes in one pass (csrc/cpu_kv_store.cpp)
-            if not _rows_contiguous(k, v):  # tokens may be at any stride, heads not
+            if not rows_contiguous(k, v):  # tokens may be at any stride, heads not
                 k, v = k.contiguous(), v.contiguous()
             module.store_kv_quant_(k, v, k_cache, v_cache, slots)
             return
         k, v = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
     elif k.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous():
-        module = _store_module(k, module)
-        if module is not None and _rows_contiguous(k, v):
+        module = native_module_for(k, module)
+        if module is not None and rows_contiguous(k, v):
             module.store_kv_(k, v, k_cache, v_cache, slots)  # one pass, no copies of k, v
             return
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def _store_module(k: torch.Tensor, module: Any | None) -> Any | None:
-    """``module`` where :func:`native_module_for` would serve ``k``, else that lookup's answer."""
-    if module is not None and k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16):
-        return module
-    return native_module_for(k)
-
-
-def _rows_contiguous(*xs: torch.Tensor) -> bool:
+def rows_contiguous(*xs: torch.Tensor) -> bool:
     """Whether each token's ``[Hkv, D]`` row of every ``[T, Hkv, D]`` tensor is contiguous."""
     return all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in xs)
 
@@ -138,11 +131,14 @@ def split_qkv(
     return q, k, v
 
 
-def native_module_for(x: torch.Tensor) -> Any | None:
+def native_module_for(x: torch.Tensor, build: Any | None = None) -> Any | None:
     """The native CPU build when ``x`` is a float32 / bfloat16 CPU tensor (what its quantized
-    store and Hadamard rotation take), else None (also when the build is unavailable)."""
+    store and Hadamard rotation take), else None (also when the build is unavailable):
+    ``build`` where the caller holds one, else :func:`radixkv.model.native.load`'s."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
+    if build is not None:
+        return build
     from radixkv.model import native
 
     return native.load()

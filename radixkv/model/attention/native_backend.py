@@ -33,7 +33,12 @@ from typing import Any
 import torch
 
 from radixkv.model import native
-from radixkv.model.attention.base import AttentionBackend, ForwardBatch, torch_store_kvcache
+from radixkv.model.attention.base import (
+    AttentionBackend,
+    ForwardBatch,
+    rows_contiguous,
+    torch_store_kvcache,
+)
 from radixkv.model.attention.prefix_groups import PrefixGroup, shared_prefix_groups
 
 __all__ = [
@@ -116,7 +121,7 @@ def native_paged_attention(
     module = _module(module)
     table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
     q = q.to(torch.bfloat16)
-    if not (q.stride(2) == 1 and q.stride(1) == q.shape[2]):
+    if not rows_contiguous(q):
         q = q.contiguous()  # the kernel takes each token's [Hq, D] row contiguous, rows strided
     return module.paged_attention(
         q,

@@ -56,7 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_isa", []() { return std::string(f32_kernel_isa()); },
         "The ISA level this build was compiled for");
   m.def("rms_norm", &NoGil<&rms_norm>::call, "RMSNorm of bf16 rows (float32 math)");
-  m.def("add_rms_norm", &NoGil<&add_rms_norm>::call, "residual += x in place, then RMSNorm of the residual");
+  m.def("add_rms_norm", &NoGil<&add_rms_norm>::call,
+        "residual += x in place, then RMSNorm of the residual");
   m.def("silu_mul", &NoGil<&silu_mul>::call, "silu(gate) * up of a [rows, 2 * n] bf16 tensor");
   m.def("sample_rows", &NoGil<&sample_rows>::call,
         "Inverse-CDF draw per row of float32 logits at a temperature (the sampler's plain rows)");
@@ -85,9 +86,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "must be multiples of them");
   m.def("pack_bf16_weight", &NoGil<&pack_bf16_weight>::call,
         "W [N, K] bf16 -> [N / 16, K / 2, 32], the layout bf16_gemm reads");
-  m.def("bf16_gemm", &NoGil<&bf16_gemm>::call, "x [M, K] W^T for bf16 rows, W from pack_bf16_weight");
+  m.def("bf16_gemm", &NoGil<&bf16_gemm>::call,
+        "x [M, K] W^T for bf16 rows, W from pack_bf16_weight");
   m.def("pack_f32_weight", &NoGil<&pack_f32_weight>::call,
         "W [N, K] float32 -> [N / cols, K, cols], the layout f32_gemm reads");
-  m.def("f32_gemm", &NoGil<&f32_gemm>::call, "x [M, K] W^T for float32 rows, W from pack_f32_weight");
-  m.def("rope_", &NoGil<&rope_>::call, "In-place rotate-half RoPE on the first heads of each bf16 row");
+  m.def("f32_gemm", &NoGil<&f32_gemm>::call,
+        "x [M, K] W^T for float32 rows, W from pack_f32_weight");
+  m.def("rope_", &NoGil<&rope_>::call,
+        "In-place rotate-half RoPE on the first heads of each bf16 row");
 }

@@ -49,8 +49,7 @@ inline void store_bf(bf16* p, vf f) {
   // subnormals (|f| < 2^-126) to a signed zero, where the form below keeps their bf16 rounding
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(f))));
-  return;
-#endif
+#else
   vu u;
   std::memcpy(&u, &f, sizeof(u));
   const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
@@ -58,6 +57,7 @@ inline void store_bf(bf16* p, vf f) {
   const vu out = (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
   const vh h = __builtin_convertvector(out, vh);
   std::memcpy(p, &h, sizeof(h));
+#endif
 }
 
 inline float hsum(vf v) {
