@@ -1,6 +1,6 @@
 """AMX items of the bf16 native kernel (radixkv/model/csrc/cpu_attention.cpp, run_item_amx):
 on hosts whose oneDNN packs bf16 for AMX, items with 16 or more query rows per KV head (prefill
-and extend blocks, a group's stacked rows) run both products on oneDNN's brgemm. Checked against
+and extend blocks, a group's stacked rows) run both products on AMX tiles. Checked against
 the float64 oracle and against the vector path on the same calls, with groups whose phase A and
 phase B run on different paths (the running state is handed over in the vector path's lane
 order). Hosts without AMX check that it cannot be switched on."""
@@ -30,7 +30,7 @@ def module():
 @pytest.fixture
 def amx(module):
     if not module.amx_attention_available():
-        pytest.skip("this host's oneDNN has no AMX-BF16 brgemm")
+        pytest.skip("this host has no AMX-BF16 (or no tile state for this process)")
     before = module.set_amx_attention(True)
     yield module
     module.set_amx_attention(before)
@@ -122,3 +122,33 @@ def test_environment_switch_turns_amx_off_at_load(amx):
             check=True,
         )
         assert out.stdout.strip().splitlines()[-1] == before, (env, out.stdout, out.stderr)
+
+
+def test_atens_own_amx_kernels_are_unharmed_by_the_tile_code(amx):
+    """The tile code loads its own tile configuration on torch's worker threads and hands the
+    tile state back through ATen's release (which also drops ATen's note of the configuration
+    it loaded). ATen's own AMX users on those threads (bf16 SDPA, which runs brgemm on AMX hosts
+    and configures its tiles per call, and oneDNN's bf16 linear) give the same bits before and
+    after AMX attention ran."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 9, 200, 64, generator=g).bfloat16() for _ in range(3))
+    x = torch.randn(77, 576, generator=g).bfloat16()
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+
+    def aten_ops():
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return sdpa, torch.nn.functional.linear(x, w)
+
+    before = aten_ops()
+    case = bf16_case(16, 9, 3, 64, [(0, 300), (37, 64), (255, 100)], [], seed=11)
+    for _ in range(3):
+        n0 = amx.amx_attention_items()
+        run(case, amx)
+        assert amx.amx_attention_items() > n0
+        after = aten_ops()
+        for a, b in zip(before, after):
+            assert torch.equal(a, b)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True
+    )
+    assert (before[0].double() - ref).abs().max() < 0.05

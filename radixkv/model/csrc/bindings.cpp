@@ -46,7 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention over the KV pool for a step's decodes and extends (bf16, CPU)");
   m.def("has_fast_path", &has_fast_path, "Whether the AVX512-BF16 path serves this head dim");
   m.def("amx_attention_available", &amx_attention_available,
-        "Whether paged_attention can run row tiles on AMX (oneDNN brgemm) here");
+        "Whether paged_attention can run row tiles on AMX here");
   m.def("set_amx_attention", &set_amx_attention,
         "Turn paged_attention's AMX items on or off; returns the previous setting");
   m.def("amx_attention_items", &amx_attention_items,

@@ -40,9 +40,9 @@
 // K/V value is rounded. The portable path dequantizes each row to float32 (exact).
 //
 // AMX (hosts with AMX-BF16, bf16 pools): items with kGemmRows or more rows per KV head run both
-// products on oneDNN's brgemm ukernel through ATen instead of vdpbf16ps (run_item_amx), in
-// 256-key blocks, with the same softmax arithmetic (amx_softmax_row); set_amx_attention
-// switches it.
+// products on AMX tiles instead of vdpbf16ps (run_item_amx: hand-written tile code, 256-key
+// blocks, 32- or 16-row chunks), with the same softmax arithmetic (amx_softmax_row);
+// set_amx_attention switches it.
 //
 // A portable scalar path (any CPU, any head dim) computes the same thing; the AVX512 path needs a
 // head dim that is a multiple of 32 and at most 256.
@@ -61,6 +61,11 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define RADIXKV_AVX512BF16 1
@@ -75,9 +80,10 @@ using bf16 = uint16_t;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kKeyBlock = 64;   // keys per online-softmax step
 constexpr int kRowsPerItem = 96;  // query rows (tokens x G heads) per work item
-// Where AMX items run: twice as many, so each key block's K^T / V packing and brgemm calls serve
-// more rows (2,048-token causal prefill and a 16-request burst, one layer, Xeon model 207,
-// alternated: 5-7% faster than 96; 384 and 768 no better than 192).
+// Where AMX items run: twice as many, so each key block's K^T / V packing serves more rows
+// (2,048-token causal prefill and a 16-request burst, one layer, Xeon model 207, alternated:
+// 5-7% faster than 96 with oneDNN's brgemm; 384 and 768 no better than 192, and 384 within the
+// noise of 192 with the tile code).
 constexpr int kAmxRowsPerItem = 192;
 // A KV head with at least this many rows in an item runs in row tiles of 16 rows (rows along
 // the vector lanes: no horizontal sums), else row by row.
@@ -346,7 +352,9 @@ struct Scratch {
   std::vector<bf16> vv;       // [kAmxKeyBlock / 2][D][2]: V, keys paired
   // prefetches: the current item's next key block first, then the next item's first block
   LineQueue next_block, next_item;
-  bool amx_used = false;  // this worker ran brgemm: its AMX tile state is released at the end
+  // this worker ran AMX items: its tile state is released at the end (through ATen, which also
+  // forgets the tile configuration it believes loaded, so its own brgemm reconfigures)
+  bool amx_used = false;
   Scratch() = default;
   Scratch(Scratch&&) = default;
   ~Scratch() {
@@ -993,10 +1001,15 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
 
 // ---- AMX: items with row tiles over bf16 pools, on hosts with AMX-BF16 ----------------------
 // The same items, blocks and online softmax as run_item_avx512's row tiles, with both products
-// run by oneDNN's brgemm ukernel through ATen (at::native::cpublas::brgemm: bf16 operands,
-// float32 accumulation, AMX tiles) on one KV head's rows at a time, rows in natural layout:
-//   S [rows][nk16] = Q [rows][D] . K^T     (B operand: K^T in VNNI pairs, [D / 2][nk16][2])
-//   O [rows][D]   += P [rows][nk16] . V    (B operand: V in VNNI pairs, [nk16 / 2][D][2])
+// on AMX tiles (TDPBF16PS: bf16 pairs, float32 accumulation), one KV head and one chunk of 32
+// query rows (16 for D = 128) at a time, rows in natural layout:
+//   S [rows][nk] = Q [rows][D] . K^T     (B operand: K^T in VNNI pairs, [D / 2][nk32][2])
+//   O [rows][D] += P [rows][nk] . V      (B operand: V in VNNI pairs, [nk32 / 2][D][2])
+// K^T and V of a head's key block are packed once for all the item's chunks; a chunk's scores
+// and P stay in L1 between the products, and a chunk skips the keys past its last row's causal
+// limit. (oneDNN's brgemm through ATen ran these products before, on all of a head's rows per
+// call: the tile code was 7-12% faster on a 16-request burst and 4-8% on a group's shared
+// decode rows, level on a 2,048-token prefill, Xeon model 207, alternated in one process.)
 // The softmax between them (amx_softmax_row) computes what the row path's does (scores times
 // sm_scale log2 e, keys past the row's limit left out, exp2, P rounded to bf16, l summed from
 // the float32 P) in two passes over the scores instead of three. A group's phase-A state is
@@ -1053,10 +1066,10 @@ inline void amx_pack_k(const char* kbase, const int64_t* off, int nk16, bf16* kt
   }
 }
 
-// Keys per online-softmax step of an AMX item: a brgemm call costs about a microsecond beyond
-// its arithmetic, so blocks are larger than the vector path's.
-// (2,048-token causal prefill, one layer, Xeon model 207: 64 keys 21.6 ms, 256 keys 15.3 ms,
-// 512 keys 17.1 ms; the vector path 38-46 ms in the same runs).
+// Keys per online-softmax step of an AMX item: larger than the vector path's, so the per-row
+// softmax work (reductions, rescale) is spread over more keys. (2,048-token causal prefill, one
+// layer, Xeon model 207, with brgemm: 64 keys 21.6 ms, 256 keys 15.3 ms, 512 keys 17.1 ms, the
+// vector path 38-46 ms in the same runs; with the tile code 128 keys was slower than 256.)
 constexpr int kAmxKeyBlock = 256;
 
 // Word indices interleaving two keys' 32 dims: lo = dims 0-15, hi = 16-31, as (a, b) pairs.
@@ -1096,28 +1109,28 @@ inline void amx_pack_v(const char* vbase, const int64_t* off, int nk, int nk16, 
 // P = 2^(s scale - mv) of one row's first `valid` scores (finite; keys past it get P = 0)
 // written to prow in bf16, for the nk16 scores of the block; returns their sum (float32 P). Two
 // accumulators, so the sum's add chain does not bound the loop.
-inline float amx_exp_row(const float* srow, int nk16, int valid, __m512 scale, __m512 mv,
-                         bf16* prow) {
+inline float amx_exp_row(const float* srow, int gs, int nk16, int valid, __m512 scale,
+                         __m512 mv, bf16* prow) {
   const int full = valid & ~15, tail = valid - full;
   __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
   int j0 = 0;
   for (; j0 + 32 <= full; j0 += 32) {
-    const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(srow + j0), scale, mv);
-    const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(srow + j0 + 16), scale, mv);
+    const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(srow + j0 / 16 * gs), scale, mv);
+    const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(srow + (j0 / 16 + 1) * gs), scale, mv);
     const __m512 p0 = exp2_finite_ps(x0), p1 = exp2_finite_ps(x1);
     sum0 = _mm512_add_ps(sum0, p0);
     sum1 = _mm512_add_ps(sum1, p1);
     _mm512_storeu_si512(prow + j0, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
   }
   for (; j0 < full; j0 += 16) {
-    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(srow + j0), scale, mv);
+    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(srow + j0 / 16 * gs), scale, mv);
     const __m512 pv = exp2_finite_ps(x);
     sum0 = _mm512_add_ps(sum0, pv);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j0), (__m256i)_mm512_cvtneps_pbh(pv));
   }
   if (tail > 0) {
     const __mmask16 keep = static_cast<__mmask16>((1u << tail) - 1);
-    const __m512 x = _mm512_maskz_fmsub_ps(keep, _mm512_loadu_ps(srow + full), scale, mv);
+    const __m512 x = _mm512_maskz_fmsub_ps(keep, _mm512_loadu_ps(srow + full / 16 * gs), scale, mv);
     const __m512 pv = _mm512_maskz_mov_ps(keep, exp2_finite_ps(x));
     sum0 = _mm512_add_ps(sum0, pv);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + full), (__m256i)_mm512_cvtneps_pbh(pv));
@@ -1137,7 +1150,7 @@ inline float amx_exp_row(const float* srow, int nk16, int valid, __m512 scale, _
 // rounded where the max key's P = 1 is exact: mean error +8-14% on random rows, and the AMX
 // test's max-error bound against the vector path failed. Not kept.)
 template <int D>
-inline void amx_softmax_row(const float* srow, int nk16, int valid, __m512 scale, float* m,
+inline void amx_softmax_row(const float* srow, int gs, int nk16, int valid, __m512 scale, float* m,
                             float* l, float* orow, bf16* prow) {
   if (valid == 0) {
     std::memset(prow, 0, nk16 * sizeof(bf16));
@@ -1148,32 +1161,181 @@ inline void amx_softmax_row(const float* srow, int nk16, int valid, __m512 scale
   __m512 b0 = neg_inf, b1 = neg_inf;
   int j0 = 0;
   for (; j0 + 32 <= full; j0 += 32) {
-    b0 = _mm512_max_ps(b0, _mm512_loadu_ps(srow + j0));
-    b1 = _mm512_max_ps(b1, _mm512_loadu_ps(srow + j0 + 16));
+    b0 = _mm512_max_ps(b0, _mm512_loadu_ps(srow + j0 / 16 * gs));
+    b1 = _mm512_max_ps(b1, _mm512_loadu_ps(srow + (j0 / 16 + 1) * gs));
   }
-  if (j0 < full) b0 = _mm512_max_ps(b0, _mm512_loadu_ps(srow + j0));
+  if (j0 < full) b0 = _mm512_max_ps(b0, _mm512_loadu_ps(srow + j0 / 16 * gs));
   if (tail > 0) {
     const __mmask16 keep = static_cast<__mmask16>((1u << tail) - 1);
-    b0 = _mm512_mask_max_ps(b0, keep, b0, _mm512_loadu_ps(srow + full));
+    b0 = _mm512_mask_max_ps(b0, keep, b0, _mm512_loadu_ps(srow + full / 16 * gs));
   }
   const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(b0, b1)) * _mm512_cvtss_f32(scale);
   const float m_old = *m, m_new = std::max(m_old, bmax);
-  const float sum = amx_exp_row(srow, nk16, valid, scale, _mm512_set1_ps(m_new), prow);
+  const float sum = amx_exp_row(srow, gs, nk16, valid, scale, _mm512_set1_ps(m_new), prow);
   rescale_row<D>(m_old, m_new, sum, m, l, orow);
 }
 
+// AMX tile code (AMX-TILE + AMX-BF16 instructions; compiled for these functions only, and run
+// only where amx_available() found them and the kernel granted the tile state).
+#define RADIXKV_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+// Palette 1, tiles 0-7 all 16 rows x 64 bytes (16 float32 or 32 bf16 a row).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = 16;
+    }
+  }
+};
+const TileConfig kTileConfig;
+
+// Query rows per chunk of an AMX item's head: the chunk's scores and P stay in L1 between the
+// two products. Two row tiles for D = 64 (their four Q tiles stay loaded across the key tiles),
+// one for D = 128 (its four Q tiles are one row tile's).
 template <int D>
-void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& sc) {
-  constexpr int KB = kAmxKeyBlock;
+constexpr int amx_chunk_rows() {
+  return D == 64 ? 32 : 16;
+}
+constexpr int kAmxPLd = kAmxKeyBlock + 32;  // bf16 per P row
+
+// S of one chunk = Q K^T, in 16-key groups: the scores of key 16 g + c for the chunk's row r at
+// s[(g * CR + r) * 16 + c] (CR = the chunk's rows), so each tile's store is one contiguous 1 KiB
+// (row-strided stores ran at about half the rate). q is the chunk's first row ([row][D] bf16,
+// rows past the chunk readable), kt the head's K^T pairs ([D / 2][ldk][2]), nkeys a multiple of
+// 32 (<= ldk).
+template <int D>
+RADIXKV_AMX_TARGET inline void amx_scores(const bf16* q, int rt_n, const bf16* kt, int ldk,
+                                          int nkeys, float* s) {
+  constexpr int CR = amx_chunk_rows<D>();
+  const int kstride = ldk * 4;
+  if constexpr (D == 64) {
+    _tile_loadd(0, q, D * 2);
+    _tile_loadd(1, q + 32, D * 2);
+    if (rt_n == 2) {  // both row tiles' Q
+      _tile_loadd(2, q + 16 * D, D * 2);
+      _tile_loadd(3, q + 16 * D + 32, D * 2);
+      for (int j = 0; j < nkeys; j += 16) {  // the two row tiles' chains interleaved
+        float* sg = s + j * CR;
+        _tile_zero(6);
+        _tile_zero(7);
+        _tile_loadd(4, kt + 2 * j, kstride);              // dim pairs 0-15
+        _tile_dpbf16ps(6, 0, 4);
+        _tile_dpbf16ps(7, 2, 4);
+        _tile_loadd(5, kt + 2 * (16 * ldk + j), kstride);  // dim pairs 16-31
+        _tile_dpbf16ps(6, 1, 5);
+        _tile_dpbf16ps(7, 3, 5);
+        _tile_stored(6, sg, 64);
+        _tile_stored(7, sg + 256, 64);
+      }
+      return;
+    }
+    for (int j = 0; j < nkeys; j += 32) {  // one row tile: two key groups' chains interleaved
+      _tile_zero(6);
+      _tile_zero(7);
+      _tile_loadd(4, kt + 2 * j, kstride);
+      _tile_loadd(5, kt + 2 * (j + 16), kstride);
+      _tile_dpbf16ps(6, 0, 4);
+      _tile_dpbf16ps(7, 0, 5);
+      _tile_loadd(4, kt + 2 * (16 * ldk + j), kstride);
+      _tile_loadd(5, kt + 2 * (16 * ldk + j + 16), kstride);
+      _tile_dpbf16ps(6, 1, 4);
+      _tile_dpbf16ps(7, 1, 5);
+      _tile_stored(6, s + j * CR, 64);
+      _tile_stored(7, s + (j + 16) * CR, 64);
+    }
+  } else {
+    static_assert(D == 128, "AMX items take head dims 64 and 128");
+    (void)rt_n;  // one row tile
+    _tile_loadd(0, q, D * 2);
+    _tile_loadd(1, q + 32, D * 2);
+    _tile_loadd(2, q + 64, D * 2);
+    _tile_loadd(3, q + 96, D * 2);
+    for (int j = 0; j < nkeys; j += 32) {  // two key groups' chains interleaved
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int ks = 0; ks < 4; ks += 2) {
+        const bf16* k0 = kt + 2 * (16 * ks * ldk + j);
+        const bf16* k1 = kt + 2 * (16 * (ks + 1) * ldk + j);
+        _tile_loadd(4, k0, kstride);
+        _tile_loadd(5, k0 + 32, kstride);
+        if (ks == 0) {
+          _tile_dpbf16ps(6, 0, 4);
+          _tile_dpbf16ps(7, 0, 5);
+        } else {
+          _tile_dpbf16ps(6, 2, 4);
+          _tile_dpbf16ps(7, 2, 5);
+        }
+        _tile_loadd(4, k1, kstride);
+        _tile_loadd(5, k1 + 32, kstride);
+        if (ks == 0) {
+          _tile_dpbf16ps(6, 1, 4);
+          _tile_dpbf16ps(7, 1, 5);
+        } else {
+          _tile_dpbf16ps(6, 3, 4);
+          _tile_dpbf16ps(7, 3, 5);
+        }
+      }
+      _tile_stored(6, s + j * CR, 64);
+      _tile_stored(7, s + (j + 16) * CR, 64);
+    }
+  }
+}
+
+// O [16 rt_n rows][D] += P V for one chunk: p its P rows ([row][kAmxPLd] bf16, zero past each
+// row's visible keys and for rows past the chunk), vv the head's V pairs ([nkeys / 2][D][2]),
+// o the chunk's first O row ([row][D] float32, 16 rt_n rows writable), nkeys a multiple of 32.
+template <int D>
+RADIXKV_AMX_TARGET inline void amx_accumulate(const bf16* p, int rt_n, const bf16* vv,
+                                              int nkeys, float* o) {
+  constexpr int ostride = D * 4, vstride = D * 4;
+  for (int rt = 0; rt < rt_n; ++rt) {
+    const bf16* prt = p + rt * 16 * kAmxPLd;
+    for (int d0 = 0; d0 < D; d0 += 64) {
+      float* ot = o + rt * 16 * D + d0;
+      _tile_loadd(0, ot, ostride);
+      _tile_loadd(1, ot + 16, ostride);
+      _tile_loadd(2, ot + 32, ostride);
+      _tile_loadd(3, ot + 48, ostride);
+      for (int kk = 0; kk < nkeys; kk += 32) {
+        const bf16* vb = vv + kk * D + 2 * d0;  // key pair kk / 2, dim d0
+        _tile_loadd(4, prt + kk, kAmxPLd * 2);
+        _tile_loadd(5, vb, vstride);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, vb + 32, vstride);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, vb + 64, vstride);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, vb + 96, vstride);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, ot, ostride);
+      _tile_stored(1, ot + 16, ostride);
+      _tile_stored(2, ot + 32, ostride);
+      _tile_stored(3, ot + 48, ostride);
+    }
+  }
+}
+
+template <int D>
+RADIXKV_AMX_TARGET void run_item_amx(const Problem& p, const Item& it, const Entries& en,
+                                     Scratch& sc) {
+  constexpr int KB = kAmxKeyBlock, CR = amx_chunk_rows<D>();
   const int64_t G = p.group;
   const int64_t head_rows = it.ne * G;
+  const int64_t head_pad = (head_rows + 15) & ~int64_t{15};  // O rows per head, tiles whole
   const int64_t rows = it.nh * head_rows;
   const int64_t* tok = en.tok.data() + it.e0;
   const int64_t* lim = en.limit.data() + it.e0;
   const int32_t* table = p.page_table + it.req * p.table_stride;
-  sc.s.resize(rows * KB);
-  sc.pbuf.resize(rows * KB);
-  sc.o.resize(rows * D);
+  sc.s.resize(CR * KB);
+  sc.pbuf.resize(CR * kAmxPLd);
+  sc.o.resize(it.nh * head_pad * D);
   sc.m.resize(rows);
   sc.l.resize(rows);
   sc.koff.resize(KB);
@@ -1181,8 +1343,13 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
   sc.kt.resize(D * KB);
   sc.vv.resize(KB * D);
   gather_rows<D>(p, it, tok, sc);
+  sc.qbuf.resize((rows + 16) * D);  // a last partial row tile reads zeros past the rows
+  auto orow = [&](int64_t r) { return &sc.o[((r / head_rows) * head_pad + r % head_rows) * D]; };
+  for (int64_t hh = 0; hh < it.nh; ++hh) {  // a partial tile's missing rows: O = 0, never read
+    std::memset(&sc.o[(hh * head_pad + head_rows) * D], 0, (head_pad - head_rows) * D * sizeof(float));
+  }
   for (int64_t r = 0; r < rows; ++r) {
-    float* o = &sc.o[r * D];
+    float* o = orow(r);
     if (it.resume) {  // phase A's state, O from vpack lane order
       const int64_t qr = sc.qr[r];
       sc.m[r] = p.gm[qr];
@@ -1197,36 +1364,42 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
   const __m512 scale = _mm512_set1_ps(p.scale_log2);
   const int64_t token_stride = p.hkv * p.row_bytes;
   sc.amx_used = true;
+  _tile_loadconfig(&kTileConfig);
   g_amx_items.fetch_add(1, std::memory_order_relaxed);
   for (int64_t kb = it.k0; kb < it.k1; kb += KB) {
     const int nk = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
-    const int nk16 = (nk + 15) & ~15;
-    if (kb == it.k0) fill_token_offsets(p, table, kb, nk, nk16, token_stride, sc.koff.data());
+    const int nk32 = (nk + 31) & ~31;
+    if (kb == it.k0) fill_token_offsets(p, table, kb, nk, nk32, token_stride, sc.koff.data());
     if (kb + KB < it.k1) {
       const int nk_next = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb - KB));
-      fill_token_offsets(p, table, kb + KB, nk_next, (nk_next + 15) & ~15, token_stride,
+      fill_token_offsets(p, table, kb + KB, nk_next, (nk_next + 31) & ~31, token_stride,
                          sc.knext.data());
       item_rows(p, it, sc.knext.data(), nk_next, prefetch_lines);
     }
     for (int64_t hh = 0; hh < it.nh; ++hh) {
       const int64_t head_off = (it.h0 + hh) * p.row_bytes;
-      amx_pack_k<D>(p.k_cache + head_off, sc.koff.data(), nk16, sc.kt.data());
-      amx_pack_v<D>(p.v_cache + head_off, sc.koff.data(), nk, nk16, sc.vv.data());
-      const int64_t r0 = hh * head_rows;
-      float* s = &sc.s[r0 * KB];
-      at::native::cpublas::brgemm(head_rows, nk16, D, D, nk16, nk16, false,
-                                  reinterpret_cast<const at::BFloat16*>(&sc.qbuf[r0 * D]),
-                                  reinterpret_cast<const at::BFloat16*>(sc.kt.data()), s);
-      for (int64_t hr = 0; hr < head_rows; ++hr) {
-        const int64_t valid = std::clamp<int64_t>(lim[hr / G] - kb + 1, 0, nk);
-        amx_softmax_row<D>(s + hr * nk16, nk16, static_cast<int>(valid), scale,
-                           &sc.m[r0 + hr], &sc.l[r0 + hr], &sc.o[(r0 + hr) * D],
-                           &sc.pbuf[r0 * KB + hr * nk16]);
+      amx_pack_k<D>(p.k_cache + head_off, sc.koff.data(), nk32, sc.kt.data());
+      amx_pack_v<D>(p.v_cache + head_off, sc.koff.data(), nk, nk32, sc.vv.data());
+      for (int64_t c0 = 0; c0 < head_rows; c0 += CR) {
+        const int64_t cr = std::min<int64_t>(CR, head_rows - c0);
+        // rows see nondecreasing limits: the chunk's last row sees the most keys
+        const int nkc = static_cast<int>(std::clamp<int64_t>(lim[(c0 + cr - 1) / G] - kb + 1, 0, nk));
+        if (nkc == 0) continue;  // no row of the chunk sees this block yet
+        const int np = (nkc + 31) & ~31;
+        const int rt_n = static_cast<int>((cr + 15) / 16);
+        const int64_t r0 = hh * head_rows + c0;
+        amx_scores<D>(&sc.qbuf[r0 * D], rt_n, sc.kt.data(), nk32, np, sc.s.data());
+        for (int64_t i = 0; i < cr; ++i) {
+          const int64_t valid = std::clamp<int64_t>(lim[(c0 + i) / G] - kb + 1, 0, nkc);
+          amx_softmax_row<D>(&sc.s[i * 16], CR * 16, np, static_cast<int>(valid), scale,
+                             &sc.m[r0 + i], &sc.l[r0 + i], orow(r0 + i), &sc.pbuf[i * kAmxPLd]);
+        }
+        for (int64_t i = cr; i < 16 * rt_n; ++i) {  // a partial tile's missing rows: P = 0
+          std::memset(&sc.pbuf[i * kAmxPLd], 0, np * sizeof(bf16));
+        }
+        amx_accumulate<D>(sc.pbuf.data(), rt_n, sc.vv.data(), np,
+                          &sc.o[(hh * head_pad + c0) * D]);
       }
-      at::native::cpublas::brgemm(head_rows, D, nk16, nk16, D, D, true,
-                                  reinterpret_cast<const at::BFloat16*>(&sc.pbuf[r0 * KB]),
-                                  reinterpret_cast<const at::BFloat16*>(sc.vv.data()),
-                                  &sc.o[r0 * D]);
     }
     std::swap(sc.koff, sc.knext);
   }
@@ -1236,13 +1409,13 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
       const int64_t qr = sc.qr[r];
       p.gm[qr] = sc.m[r];
       p.gl[qr] = sc.l[r];
-      permute_chunks<D>(kVpackOrders.to, &sc.o[r * D], p.go + qr * D);
+      permute_chunks<D>(kVpackOrders.to, orow(r), p.go + qr * D);
     }
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {  // out = O / l in bf16
     const __m512 inv = _mm512_set1_ps(1.f / sc.l[r]);
-    const float* o = &sc.o[r * D];
+    const float* o = orow(r);
     bf16* dst = p.out + sc.qr[r] * D;
     for (int c = 0; c < D / 16; ++c) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
@@ -1253,9 +1426,23 @@ void run_item_amx(const Problem& p, const Item& it, const Entries& en, Scratch& 
 
 #endif  // RADIXKV_AVX512BF16
 
+// Asks Linux once for this process's AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA; oneDNN asks the same for its own AMX kernels): without it a tile instruction faults.
+bool amx_tiles_permitted() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+#else
+  return false;
+#endif
+}
+
 bool amx_available() {
 #if RADIXKV_AVX512BF16
-  return at::native::cpublas::could_pack(at::kBFloat16);
+  return at::native::cpublas::could_pack(at::kBFloat16) && amx_tiles_permitted();
 #else
   return false;
 #endif
@@ -1468,7 +1655,8 @@ bool amx_attention_available() { return amx_available(); }
 
 bool set_amx_attention(bool on) {
   TORCH_CHECK(!on || amx_available(),
-              "set_amx_attention: this host or build has no AMX-BF16 brgemm (oneDNN via ATen)");
+              "set_amx_attention: this host or build has no AMX-BF16 (oneDNN finds none, or Linux "
+              "refused the tile state)");
   const bool before = amx_on();
   g_amx_attention = on ? 1 : 0;
   return before;
