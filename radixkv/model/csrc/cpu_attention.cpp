@@ -41,7 +41,7 @@
 //
 // AMX (hosts with AMX-BF16, bf16 pools): items with kGemmRows or more rows per KV head run both
 // products on AMX tiles instead of vdpbf16ps (run_item_amx: hand-written tile code, 256-key
-// blocks, 32- or 16-row chunks), with the same softmax arithmetic (amx_softmax_row);
+// blocks, 32- or 16-row chunks), with the same softmax arithmetic (amx_softmax_tile);
 // set_amx_attention switches it.
 //
 // A portable scalar path (any CPU, any head dim) computes the same thing; the AVX512 path needs a
@@ -783,7 +783,10 @@ inline void gather_rows(const Problem& p, const Item& it, const int64_t* tok, Sc
 template <int D>
 inline void rescale_row(float m_old, float m_new, float block_sum, float* m, float* l,
                         float* orow) {
-  const float alpha = m_old == -INFINITY ? 0.f : std::exp2(m_old - m_new);
+  // exp2_ps, not a libm call per row and block (the polynomial's 2.8e-6 relative error scales
+  // O and l alike; 2^0 is exactly 1)
+  const float alpha =
+      m_old == -INFINITY ? 0.f : _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m_old - m_new)));
   *l = *l * alpha + block_sum;
   *m = m_new;
   if (alpha != 1.f) {
@@ -1010,7 +1013,7 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
 // limit. (oneDNN's brgemm through ATen ran these products before, on all of a head's rows per
 // call: the tile code was 7-12% faster on a 16-request burst and 4-8% on a group's shared
 // decode rows, level on a 2,048-token prefill, Xeon model 207, alternated in one process.)
-// The softmax between them (amx_softmax_row) computes what the row path's does (scores times
+// The softmax between them (amx_softmax_tile) computes what the row path's does (scores times
 // sm_scale log2 e, keys past the row's limit left out, exp2, P rounded to bf16, l summed from
 // the float32 P) in two passes over the scores instead of three. A group's phase-A state is
 // handed over in the vpack lane order the other paths use (vpack_dim), so phase A and phase B
@@ -1071,6 +1074,7 @@ inline void amx_pack_k(const char* kbase, const int64_t* off, int nk16, bf16* kt
 // layer, Xeon model 207, with brgemm: 64 keys 21.6 ms, 256 keys 15.3 ms, 512 keys 17.1 ms, the
 // vector path 38-46 ms in the same runs; with the tile code 128 keys was slower than 256.)
 constexpr int kAmxKeyBlock = 256;
+constexpr int kAmxPLd = kAmxKeyBlock + 32;  // bf16 per P row of an AMX chunk
 
 // Word indices interleaving two keys' 32 dims: lo = dims 0-15, hi = 16-31, as (a, b) pairs.
 struct PairOrders {
@@ -1107,9 +1111,9 @@ inline void amx_pack_v(const char* vbase, const int64_t* off, int nk, int nk16, 
 }
 
 // P = 2^(s scale - mv) of one row's first `valid` scores (finite; keys past it get P = 0)
-// written to prow in bf16, for the nk16 scores of the block; returns their sum (float32 P). Two
-// accumulators, so the sum's add chain does not bound the loop.
-inline float amx_exp_row(const float* srow, int gs, int nk16, int valid, __m512 scale,
+// written to prow in bf16, for the nk16 scores of the block; returns their sum (float32 P) as
+// a vector of partial sums. Two accumulators, so the sum's add chain does not bound the loop.
+inline __m512 amx_exp_row(const float* srow, int gs, int nk16, int valid, __m512 scale,
                          __m512 mv, bf16* prow) {
   const int full = valid & ~15, tail = valid - full;
   __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
@@ -1137,42 +1141,78 @@ inline float amx_exp_row(const float* srow, int gs, int nk16, int valid, __m512 
     j0 = full + 16;
   }
   if (j0 < nk16) std::memset(prow + j0, 0, (nk16 - j0) * sizeof(bf16));
-  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+  return _mm512_add_ps(sum0, sum1);
 }
 
-// One row's online-softmax step over an AMX item's key block: srow holds the raw scores Q K^T
-// of nk16 keys, the first `valid` of them visible (the row's causal limit); m, l, O are the
-// row's running state. Two passes over the scores: the block max of the raw scores (scale > 0,
-// so it is scaled once, after), then P = 2^(s scale - m) against the new max (amx_exp_row), O
-// rescaled. Keys past `valid` get P = 0; a row that sees none of the block keeps its state and
-// gets P = 0. (Keeping m while a block's scores rose at most 8 above it, FlashAttention-4's
-// conditional rescale, skipped the max pass for 3-4% more on a burst, but its P above 1 are
-// rounded where the max key's P = 1 is exact: mean error +8-14% on random rows, and the AMX
-// test's max-error bound against the vector path failed. Not kept.)
+// Up to 16 rows' online-softmax step over an AMX item's key block (one row tile of a chunk):
+// row i's raw scores Q K^T of the block's nk16 keys lie in 16-key groups at s + i * 16 + g * gs,
+// the first valid[i] of them visible (its causal limit); m[i], l[i] and O's row o + i * D are
+// its running state, prow + i * kAmxPLd its P. Two passes over each row's scores: the block max
+// of the raw scores (scale > 0, so it is scaled once, after), then P = 2^(s scale - m) against
+// the new max (amx_exp_row). The rows' maxima and sums are reduced across lanes for all 16 rows
+// at once (a transpose), and the rescale factors exp2(m_old - m_new) come from one vector exp2:
+// per row, only O's rescale is left. Keys past valid[i] get P = 0; a row that sees none of the
+// block keeps its state and gets P = 0. (Keeping m while a block's scores rose at most 8 above
+// it, FlashAttention-4's conditional rescale, skipped the max pass for 3-4% more on a burst, but
+// its P above 1 are rounded where the max key's P = 1 is exact: mean error +8-14% on random
+// rows, and the AMX test's max-error bound against the vector path failed. Not kept.)
 template <int D>
-inline void amx_softmax_row(const float* srow, int gs, int nk16, int valid, __m512 scale, float* m,
-                            float* l, float* orow, bf16* prow) {
-  if (valid == 0) {
-    std::memset(prow, 0, nk16 * sizeof(bf16));
-    return;
-  }
+inline void amx_softmax_tile(const float* s, int gs, int nk16, const int* valid, int n,
+                             __m512 scale, float* m, float* l, float* o, bf16* prow) {
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-  const int full = valid & ~15, tail = valid - full;
-  __m512 b0 = neg_inf, b1 = neg_inf;
-  int j0 = 0;
-  for (; j0 + 32 <= full; j0 += 32) {
-    b0 = _mm512_max_ps(b0, _mm512_loadu_ps(srow + j0 / 16 * gs));
-    b1 = _mm512_max_ps(b1, _mm512_loadu_ps(srow + (j0 / 16 + 1) * gs));
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) {  // each row's lane-wise max of its visible scores
+    const int vi = i < n ? valid[i] : 0;
+    const float* srow = s + i * 16;
+    const int full = vi & ~15, tail = vi - full;
+    __m512 b0 = neg_inf, b1 = neg_inf;
+    int j0 = 0;
+    for (; j0 + 32 <= full; j0 += 32) {
+      b0 = _mm512_max_ps(b0, _mm512_loadu_ps(srow + j0 / 16 * gs));
+      b1 = _mm512_max_ps(b1, _mm512_loadu_ps(srow + (j0 / 16 + 1) * gs));
+    }
+    if (j0 < full) b0 = _mm512_max_ps(b0, _mm512_loadu_ps(srow + j0 / 16 * gs));
+    if (tail > 0) {
+      const __mmask16 keep = static_cast<__mmask16>((1u << tail) - 1);
+      b0 = _mm512_mask_max_ps(b0, keep, b0, _mm512_loadu_ps(srow + full / 16 * gs));
+    }
+    v[i] = _mm512_max_ps(b0, b1);
   }
-  if (j0 < full) b0 = _mm512_max_ps(b0, _mm512_loadu_ps(srow + j0 / 16 * gs));
-  if (tail > 0) {
-    const __mmask16 keep = static_cast<__mmask16>((1u << tail) - 1);
-    b0 = _mm512_mask_max_ps(b0, keep, b0, _mm512_loadu_ps(srow + full / 16 * gs));
+  transpose16(v);  // v[c] lane i = row i's lane c
+  __m512 bmax = v[0];
+  for (int c = 1; c < 16; ++c) bmax = _mm512_max_ps(bmax, v[c]);
+  const __mmask16 rows = static_cast<__mmask16>((1u << n) - 1);
+  const __m512 m_old = _mm512_mask_loadu_ps(neg_inf, rows, m);
+  const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(bmax, scale));
+  alignas(64) float mn[16];
+  _mm512_store_ps(mn, m_new);
+  for (int i = 0; i < 16; ++i) {  // P and each row's lane-wise sum of it
+    const int vi = i < n ? valid[i] : 0;
+    if (vi == 0) {
+      if (i < n) std::memset(prow + i * kAmxPLd, 0, nk16 * sizeof(bf16));
+      v[i] = _mm512_setzero_ps();
+      continue;
+    }
+    v[i] = amx_exp_row(s + i * 16, gs, nk16, vi, scale, _mm512_set1_ps(mn[i]), prow + i * kAmxPLd);
   }
-  const float bmax = _mm512_reduce_max_ps(_mm512_max_ps(b0, b1)) * _mm512_cvtss_f32(scale);
-  const float m_old = *m, m_new = std::max(m_old, bmax);
-  const float sum = amx_exp_row(srow, gs, nk16, valid, scale, _mm512_set1_ps(m_new), prow);
-  rescale_row<D>(m_old, m_new, sum, m, l, orow);
+  const __m512 sum = reduce16(v);
+  // alpha = exp2(m_old - m_new), 0 while a row has seen nothing (m_old = -inf); 2^0 is exactly
+  // 1, so a row whose max held keeps its O unscaled
+  const __mmask16 seen = _mm512_cmp_ps_mask(m_old, neg_inf, _CMP_NEQ_OQ);
+  const __m512 alpha = _mm512_maskz_mov_ps(seen, exp2_ps(_mm512_sub_ps(m_old, m_new)));
+  const __m512 l_new = _mm512_fmadd_ps(_mm512_mask_loadu_ps(_mm512_setzero_ps(), rows, l), alpha, sum);
+  _mm512_mask_storeu_ps(l, rows, l_new);
+  _mm512_mask_storeu_ps(m, rows, m_new);
+  alignas(64) float al[16];
+  _mm512_store_ps(al, alpha);
+  for (int i = 0; i < n; ++i) {
+    if (al[i] == 1.f) continue;
+    const __m512 av = _mm512_set1_ps(al[i]);
+    float* orow = o + i * D;
+    for (int c = 0; c < D / 16; ++c) {
+      _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(orow + 16 * c)));
+    }
+  }
 }
 
 // AMX tile code (AMX-TILE + AMX-BF16 instructions; compiled for these functions only, and run
@@ -1202,7 +1242,6 @@ template <int D>
 constexpr int amx_chunk_rows() {
   return D == 64 ? 32 : 16;
 }
-constexpr int kAmxPLd = kAmxKeyBlock + 32;  // bf16 per P row
 
 // S of one chunk = Q K^T, in 16-key groups: the scores of key 16 g + c for the chunk's row r at
 // s[(g * CR + r) * 16 + c] (CR = the chunk's rows), so each tile's store is one contiguous 1 KiB
@@ -1389,10 +1428,15 @@ RADIXKV_AMX_TARGET void run_item_amx(const Problem& p, const Item& it, const Ent
         const int rt_n = static_cast<int>((cr + 15) / 16);
         const int64_t r0 = hh * head_rows + c0;
         amx_scores<D>(&sc.qbuf[r0 * D], rt_n, sc.kt.data(), nk32, np, sc.s.data());
-        for (int64_t i = 0; i < cr; ++i) {
-          const int64_t valid = std::clamp<int64_t>(lim[(c0 + i) / G] - kb + 1, 0, nkc);
-          amx_softmax_row<D>(&sc.s[i * 16], CR * 16, np, static_cast<int>(valid), scale,
-                             &sc.m[r0 + i], &sc.l[r0 + i], orow(r0 + i), &sc.pbuf[i * kAmxPLd]);
+        for (int rt = 0; rt < rt_n; ++rt) {
+          const int64_t i0 = 16 * rt;
+          const int n = static_cast<int>(std::min<int64_t>(16, cr - i0));
+          int valid[16];
+          for (int i = 0; i < n; ++i) {
+            valid[i] = static_cast<int>(std::clamp<int64_t>(lim[(c0 + i0 + i) / G] - kb + 1, 0, nkc));
+          }
+          amx_softmax_tile<D>(&sc.s[i0 * 16], CR * 16, np, valid, n, scale, &sc.m[r0 + i0],
+                              &sc.l[r0 + i0], orow(r0 + i0), &sc.pbuf[i0 * kAmxPLd]);
         }
         for (int64_t i = cr; i < 16 * rt_n; ++i) {  // a partial tile's missing rows: P = 0
           std::memset(&sc.pbuf[i * kAmxPLd], 0, np * sizeof(bf16));
