@@ -406,17 +406,17 @@ def _tiny_model_dir(path: Path, context: int = 512) -> str:
 def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: Path) -> None:
     """``radixkv cluster --router sglang`` on the tiny model (two real replica processes, round
     robin): a completion through sgl-router answers as a replica does; a replica SIGKILLed under
-    load (4 streams and 4 whole answers in flight, at least 2 on each replica) ends its streams
-    with an error, never as complete, and every request in flight is answered within 30 s, none
+    load (4 streams and 4 whole answers in flight, 2 streams and a whole answer or more on each
+    replica) ends the streams it held with an error, never as complete, and every request in flight is answered within 30 s, none
     hangs; the next requests all succeed; the cluster's Redis SIGKILLed under requests fails none
     of them; Ctrl-C stops sgl-router, the replicas and the cluster."""
     import psutil
 
     if importlib.util.find_spec("sglang_router") is None:
         pytest.fail("sglang-router is not installed (pip install sglang-router)")
-    # a long context, so the load below stays in flight for seconds (400 tokens took ~0.5 s,
-    # and the check that both replicas run 2+ requests at once missed that window 1 time in 4)
-    model_dir = _tiny_model_dir(tmp_path / "tiny", context=4096)
+    # a long context, so the streams below stay in flight for seconds (the tiny model wrote 3,000
+    # tokens in 1-2 s, and a stream the victim held had finished before the kill)
+    model_dir = _tiny_model_dir(tmp_path / "tiny", context=16384)
     port = free_port_run(3)  # the router's, then the two replicas'
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixkv", "cluster", "--router", "sglang", "--replicas", "2"]
@@ -452,7 +452,8 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         streaming: dict[str, threading.Event] = {f"stream{i}": threading.Event() for i in range(4)}
 
         def one(name: str, stream: bool) -> None:
-            body = {"model": model, "prompt": f"Tell me a story ({name}).", "max_tokens": 3000}
+            tokens = 8000 if stream else 3000
+            body = {"model": model, "prompt": f"Tell me a story ({name}).", "max_tokens": tokens}
             body |= {"ignore_eos": True, "temperature": 0.0, "stream": stream}
             try:
                 if not stream:
@@ -477,26 +478,45 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
             threading.Thread(target=one, args=(n, n.startswith("stream")), daemon=True)
             for n in names
         ]
-        # Streams one at a time, each started once the one before is answering: round robin then
-        # puts two streams on each replica, so whichever replica dies holds streams (started all
-        # at once, arrival order decided the routing and the victim could hold none of them).
+
+        def load() -> list[int]:
+            loads = []
+            for u in replicas:
+                stats = httpx.get(u + "/cache/stats").json()
+                loads.append(int(stats["running"]) + int(stats.get("waiting", 0)))
+            return loads
+
+        # Streams one at a time, each started once the one before is answering and attributed to
+        # the replica whose load rose (round robin puts two on each); then the whole answers. The
+        # victim is chosen by the streams it holds, still open at the kill. (Chosen by its
+        # running count alone, it once held no open stream: the tiny model had finished them.)
+        holder: dict[str, int] = {}
         for n, t in zip(names, threads, strict=True):
+            before = load()
             t.start()
-            if n in streaming:
-                assert streaming[n].wait(30), f"{n} got no answer: {outcomes}"
-        deadline = time.monotonic() + 60
-        running = [0, 0]
-        while time.monotonic() < deadline:
-            running = [httpx.get(u + "/cache/stats").json()["running"] for u in replicas]
-            if min(running) >= 2:
-                break
-            time.sleep(0.05)
-        if min(running) < 2:  # say where the requests went: their outcomes and the logs
+            if n not in streaming:
+                continue
+            assert streaming[n].wait(30), f"{n} got no answer: {outcomes}"
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                rise = [a - b for a, b in zip(load(), before, strict=True)]
+                if sorted(rise) == [0, 1]:
+                    holder[n] = rise.index(1)
+                    break
+                time.sleep(0.01)
+            assert n in holder, f"could not tell which replica holds {n}: {before} -> {load()}"
+        victim = holder["stream3"]
+        deadline = time.monotonic() + 30
+        running = load()
+        while time.monotonic() < deadline and min(running) < 3:  # 2 streams + a whole answer
+            time.sleep(0.02)
+            running = load()
+        if min(running) < 3:  # say where the requests went: their outcomes and the logs
             pytest.fail(
-                f"the load did not reach both replicas: running {running}, "
+                f"the load did not reach both replicas: load {running}, holders {holder}, "
                 f"outcomes so far {outcomes}, logs {_log_tails(tmp_path / 'logs')}"
             )
-        victim = running.index(max(running))
+        victims_streams = [n for n, r in holder.items() if r == victim and n not in outcomes]
         t_kill = 0.0
         for child in psutil.Process(proc.pid).children(recursive=True):
             if str(port + 1 + victim) in child.cmdline():
@@ -509,10 +529,13 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         late = {n: round(at - t_kill, 1) for n, (_, at) in outcomes.items() if at - t_kill > 30}
         assert not late, f"requests answered long after their replica died: {late}"
         kinds = {n: o for n, (o, _) in outcomes.items()}
-        print("in-flight outcomes:", kinds, "running at the kill:", running)
+        print("in-flight outcomes:", kinds, "load at the kill:", running, "holders:", holder)
         # the victim's streams end in an error (cut, or an error event), never as complete; whole
         # answers either fail with an error status or are retried elsewhere by sgl-router
-        assert any(o != "completed" for n, o in kinds.items() if n.startswith("stream")), kinds
+        assert victims_streams and all(kinds[n] != "completed" for n in victims_streams), (
+            f"replica {victim} was killed holding {victims_streams}: {kinds}, holders {holder}, "
+            f"logs {_log_tails(tmp_path / 'logs')}"
+        )
         assert all(
             o.startswith("status ") or o.endswith("Error")
             for n, o in kinds.items()
