@@ -1243,6 +1243,17 @@ constexpr int amx_chunk_rows() {
   return D == 64 ? 32 : 16;
 }
 
+// Tiles 6 and 7 (scores of key groups j and j + 16, one row tile) += Q tile A . the K^T pairs
+// of 16 dim pairs at k (key j; k + 32 is key j + 16), through B tiles 4 and 5. A macro: GCC's
+// tile intrinsics paste their tile numbers into the instruction's text.
+#define RADIXKV_AMX_QK_TWO_GROUPS(A, k, kstride) \
+  do {                                           \
+    _tile_loadd(4, (k), (kstride));              \
+    _tile_loadd(5, (k) + 32, (kstride));         \
+    _tile_dpbf16ps(6, A, 4);                     \
+    _tile_dpbf16ps(7, A, 5);                     \
+  } while (0)
+
 // S of one chunk = Q K^T, in 16-key groups: the scores of key 16 g + c for the chunk's row r at
 // s[(g * CR + r) * 16 + c] (CR = the chunk's rows), so each tile's store is one contiguous 1 KiB
 // (row-strided stores ran at about half the rate). q is the chunk's first row ([row][D] bf16,
@@ -1251,78 +1262,43 @@ constexpr int amx_chunk_rows() {
 template <int D>
 RADIXKV_AMX_TARGET inline void amx_scores(const bf16* q, int rt_n, const bf16* kt, int ldk,
                                           int nkeys, float* s) {
+  static_assert(D == 64 || D == 128, "AMX items take head dims 64 and 128");
   constexpr int CR = amx_chunk_rows<D>();
   const int kstride = ldk * 4;
-  if constexpr (D == 64) {
-    _tile_loadd(0, q, D * 2);
-    _tile_loadd(1, q + 32, D * 2);
-    if (rt_n == 2) {  // both row tiles' Q
-      _tile_loadd(2, q + 16 * D, D * 2);
-      _tile_loadd(3, q + 16 * D + 32, D * 2);
-      for (int j = 0; j < nkeys; j += 16) {  // the two row tiles' chains interleaved
-        float* sg = s + j * CR;
-        _tile_zero(6);
-        _tile_zero(7);
-        _tile_loadd(4, kt + 2 * j, kstride);              // dim pairs 0-15
-        _tile_dpbf16ps(6, 0, 4);
-        _tile_dpbf16ps(7, 2, 4);
-        _tile_loadd(5, kt + 2 * (16 * ldk + j), kstride);  // dim pairs 16-31
-        _tile_dpbf16ps(6, 1, 5);
-        _tile_dpbf16ps(7, 3, 5);
-        _tile_stored(6, sg, 64);
-        _tile_stored(7, sg + 256, 64);
-      }
-      return;
-    }
-    for (int j = 0; j < nkeys; j += 32) {  // one row tile: two key groups' chains interleaved
-      _tile_zero(6);
-      _tile_zero(7);
-      _tile_loadd(4, kt + 2 * j, kstride);
-      _tile_loadd(5, kt + 2 * (j + 16), kstride);
-      _tile_dpbf16ps(6, 0, 4);
-      _tile_dpbf16ps(7, 0, 5);
-      _tile_loadd(4, kt + 2 * (16 * ldk + j), kstride);
-      _tile_loadd(5, kt + 2 * (16 * ldk + j + 16), kstride);
-      _tile_dpbf16ps(6, 1, 4);
-      _tile_dpbf16ps(7, 1, 5);
-      _tile_stored(6, s + j * CR, 64);
-      _tile_stored(7, s + (j + 16) * CR, 64);
-    }
-  } else {
-    static_assert(D == 128, "AMX items take head dims 64 and 128");
-    (void)rt_n;  // one row tile
-    _tile_loadd(0, q, D * 2);
-    _tile_loadd(1, q + 32, D * 2);
+  _tile_loadd(0, q, D * 2);  // Q's first row tile, 32 dims a tile
+  _tile_loadd(1, q + 32, D * 2);
+  if constexpr (D == 128) {
     _tile_loadd(2, q + 64, D * 2);
     _tile_loadd(3, q + 96, D * 2);
-    for (int j = 0; j < nkeys; j += 32) {  // two key groups' chains interleaved
+  } else if (rt_n == 2) {  // D = 64: the second row tile's Q too
+    _tile_loadd(2, q + 16 * D, D * 2);
+    _tile_loadd(3, q + 16 * D + 32, D * 2);
+    for (int j = 0; j < nkeys; j += 16) {  // the two row tiles' chains interleaved
+      float* sg = s + j * CR;
       _tile_zero(6);
       _tile_zero(7);
-      for (int ks = 0; ks < 4; ks += 2) {
-        const bf16* k0 = kt + 2 * (16 * ks * ldk + j);
-        const bf16* k1 = kt + 2 * (16 * (ks + 1) * ldk + j);
-        _tile_loadd(4, k0, kstride);
-        _tile_loadd(5, k0 + 32, kstride);
-        if (ks == 0) {
-          _tile_dpbf16ps(6, 0, 4);
-          _tile_dpbf16ps(7, 0, 5);
-        } else {
-          _tile_dpbf16ps(6, 2, 4);
-          _tile_dpbf16ps(7, 2, 5);
-        }
-        _tile_loadd(4, k1, kstride);
-        _tile_loadd(5, k1 + 32, kstride);
-        if (ks == 0) {
-          _tile_dpbf16ps(6, 1, 4);
-          _tile_dpbf16ps(7, 1, 5);
-        } else {
-          _tile_dpbf16ps(6, 3, 4);
-          _tile_dpbf16ps(7, 3, 5);
-        }
-      }
-      _tile_stored(6, s + j * CR, 64);
-      _tile_stored(7, s + (j + 16) * CR, 64);
+      _tile_loadd(4, kt + 2 * j, kstride);              // dim pairs 0-15
+      _tile_dpbf16ps(6, 0, 4);
+      _tile_dpbf16ps(7, 2, 4);
+      _tile_loadd(5, kt + 2 * (16 * ldk + j), kstride);  // dim pairs 16-31
+      _tile_dpbf16ps(6, 1, 5);
+      _tile_dpbf16ps(7, 3, 5);
+      _tile_stored(6, sg, 64);
+      _tile_stored(7, sg + 256, 64);
     }
+    return;
+  }
+  for (int j = 0; j < nkeys; j += 32) {  // one row tile: two key groups' chains interleaved
+    _tile_zero(6);
+    _tile_zero(7);
+    RADIXKV_AMX_QK_TWO_GROUPS(0, kt + 2 * j, kstride);
+    RADIXKV_AMX_QK_TWO_GROUPS(1, kt + 2 * (16 * ldk + j), kstride);
+    if constexpr (D == 128) {
+      RADIXKV_AMX_QK_TWO_GROUPS(2, kt + 2 * (32 * ldk + j), kstride);
+      RADIXKV_AMX_QK_TWO_GROUPS(3, kt + 2 * (48 * ldk + j), kstride);
+    }
+    _tile_stored(6, s + j * CR, 64);
+    _tile_stored(7, s + (j + 16) * CR, 64);
   }
 }
 
