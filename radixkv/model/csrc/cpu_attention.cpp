@@ -777,6 +777,16 @@ inline void gather_rows(const Problem& p, const Item& it, const int64_t* tok, Sc
   }
 }
 
+// orow[0 .. D) *= alpha (a row's O when its running max moved; nothing when it held: alpha 1).
+template <int D>
+inline void scale_row(float alpha, float* orow) {
+  if (alpha == 1.f) return;
+  const __m512 av = _mm512_set1_ps(alpha);
+  for (int c = 0; c < D / 16; ++c) {
+    _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(orow + 16 * c)));
+  }
+}
+
 // The end of a row's online-softmax step: the running max moves m_old -> m_new, so l and the
 // row's O (D floats) scale by exp2(m_old - m_new) (0 while nothing was seen) and l gains the
 // block's sum of P, `block_sum`.
@@ -789,12 +799,7 @@ inline void rescale_row(float m_old, float m_new, float block_sum, float* m, flo
       m_old == -INFINITY ? 0.f : _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m_old - m_new)));
   *l = *l * alpha + block_sum;
   *m = m_new;
-  if (alpha != 1.f) {
-    const __m512 av = _mm512_set1_ps(alpha);
-    for (int c = 0; c < D / 16; ++c) {
-      _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(orow + 16 * c)));
-    }
-  }
+  scale_row<D>(alpha, orow);
 }
 
 // One row's online-softmax step over a block of scores (srow: nk16 of them, scaled, masked keys
@@ -1147,7 +1152,8 @@ inline __m512 amx_exp_row(const float* srow, int gs, int nk16, int valid, __m512
 // Up to 16 rows' online-softmax step over an AMX item's key block (one row tile of a chunk):
 // row i's raw scores Q K^T of the block's nk16 keys lie in 16-key groups at s + i * 16 + g * gs,
 // the first valid[i] of them visible (its causal limit); m[i], l[i] and O's row o + i * D are
-// its running state, prow + i * kAmxPLd its P. Two passes over each row's scores: the block max
+// its running state, prow + i * kAmxPLd its P (16 rows: those past n get P = 0, for the P V
+// product's whole tile). Two passes over each row's scores: the block max
 // of the raw scores (scale > 0, so it is scaled once, after), then P = 2^(s scale - m) against
 // the new max (amx_exp_row). The rows' maxima and sums are reduced across lanes for all 16 rows
 // at once (a transpose), and the rescale factors exp2(m_old - m_new) come from one vector exp2:
@@ -1186,10 +1192,10 @@ inline void amx_softmax_tile(const float* s, int gs, int nk16, const int* valid,
   const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(bmax, scale));
   alignas(64) float mn[16];
   _mm512_store_ps(mn, m_new);
-  for (int i = 0; i < 16; ++i) {  // P and each row's lane-wise sum of it
+  for (int i = 0; i < 16; ++i) {  // P and each row's lane-wise sum of it (rows past n: P = 0)
     const int vi = i < n ? valid[i] : 0;
     if (vi == 0) {
-      if (i < n) std::memset(prow + i * kAmxPLd, 0, nk16 * sizeof(bf16));
+      std::memset(prow + i * kAmxPLd, 0, nk16 * sizeof(bf16));
       v[i] = _mm512_setzero_ps();
       continue;
     }
@@ -1205,14 +1211,7 @@ inline void amx_softmax_tile(const float* s, int gs, int nk16, const int* valid,
   _mm512_mask_storeu_ps(m, rows, m_new);
   alignas(64) float al[16];
   _mm512_store_ps(al, alpha);
-  for (int i = 0; i < n; ++i) {
-    if (al[i] == 1.f) continue;
-    const __m512 av = _mm512_set1_ps(al[i]);
-    float* orow = o + i * D;
-    for (int c = 0; c < D / 16; ++c) {
-      _mm512_storeu_ps(orow + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(orow + 16 * c)));
-    }
-  }
+  for (int i = 0; i < n; ++i) scale_row<D>(al[i], o + i * D);
 }
 
 // AMX tile code (AMX-TILE + AMX-BF16 instructions; compiled for these functions only, and run
@@ -1414,9 +1413,6 @@ RADIXKV_AMX_TARGET void run_item_amx(const Problem& p, const Item& it, const Ent
           amx_softmax_tile<D>(&sc.s[i0 * 16], CR * 16, np, valid, n, scale, &sc.m[r0 + i0],
                               &sc.l[r0 + i0], orow(r0 + i0), &sc.pbuf[i0 * kAmxPLd]);
         }
-        for (int64_t i = cr; i < 16 * rt_n; ++i) {  // a partial tile's missing rows: P = 0
-          std::memset(&sc.pbuf[i * kAmxPLd], 0, np * sizeof(bf16));
-        }
         amx_accumulate<D>(sc.pbuf.data(), rt_n, sc.vv.data(), np,
                           &sc.o[(hh * head_pad + c0) * D]);
       }
@@ -1444,8 +1440,6 @@ RADIXKV_AMX_TARGET void run_item_amx(const Problem& p, const Item& it, const Ent
   }
 }
 
-#endif  // RADIXKV_AVX512BF16
-
 // Asks Linux once for this process's AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XTILEDATA; oneDNN asks the same for its own AMX kernels): without it a tile instruction faults.
 bool amx_tiles_permitted() {
@@ -1459,6 +1453,8 @@ bool amx_tiles_permitted() {
   return false;
 #endif
 }
+
+#endif  // RADIXKV_AVX512BF16
 
 bool amx_available() {
 #if RADIXKV_AVX512BF16
