@@ -7,6 +7,12 @@ shard that goes away) and :meth:`LocalCluster.restart` brings it back on the sam
 same ``nodes.conf``, so it rejoins owning the same slots. The nodes run with
 ``cluster-require-full-coverage no`` (the setting the docs recommend for a cache: the surviving
 shards keep answering while one is down) and a short ``cluster-node-timeout``.
+
+Each node's cluster bus port is chosen like its client port (``cluster-port``, below the
+kernel's ephemeral range), not left at Redis's default of port + 10000: that default landed in
+the ephemeral range, where an outbound connection can hold it, and a node then failed to start
+(CI: "cluster node 32152 did not start"). A node's log stays in the data directory and its tail
+is in the error when a node does not start.
 """
 
 from __future__ import annotations
@@ -59,10 +65,13 @@ class LocalCluster:
         self.password = password  # requirepass (and masterauth) of every node
         self.dir = Path(tempfile.mkdtemp(prefix="radixkv-test-rediscluster-"))
         self.ports: list[int] = []
-        while len(self.ports) < n:  # the cluster bus listens on port + 10000: keep both free
-            p = free_port()
-            if p + 10000 < 65536 and p not in self.ports:
+        self.bus_ports: dict[int, int] = {}  # client port -> cluster bus port
+        while len(self.ports) < n:
+            p, bus = free_port(), free_port()
+            taken = {*self.ports, *self.bus_ports.values()}
+            if p != bus and p not in taken and bus not in taken:
                 self.ports.append(p)
+                self.bus_ports[p] = bus
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
@@ -73,6 +82,8 @@ class LocalCluster:
     def _spawn(self, port: int) -> None:
         args = [self.server, "--port", str(port), "--bind", "127.0.0.1"]
         args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
+        args += ["--cluster-port", str(self.bus_ports[port])]
+        args += ["--logfile", f"node-{port}.log"]
         args += ["--cluster-node-timeout", str(self.node_timeout_ms)]
         args += ["--cluster-require-full-coverage", "no"]
         args += ["--appendonly", "no", "--save", "", "--protected-mode", "no"]
@@ -85,7 +96,12 @@ class LocalCluster:
         deadline = time.monotonic() + 10
         while not _answers(port, b"PING\r\n", b"+PONG", self.password):
             if self.procs[port].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"cluster node {port} did not start")
+                log = self.dir / f"node-{port}.log"
+                tail = log.read_text(errors="replace")[-1500:] if log.is_file() else "(no log)"
+                raise RuntimeError(
+                    f"cluster node {port} (bus {self.bus_ports[port]}) did not start; "
+                    f"exit code {self.procs[port].poll()}; its log ends: {tail}"
+                )
             time.sleep(0.05)
 
     def start(self) -> None:

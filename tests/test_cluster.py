@@ -407,8 +407,8 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
     """``radixkv cluster --router sglang`` on the tiny model (two real replica processes, round
     robin): a completion through sgl-router answers as a replica does; a replica SIGKILLed under
     load (4 streams and 4 whole answers in flight, 2 streams and a whole answer or more on each
-    replica) ends the streams it held with an error, never as complete, and every request in flight is answered within 30 s, none
-    hangs; the next requests all succeed; the cluster's Redis SIGKILLed under requests fails none
+    replica) ends the streams it held with an error within 30 s, never as complete, the other
+    replica's streams complete, and no request hangs; the next requests all succeed; the cluster's Redis SIGKILLed under requests fails none
     of them; Ctrl-C stops sgl-router, the replicas and the cluster."""
     import psutil
 
@@ -526,15 +526,22 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         for t in threads:
             t.join(timeout=60)
         assert len(outcomes) == len(threads), f"requests still hanging: {outcomes}"
-        late = {n: round(at - t_kill, 1) for n, (_, at) in outcomes.items() if at - t_kill > 30}
-        assert not late, f"requests answered long after their replica died: {late}"
         kinds = {n: o for n, (o, _) in outcomes.items()}
         print("in-flight outcomes:", kinds, "load at the kill:", running, "holders:", holder)
-        # the victim's streams end in an error (cut, or an error event), never as complete; whole
-        # answers either fail with an error status or are retried elsewhere by sgl-router
+        # The victim's streams end within 30 s of the kill, in an error (cut, or an error event),
+        # never as complete. (The bound is on them alone: the survivor's 8,000-token streams run
+        # to their end, which took 30.5 s after the kill on a slow CI host; whole answers on the
+        # victim may be retried by sgl-router on the survivor and run their 3,000 tokens there.)
+        late = {n: round(outcomes[n][1] - t_kill, 1) for n in victims_streams}
+        assert all(t <= 30 for t in late.values()), f"the victim's streams ended late: {late}"
         assert victims_streams and all(kinds[n] != "completed" for n in victims_streams), (
             f"replica {victim} was killed holding {victims_streams}: {kinds}, holders {holder}, "
             f"logs {_log_tails(tmp_path / 'logs')}"
+        )
+        # the survivor's streams are not harmed by the kill: they complete
+        survivors_streams = [n for n, r in holder.items() if r != victim]
+        assert all(kinds[n] == "completed" for n in survivors_streams), (
+            f"replica {1 - victim} survived, yet its streams {survivors_streams} ended: {kinds}"
         )
         assert all(
             o.startswith("status ") or o.endswith("Error")
