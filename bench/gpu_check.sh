@@ -22,7 +22,7 @@ triton.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda
 pytest=(python3 -m pytest -q -p no:cacheprovider --timeout 120 -m "not real_model" -rfE)
 
 echo "== 1. Triton kernels and backend on the GPU"
-timeout 180 "${pytest[@]}" tests/test_kernels.py tests/test_kernels_quant.py \
+timeout 300 "${pytest[@]}" tests/test_kernels.py tests/test_kernels_quant.py \
     tests/test_model.py::test_triton_backend_same_greedy_tokens_as_torch \
     tests/test_model.py::test_triton_backend_over_quantized_pages_runs_the_model \
     >"$out/pytest_kernels.log" 2>&1

@@ -204,7 +204,10 @@ def test_partial_page_reuse_needs_enough_tokens_and_keeps_the_donor(tiny_model, 
     """Below MIN_PARTIAL_TOKENS the match stays page aligned; at or above it the page's rows
     are copied; the donor's own request repeats its tokens; integrity holds throughout (the
     virtual layout, whose pages must span whole OS pages, maps the copied page like any other)."""
-    engine = make_engine(tiny_model, page_size=P, kv_layout=kv_layout)
+    # the virtual layout maps host memory, so it is a CPU engine's even where CUDA is present
+    # (elsewhere it falls back to paged, as the GPU run of these tests found)
+    on = {"device": "cpu"} if kv_layout == "virtual" else {}
+    engine = make_engine(tiny_model, page_size=P, kv_layout=kv_layout, **on)
     assert engine.runner.kv_layout == kv_layout
     g = torch.Generator().manual_seed(3)
     base = torch.randint(5, 200, (5 * P,), generator=g).tolist()
