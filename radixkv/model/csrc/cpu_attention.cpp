@@ -48,6 +48,7 @@
 // head dim that is a multiple of 32 and at most 256.
 
 #include "cpu_attention.h"
+#include "cpu_amx.h"
 #include "cpu_kv_quant.h"
 #include "cpu_work.h"
 
@@ -290,7 +291,6 @@ inline void transpose16(__m512* v) {
     v[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
   }
 }
-
 
 // Calls f(address) for the start of every 64-byte cache line of bytes [lo, lo + n).
 template <class F>
@@ -1214,26 +1214,6 @@ inline void amx_softmax_tile(const float* s, int gs, int nk16, const int* valid,
   for (int i = 0; i < n; ++i) scale_row<D>(al[i], o + i * D);
 }
 
-// AMX tile code (AMX-TILE + AMX-BF16 instructions; compiled for these functions only, and run
-// only where amx_available() found them and the kernel granted the tile state).
-#define RADIXKV_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
-
-// Palette 1, tiles 0-7 all 16 rows x 64 bytes (16 float32 or 32 bf16 a row).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = 16;
-    }
-  }
-};
-const TileConfig kTileConfig;
-
 // Query rows per chunk of an AMX item's head: the chunk's scores and P stay in L1 between the
 // two products. Two row tiles for D = 64 (their four Q tiles stay loaded across the key tiles),
 // one for D = 128 (its four Q tiles are one row tile's).
@@ -1378,7 +1358,7 @@ RADIXKV_AMX_TARGET void run_item_amx(const Problem& p, const Item& it, const Ent
   const __m512 scale = _mm512_set1_ps(p.scale_log2);
   const int64_t token_stride = p.hkv * p.row_bytes;
   sc.amx_used = true;
-  _tile_loadconfig(&kTileConfig);
+  _tile_loadconfig(&radixkv_amx::kTileConfig);
   g_amx_items.fetch_add(1, std::memory_order_relaxed);
   for (int64_t kb = it.k0; kb < it.k1; kb += KB) {
     const int nk = static_cast<int>(std::min<int64_t>(KB, it.k1 - kb));
@@ -1440,29 +1420,7 @@ RADIXKV_AMX_TARGET void run_item_amx(const Problem& p, const Item& it, const Ent
   }
 }
 
-// Asks Linux once for this process's AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XTILEDATA; oneDNN asks the same for its own AMX kernels): without it a tile instruction faults.
-bool amx_tiles_permitted() {
-#if defined(__linux__) && defined(SYS_arch_prctl)
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-#else
-  return false;
-#endif
-}
-
 #endif  // RADIXKV_AVX512BF16
-
-bool amx_available() {
-#if RADIXKV_AVX512BF16
-  return at::native::cpublas::could_pack(at::kBFloat16) && amx_tiles_permitted();
-#else
-  return false;
-#endif
-}
 
 bool amx_on() {
   if (g_amx_attention < 0) g_amx_attention = amx_available() ? 1 : 0;
@@ -1520,6 +1478,27 @@ void run_items(const Problem& p, const Entries& en, std::vector<Item>& items, bo
 }
 
 }  // namespace
+
+// (cpu_amx.h) Asked once, by whichever AMX user comes first.
+bool amx_tiles_permitted() {
+#if RADIXKV_AVX512BF16 && defined(__linux__) && defined(SYS_arch_prctl)
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+#else
+  return false;
+#endif
+}
+
+bool amx_available() {
+#if RADIXKV_AVX512BF16
+  return at::native::cpublas::could_pack(at::kBFloat16) && amx_tiles_permitted();
+#else
+  return false;
+#endif
+}
 
 // Attention of every new token of a step over the paged KV pool (see the file comment).
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
