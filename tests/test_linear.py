@@ -281,14 +281,36 @@ def test_packed_linear_takes_the_native_gemm(
             assert ((y.double() - ref).abs() - allowed).max().item() <= 0
 
 
+class _Calls:
+    """A native module whose GEMM calls are recorded by name (the row count of each)."""
+
+    def __init__(self, module, calls: list[tuple[str, int]]) -> None:
+        self._module, self._calls = module, calls
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._module, name)
+        if not name.startswith("bf16_gemm"):
+            return fn
+        return lambda x, w: self._calls.append((name, x.shape[0])) or fn(x, w)
+
+
+def _amx_tiles_here() -> bool:
+    module = native.load("avx512_bf16") if "avx512_bf16" in native.runnable_isas() else None
+    return module is not None and module.bf16_gemm_amx_available()
+
+
+@pytest.mark.parametrize("in_features", [96, 80])
 @pytest.mark.parametrize("amx", [False, True])
-def test_bf16_linears_take_onednn_from_amx_min_rows_on_amx_hosts(
-    amx: bool, monkeypatch: pytest.MonkeyPatch
+def test_bf16_linears_pick_their_gemm_by_rows_on_amx_hosts(
+    amx: bool, in_features: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On an AMX-BF16 host a native bf16 linear also packs oneDNN's layout and runs it from
-    ``AMX_MIN_ROWS`` rows, radixkv's GEMM below; ``RADIXKV_CPU_GEMM=native`` keeps radixkv's
-    everywhere. AMX is faked where the host lacks it (oneDNN runs bf16 on AVX512-BF16 too), so
-    the switch is tested on every host with the bf16 GEMM."""
+    """On an AMX-BF16 host a native bf16 linear runs radixkv's vector GEMM below
+    ``AMX_MIN_ROWS`` rows, its tile GEMM from there through ``AMX_MAX_ROWS`` (where the host
+    grants the tiles and ``in_features % 32 == 0``) and oneDNN's AMX GEMM above; without the
+    tile GEMM (in_features 80) oneDNN from ``ONEDNN_AMX_MIN_ROWS``. ``RADIXKV_CPU_GEMM=native``
+    keeps radixkv's GEMMs everywhere. AMX is faked where the host lacks it (oneDNN runs bf16 on
+    AVX512-BF16 too; the tile GEMM then reports itself unavailable), so the switch is tested on
+    every host with the bf16 GEMM, and every product against float64."""
     if ("avx512_bf16", torch.bfloat16) not in GEMM_BUILDS or not packed_linear_supported(
         torch.bfloat16, "cpu"
     ):
@@ -296,34 +318,132 @@ def test_bf16_linears_take_onednn_from_amx_min_rows_on_amx_hosts(
     monkeypatch.setenv("RADIXKV_ISA", "avx512_bf16")
     monkeypatch.delenv("RADIXKV_CPU_GEMM", raising=False)
     monkeypatch.setattr(linear, "has_amx_bf16", lambda: amx)
+    tiles = amx and in_features % 32 == 0 and _amx_tiles_here()
     g = torch.Generator().manual_seed(5)
-    lin = nn.Linear(96, 160, bias=True).requires_grad_(False).to(torch.bfloat16)
+    lin = nn.Linear(in_features, 160, bias=True).requires_grad_(False).to(torch.bfloat16)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(160, 96, generator=g))
+        lin.weight.copy_(torch.randn(160, in_features, generator=g))
         lin.bias.copy_(torch.randn(160, generator=g))
     packed = PackedLinear(lin)
-    assert packed.kernel == "native"
+    assert packed.kernel == "native" and packed.amx_tiles is tiles
     assert (packed.amx_packed is not None) is amx
-    assert packed.amx_min_rows == (linear.AMX_MIN_ROWS if amx else None)
-    calls: list[int] = []
+    onednn_from = linear.AMX_MAX_ROWS + 1 if tiles else linear.ONEDNN_AMX_MIN_ROWS
+    assert packed.amx_min_rows == (onednn_from if amx else None)
+    calls: list[tuple[str, int]] = []
     onednn = PackedLinear._onednn
     monkeypatch.setattr(
-        PackedLinear, "_onednn", lambda self, x, w: calls.append(x.shape[-2]) or onednn(self, x, w)
+        PackedLinear,
+        "_onednn",
+        lambda self, x, w: calls.append(("onednn", x.shape[-2])) or onednn(self, x, w),
     )
-    for rows in (1, linear.AMX_MIN_ROWS - 1, linear.AMX_MIN_ROWS, 64):
-        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    monkeypatch.setitem(
+        linear._GEMM_MODULES, packed._gemm, _Calls(linear._GEMM_MODULES[packed._gemm], calls)
+    )
+    row_counts = (1, linear.AMX_MIN_ROWS - 1, linear.AMX_MIN_ROWS, 64, linear.AMX_MAX_ROWS)
+    row_counts += (linear.AMX_MAX_ROWS + 1,)
+    for rows in row_counts:
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
         y = packed(x)
         ref, allowed = _gemm_bound(x, lin.weight, torch.bfloat16)
         ref = ref + lin.bias.double()
         allowed = allowed + 2.0**-8 * ref.abs()
         assert ((y.double() - ref).abs() - allowed).max().item() <= 0, rows
-    assert calls == ([linear.AMX_MIN_ROWS, 64] if amx else [])
-    assert "AMX" in repr(packed) if amx else "AMX" not in repr(packed)
+
+    def expected(rows: int) -> str:
+        if amx and rows >= onednn_from:
+            return "onednn"
+        return "bf16_gemm_amx" if tiles and rows >= linear.AMX_MIN_ROWS else "bf16_gemm"
+
+    assert calls == [(expected(r), r) for r in row_counts]
+    assert ("AMX" in repr(packed)) is amx
     monkeypatch.setenv("RADIXKV_CPU_GEMM", "native")
-    assert PackedLinear(lin).amx_packed is None
+    native_only = PackedLinear(lin)
+    assert native_only.amx_packed is None and native_only.amx_tiles is tiles
     monkeypatch.setenv("RADIXKV_CPU_GEMM", "fastest")
     with pytest.raises(ValueError, match="auto, native or onednn"):
         PackedLinear(lin)
+
+
+needs_amx_tiles = pytest.mark.skipif(
+    not _amx_tiles_here(), reason="this host has no AMX-BF16 (or no tile state for this process)"
+)
+
+
+@needs_amx_tiles
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 64, 100, 300])
+@pytest.mark.parametrize(("blocks", "k"), [(1, 32), (2, 96), (3, 576), (5, 1536), (60, 576)])
+def test_amx_gemm_is_the_product_within_its_rounding(rows: int, blocks: int, k: int) -> None:
+    """radixkv's tile GEMM over the vector GEMM's packed weight: partial row tiles (padded to 16
+    rows), one or two row tiles per pair, an odd last column block, row blocks past 256 rows,
+    against a float64 product with the vector GEMM's bound."""
+    module = native.load("avx512_bf16")
+    g = torch.Generator().manual_seed(rows * 1000 + blocks + k)
+    w = torch.randn(blocks * 16, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    y = module.bf16_gemm_amx(x, module.pack_bf16_weight(w))
+    assert y.shape == (rows, blocks * 16) and y.dtype == torch.bfloat16
+    ref, allowed = _gemm_bound(x, w, torch.bfloat16)
+    excess = ((y.double() - ref).abs() - allowed).max().item()
+    assert excess <= 0, excess
+
+
+@needs_amx_tiles
+def test_amx_gemm_does_not_depend_on_threads_and_refuses_what_it_cannot_run() -> None:
+    module = native.load("avx512_bf16")
+    g = torch.Generator().manual_seed(9)
+    packed = module.pack_bf16_weight(torch.randn(3072, 576, generator=g).bfloat16())
+    x = torch.randn(70, 1152, generator=g).bfloat16()[:, ::2]  # not contiguous
+    y = module.bf16_gemm_amx(x, packed)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1 = module.bf16_gemm_amx(x.contiguous(), packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y, y1)  # an output's tiles and their k order do not depend on threads
+    assert module.bf16_gemm_amx(x[:0], packed).shape == (0, 3072)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        module.bf16_gemm_amx(
+            torch.randn(2, 80).bfloat16(),
+            module.pack_bf16_weight(w80 := torch.randn(16, 80).bfloat16()),
+        )
+    with pytest.raises(RuntimeError, match="pack function"):
+        module.bf16_gemm_amx(torch.randn(2, 80).bfloat16(), w80)
+
+
+@needs_amx_tiles
+def test_atens_own_amx_kernels_are_unharmed_by_the_tile_gemm() -> None:
+    """The tile GEMM loads its tile configuration on torch's worker threads and hands the tile
+    state back through ATen's release: ATen's bf16 SDPA (brgemm on AMX hosts) and oneDNN's bf16
+    linear give the same bits before and after it ran on the same threads."""
+    module = native.load("avx512_bf16")
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 9, 200, 64, generator=g).bfloat16() for _ in range(3))
+    x = torch.randn(77, 576, generator=g).bfloat16()
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+    onednn_w = torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+    def aten_ops():
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        dnn = torch.ops.mkldnn._linear_pointwise(x, onednn_w, None, "none", [], "")
+        return sdpa, F.linear(x, w), dnn
+
+    before = aten_ops()
+    packed = module.pack_bf16_weight(w)
+    for _ in range(3):
+        module.bf16_gemm_amx(x, packed)
+        for a, b in zip(before, aten_ops(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_bf16_gemm_amx_is_refused_without_the_tiles() -> None:
+    """Builds or hosts without AMX tiles say so and refuse the tile GEMM with a message."""
+    for isa in native.runnable_isas():
+        module = native.load(isa)
+        if module is None or module.bf16_gemm_amx_available():
+            continue
+        with pytest.raises(RuntimeError, match="AMX|avx512_bf16"):
+            module.bf16_gemm_amx(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 16, 32))
 
 
 def test_has_amx_bf16_follows_the_cpu_flags() -> None:

@@ -38,8 +38,17 @@ On hosts with AMX-BF16 (Intel Sapphire Rapids and later) oneDNN's bf16 GEMM runs
 tiles, and from a few rows on it leaves any vector-unit GEMM far behind: on a Xeon (family 6
 model 207, 2 cores) oneDNN ran the model's linears at 900-1,170 GFLOP/s at 64 rows and up to
 2,250 at 2,048, radixkv's GEMM 130-165 at every row count, which still leads at 1-4 rows (62 vs
-29 GFLOP/s at one row). There bf16 linears keep both packed copies and switch to oneDNN from
-:data:`AMX_MIN_ROWS` rows; ``RADIXKV_CPU_GEMM=native`` keeps radixkv's GEMM at every row count.
+29 GFLOP/s at one row). radixkv's GEMM has an AMX form too (``bf16_gemm_amx``: the packed weight is already AMX's B
+operand layout, so tiles load it as it is; four accumulator tiles per two row tiles by two column
+blocks, the next weights prefetched into L2). On the same Xeon, the model's linears with the
+weights streamed (``.diag``-style one-off A/Bs in one process, alternated; the host's speed moved
+up to 2x between runs, the ratios less): at 64 rows (a batch-64 decode) 0.76-0.86x oneDNN's time,
+at 8-32 rows 0.55-0.69x, at 512-1,024 0.67-0.89x, at 1,536-2,048 1.06-1.31x; at 1 row level with
+the vector GEMM, from 4 rows ahead of it. So on AMX hosts a bf16 linear whose ``in_features`` is
+a multiple of 32 runs the tile GEMM from :data:`AMX_MIN_ROWS` rows through
+:data:`AMX_MAX_ROWS`, and oneDNN's (its packed copy kept for that) above; other shapes switch to
+oneDNN from :data:`ONEDNN_AMX_MIN_ROWS` rows. ``RADIXKV_CPU_GEMM=native`` keeps radixkv's GEMMs
+at every row count (the tile GEMM above :data:`AMX_MAX_ROWS` too).
 """
 
 from __future__ import annotations
@@ -61,7 +70,9 @@ __all__ = [
     "native_gemm_module",
     "packed_linear_supported",
     "prepack_linears",
+    "AMX_MAX_ROWS",
     "AMX_MIN_ROWS",
+    "ONEDNN_AMX_MIN_ROWS",
     "MIN_PACKED_ROWS",
 ]
 
@@ -75,16 +86,23 @@ _GEMM_MODULES: dict[str, Any] = {}
 #: the packed path measured no better, and at times worse, on the AVX2 host.
 MIN_PACKED_ROWS = 2
 
-#: On AMX-BF16 hosts a bf16 linear with radixkv's GEMM runs oneDNN's (AMX) from this many rows:
-#: at 8 rows oneDNN led on every shape of SmolLM2 (114-236 vs 100-137 GFLOP/s), at 4 on all but
+#: On AMX-BF16 hosts a bf16 linear whose weight radixkv's tile GEMM takes runs it from this many
+#: rows (level with the vector GEMM at 2 rows, ahead from 4: the model's linears at 4 rows
+#: 9.1 vs 10.8 ms, at 8 rows 9.3 vs 14.6, Xeon model 207) ...
+AMX_MIN_ROWS = 4
+#: ... through this many; above it oneDNN's AMX GEMM (1.06-1.31x faster at 1,536-2,048 rows).
+AMX_MAX_ROWS = 1024
+#: Other bf16 linears on AMX-BF16 hosts run oneDNN's (AMX) from this many rows: at 8 rows oneDNN
+#: led the vector GEMM on every shape of SmolLM2 (114-236 vs 100-137 GFLOP/s), at 4 on all but
 #: one (``python -m bench.bench_linears --dtype bfloat16 --rows 4,8,12 --all``, Xeon model 207).
-AMX_MIN_ROWS = 8
+ONEDNN_AMX_MIN_ROWS = 8
 
 
 def cpu_gemm_choice() -> str:
     """``RADIXKV_CPU_GEMM``: ``auto`` (default: radixkv's GEMM where :func:`native_gemm_module`
-    allows it, oneDNN's AMX GEMM beside it for bf16 from :data:`AMX_MIN_ROWS` rows), ``native``
-    (radixkv's at every row count) or ``onednn`` (oneDNN's only)."""
+    allows it, on AMX-BF16 hosts oneDNN's AMX GEMM beside it for bf16's largest row counts, see
+    :class:`PackedLinear`), ``native`` (radixkv's at every row count) or ``onednn`` (oneDNN's
+    only)."""
     choice = os.environ.get("RADIXKV_CPU_GEMM", "auto").strip().lower() or "auto"
     if choice not in ("auto", "native", "onednn"):
         raise ValueError(f"RADIXKV_CPU_GEMM must be auto, native or onednn, got {choice!r}")
@@ -123,7 +141,7 @@ def native_gemm_module(weight: torch.Tensor) -> Any | None:
     not ``onednn``.
 
     On AMX-BF16 hosts a bf16 weight it serves is also packed for oneDNN, which
-    :class:`PackedLinear` runs from :data:`AMX_MIN_ROWS` rows (unless ``RADIXKV_CPU_GEMM=native``).
+    :class:`PackedLinear` runs for the largest row counts (unless ``RADIXKV_CPU_GEMM=native``).
     """
     if cpu_gemm_choice() == "onednn":
         return None
@@ -149,9 +167,11 @@ class PackedLinear(nn.Module):
 
     The packed copy is radixkv's own layout for its native GEMM where
     :func:`native_gemm_module` allows it (``kernel == "native"``, every row count), else oneDNN's
-    (``kernel == "onednn"``; below ``min_rows`` rows ``F.linear`` on the plain weight). A native
-    bf16 linear on an AMX-BF16 host also holds oneDNN's copy (``amx_packed``) and runs it from
-    ``amx_min_rows`` rows (``None`` where it holds none).
+    (``kernel == "onednn"``; below ``min_rows`` rows ``F.linear`` on the plain weight). On an
+    AMX-BF16 host a native bf16 linear runs radixkv's tile GEMM over the same packed copy from
+    :data:`AMX_MIN_ROWS` rows where ``in_features % 32 == 0`` (``amx_tiles``), and holds oneDNN's
+    copy too (``amx_packed``, ``None`` where it holds none), run from ``amx_min_rows`` rows:
+    :data:`AMX_MAX_ROWS` + 1 beside the tile GEMM, :data:`ONEDNN_AMX_MIN_ROWS` without it.
 
     Invariant: ``packed`` (and ``amx_packed``) are layouts of ``weight`` at construction; the
     weights are inference-only (``requires_grad=False``) and must not be modified in place
@@ -168,6 +188,7 @@ class PackedLinear(nn.Module):
         self.min_rows = min_rows
         self.amx_min_rows: int | None = None
         self.amx_packed: torch.Tensor | None = None
+        self.amx_tiles = False
         module = native_gemm_module(self.weight)
         self._gemm: str | None = None if module is None else module.__name__
         if module is not None:
@@ -175,13 +196,11 @@ class PackedLinear(nn.Module):
             _, pack, self._gemm_fn = _GEMM_FUNCS[self.weight.dtype]
             self.kernel = "native"
             self.packed = getattr(module, pack)(self.weight.detach())
-            if (
-                self.weight.dtype == torch.bfloat16
-                and cpu_gemm_choice() == "auto"
-                and has_amx_bf16()
-            ):
-                self.amx_min_rows = AMX_MIN_ROWS
-                self.amx_packed = _onednn_pack(self.weight)
+            if self.weight.dtype == torch.bfloat16 and has_amx_bf16():
+                self.amx_tiles = self.in_features % 32 == 0 and module.bf16_gemm_amx_available()
+                if cpu_gemm_choice() == "auto":
+                    self.amx_min_rows = AMX_MAX_ROWS + 1 if self.amx_tiles else ONEDNN_AMX_MIN_ROWS
+                    self.amx_packed = _onednn_pack(self.weight)
         else:
             self.kernel = "onednn"
             self.packed = _onednn_pack(self.weight)
@@ -197,8 +216,9 @@ class PackedLinear(nn.Module):
         if self.amx_packed is not None and rows >= self.amx_min_rows and x.dtype == torch.bfloat16:
             return self._onednn(x, self.amx_packed)
         if self._gemm is not None and x.dtype == self.weight.dtype:
-            gemm = getattr(_GEMM_MODULES[self._gemm], self._gemm_fn)
-            y = gemm(x.reshape(-1, self.in_features), self.packed)
+            module = _GEMM_MODULES[self._gemm]
+            fn = "bf16_gemm_amx" if self.amx_tiles and rows >= AMX_MIN_ROWS else self._gemm_fn
+            y = getattr(module, fn)(x.reshape(-1, self.in_features), self.packed)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if rows < self.min_rows or self._gemm is not None:
@@ -211,8 +231,13 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         rows = "all rows" if self.kernel == "native" else f"rows >= {self.min_rows}"
+        if self.amx_tiles:
+            rows = f"AMX tiles from {AMX_MIN_ROWS} rows"
         if self.amx_packed is not None:
-            rows = f"rows < {self.amx_min_rows}; oneDNN (AMX) from {self.amx_min_rows} rows"
+            rows = f"rows < {self.amx_min_rows}" + (
+                f" (AMX tiles from {AMX_MIN_ROWS})" if self.amx_tiles else ""
+            )
+            rows += f"; oneDNN (AMX) from {self.amx_min_rows} rows"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, packed={self.kernel} ({rows})"

@@ -88,6 +88,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "W [N, K] bf16 -> [N / 16, K / 2, 32], the layout bf16_gemm reads");
   m.def("bf16_gemm", &NoGil<&bf16_gemm>::call,
         "x [M, K] W^T for bf16 rows, W from pack_bf16_weight");
+  m.def("bf16_gemm_amx_available", &bf16_gemm_amx_available,
+        "Whether bf16_gemm_amx can run here (AVX512-BF16 build, AMX-BF16 host, tile state)");
+  m.def("bf16_gemm_amx", &NoGil<&bf16_gemm_amx>::call,
+        "bf16_gemm on AMX tiles over the same packed weight (in_features % 32 == 0)");
   m.def("pack_f32_weight", &NoGil<&pack_f32_weight>::call,
         "W [N, K] float32 -> [N / cols, K, cols], the layout f32_gemm reads");
   m.def("f32_gemm", &NoGil<&f32_gemm>::call,
