@@ -370,12 +370,13 @@ needs_amx_tiles = pytest.mark.skipif(
 
 
 @needs_amx_tiles
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 64, 100, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 48, 49, 64, 100, 300])
 @pytest.mark.parametrize(("blocks", "k"), [(1, 32), (2, 96), (3, 576), (5, 1536), (60, 576)])
 def test_amx_gemm_is_the_product_within_its_rounding(rows: int, blocks: int, k: int) -> None:
     """radixkv's tile GEMM over the vector GEMM's packed weight: partial row tiles (padded to 16
     rows), one or two row tiles per pair, an odd last column block, row blocks past 256 rows,
-    against a float64 product with the vector GEMM's bound."""
+    33-64 rows one column block at a time, against a float64 product with the vector GEMM's
+    bound."""
     module = native.load("avx512_bf16")
     g = torch.Generator().manual_seed(rows * 1000 + blocks + k)
     w = torch.randn(blocks * 16, k, generator=g).bfloat16()
