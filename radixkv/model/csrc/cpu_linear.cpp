@@ -247,6 +247,42 @@ inline void amx_store_rows(const float* c, int64_t rows, int cb, uint16_t* y, in
   }
 }
 
+// The pair form over row blocks of kAmxRows (amx_gemm_pairs' rows beyond the column form).
+template <class TileRows>
+RADIXKV_AMX_TARGET void amx_gemm_row_blocks(const TileRows& tile_rows, int64_t m, int64_t ks,
+                                            const int32_t* w, int64_t nblocks, uint16_t* y,
+                                            int64_t p0, int64_t p1, float* c) {
+  const int64_t n = nblocks * 16, k = 2 * ks, kt_n = ks / 16, bs = ks * 16;
+  for (int64_t r0 = 0; r0 < m; r0 += kAmxRows) {
+    const int64_t r1 = std::min(m, r0 + kAmxRows);
+    for (int64_t pr = p0; pr < p1; ++pr) {
+      const int64_t nb = 2 * pr;
+      const int cb = nb + 1 < nblocks ? 2 : 1;
+      const int32_t* b0 = w + nb * bs;
+      const int32_t* b1 = b0 + bs;
+      // the next pair's weights, while this pair's row tiles compute
+      const int64_t next_blocks = pr + 1 < p1 ? std::min<int64_t>(2, nblocks - nb - 2) : 0;
+      const char* pf = reinterpret_cast<const char*>(w + (nb + 2) * bs);
+      const int64_t pf_bytes = r0 == 0 ? next_blocks * bs * 4 : 0;
+      const int64_t pf_slice = (pf_bytes / ((r1 - r0 + 31) / 32) + 63) & ~int64_t{63};
+      for (int64_t t0 = r0; t0 < r1; t0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, r1 - t0);
+        const uint16_t* a0 = tile_rows(t0 / 16);
+        const uint16_t* a1 = rows > 16 ? tile_rows(t0 / 16 + 1) : a0;
+        // this row-tile pair's share of the next pair's prefetch
+        const int64_t lo = std::min(pf_bytes, (t0 - r0) / 32 * pf_slice);
+        const int64_t len = std::min(pf_bytes - lo, pf_slice);
+        const char* pfs = pf + lo;
+        if (rows > 16 && cb == 2) amx_gemm_tile<2, 2>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
+        else if (rows > 16) amx_gemm_tile<2, 1>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
+        else if (cb == 2) amx_gemm_tile<1, 2>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
+        else amx_gemm_tile<1, 1>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
+        amx_store_rows(c, rows, cb, y + t0 * n + nb * 16, n);
+      }
+    }
+  }
+}
+
 // Column pairs [p0, p1) of y [m, 16 nblocks] = x [m, 2 ks] times the packed weight (ks % 16 ==
 // 0) on this thread. xtail: the last m % 16 rows of x copied into 16 rows (a row tile's load
 // reads 16 rows), or null.
@@ -270,36 +306,8 @@ RADIXKV_AMX_TARGET void amx_gemm_pairs(const uint16_t* x, int64_t m, int64_t ks,
                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + r * 16)));
       }
     }
-    at::native::cpublas::brgemm_release();
-    return;
-  }
-  for (int64_t r0 = 0; r0 < m; r0 += kAmxRows) {
-    const int64_t r1 = std::min(m, r0 + kAmxRows);
-    for (int64_t pr = p0; pr < p1; ++pr) {
-      const int64_t nb = 2 * pr;
-      const int cb = nb + 1 < nblocks ? 2 : 1;
-      const int32_t* b0 = w + nb * bs;
-      const int32_t* b1 = b0 + bs;
-      // the next pair's weights, while this pair's first row tiles compute
-      const int64_t next_blocks = pr + 1 < p1 ? std::min<int64_t>(2, nblocks - nb - 2) : 0;
-      const char* pf = reinterpret_cast<const char*>(w + (nb + 2) * bs);
-      const int64_t pf_bytes = r0 == 0 ? next_blocks * bs * 4 : 0;
-      const int64_t pf_slice = (pf_bytes / ((r1 - r0 + 31) / 32) + 63) & ~int64_t{63};
-      for (int64_t t0 = r0; t0 < r1; t0 += 32) {
-        const int64_t rows = std::min<int64_t>(32, r1 - t0);
-        const uint16_t* a0 = tile_rows(t0 / 16);
-        const uint16_t* a1 = rows > 16 ? tile_rows(t0 / 16 + 1) : a0;
-        // this row-tile pair's share of the next pair's prefetch
-        const int64_t lo = std::min(pf_bytes, (t0 - r0) / 32 * pf_slice);
-        const int64_t len = std::min(pf_bytes - lo, pf_slice);
-        const char* pfs = pf + lo;
-        if (rows > 16 && cb == 2) amx_gemm_tile<2, 2>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
-        else if (rows > 16) amx_gemm_tile<2, 1>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
-        else if (cb == 2) amx_gemm_tile<1, 2>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
-        else amx_gemm_tile<1, 1>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
-        amx_store_rows(c, rows, cb, y + t0 * n + nb * 16, n);
-      }
-    }
+  } else {
+    amx_gemm_row_blocks(tile_rows, m, ks, w, nblocks, y, p0, p1, c);
   }
   // ATen forgets the tile configuration it believes loaded, so its own brgemm reconfigures
   at::native::cpublas::brgemm_release();
