@@ -38,14 +38,18 @@ On hosts with AMX-BF16 (Intel Sapphire Rapids and later) oneDNN's bf16 GEMM runs
 tiles, and from a few rows on it leaves any vector-unit GEMM far behind: on a Xeon (family 6
 model 207, 2 cores) oneDNN ran the model's linears at 900-1,170 GFLOP/s at 64 rows and up to
 2,250 at 2,048, radixkv's GEMM 130-165 at every row count, which still leads at 1-4 rows (62 vs
-29 GFLOP/s at one row). radixkv's GEMM has an AMX form too (``bf16_gemm_amx``: the packed weight is already AMX's B
-operand layout, so tiles load it as it is; four accumulator tiles per two row tiles by two column
-blocks, the next weights prefetched into L2). On the same Xeon, the model's linears with the
-weights streamed (``.diag``-style one-off A/Bs in one process, alternated; the host's speed moved
-up to 2x between runs, the ratios less): at 64 rows (a batch-64 decode) 0.76-0.86x oneDNN's time,
-at 8-32 rows 0.55-0.69x, at 512-1,024 0.67-0.89x, at 1,536-2,048 1.06-1.31x; at 1 row level with
-the vector GEMM, from 4 rows ahead of it. So on AMX hosts a bf16 linear whose ``in_features`` is
-a multiple of 32 runs the tile GEMM from :data:`AMX_MIN_ROWS` rows through
+29 GFLOP/s at one row).
+
+radixkv's GEMM has an AMX form too (``bf16_gemm_amx``): the packed weight is already AMX's B
+operand layout, so tiles load it as it is; four accumulator tiles per two row tiles by two
+column blocks (for 33-64 rows, four row tiles by one block), the next weights prefetched into
+L2. On the same Xeon, the model's linears with the weights streamed (one-off A/Bs in one
+process, alternated; the host's speed moved up to 2x between runs, the ratios less): at 64 rows
+(a batch-64 decode) 0.76-0.86x oneDNN's time (then 0.89-0.95x of that with four row tiles by
+one block), at 8-32 rows 0.55-0.69x, at 512-1,024 0.67-0.89x, at 1,536-2,048 1.06-1.31x; at 1
+row level with the vector GEMM, from 4 rows ahead of it. In W1's decode steps the linears took
+0.78-0.79x oneDNN's time (docs/performance.md). So on AMX hosts a bf16 linear whose
+``in_features`` is a multiple of 32 runs the tile GEMM from :data:`AMX_MIN_ROWS` rows through
 :data:`AMX_MAX_ROWS`, and oneDNN's (its packed copy kept for that) above; other shapes switch to
 oneDNN from :data:`ONEDNN_AMX_MIN_ROWS` rows. ``RADIXKV_CPU_GEMM=native`` keeps radixkv's GEMMs
 at every row count (the tile GEMM above :data:`AMX_MAX_ROWS` too).
