@@ -169,6 +169,13 @@ void gemm(const typename G::Elem* x, int64_t m, int64_t ks, const typename G::El
 // prefetches of the next step's tiles into L1 made it slower).
 constexpr int64_t kAmxRows = 256;
 
+// Step kt's share (pf_step bytes) of the pf_bytes at pf, into L2.
+inline void amx_prefetch_share(const char* pf, int64_t pf_bytes, int64_t pf_step, int64_t kt) {
+  for (int64_t off = kt * pf_step; off < std::min(pf_bytes, (kt + 1) * pf_step); off += 64) {
+    _mm_prefetch(pf + off, _MM_HINT_T1);
+  }
+}
+
 // Tiles: C 0-3 (row tile r, column block c: 2 r + c), A 4-5 (row tiles), B 6-7 (blocks).
 // RT row tiles (1, 2) by CB column blocks (1, 2); c gets the float32 results [32][32].
 template <int RT, int CB>
@@ -181,9 +188,7 @@ RADIXKV_AMX_TARGET inline void amx_gemm_tile(const uint16_t* a0, const uint16_t*
   if constexpr (RT == 2 && CB == 2) _tile_zero(3);
   const int64_t a_stride = lda * 2, pf_step = pf_bytes / kt_n + 64;
   for (int64_t kt = 0; kt < kt_n; ++kt) {
-    for (int64_t off = kt * pf_step; off < std::min(pf_bytes, (kt + 1) * pf_step); off += 64) {
-      _mm_prefetch(pf + off, _MM_HINT_T1);
-    }
+    amx_prefetch_share(pf, pf_bytes, pf_step, kt);
     _tile_loadd(4, a0 + kt * 32, a_stride);
     _tile_loadd(6, b0 + kt * 256, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -215,9 +220,7 @@ RADIXKV_AMX_TARGET inline void amx_gemm_column(const uint16_t* const* a, int64_t
   if constexpr (RT == 4) _tile_zero(3);
   const int64_t a_stride = lda * 2, pf_step = pf_bytes / kt_n + 64;
   for (int64_t kt = 0; kt < kt_n; ++kt) {
-    for (int64_t off = kt * pf_step; off < std::min(pf_bytes, (kt + 1) * pf_step); off += 64) {
-      _mm_prefetch(pf + off, _MM_HINT_T1);
-    }
+    amx_prefetch_share(pf, pf_bytes, pf_step, kt);
     _tile_loadd(6, b + kt * 256, 64);
     _tile_loadd(4, a[0] + kt * 32, a_stride);
     _tile_dpbf16ps(0, 4, 6);
@@ -236,13 +239,13 @@ RADIXKV_AMX_TARGET inline void amx_gemm_column(const uint16_t* const* a, int64_t
   if constexpr (RT == 4) _tile_stored(3, c + 48 * 16, 64);
 }
 
-// Rows [0, rows) x columns [0, 16 cb) of c ([32][32] float32) rounded into y (row stride n).
-inline void amx_store_rows(const float* c, int64_t rows, int cb, uint16_t* y, int64_t n) {
+// Rows [0, rows) x columns [0, 16 cb) of c (float32, row stride ldc) rounded into y (row stride
+// n).
+inline void amx_store_rows(const float* c, int64_t ldc, int64_t rows, int cb, uint16_t* y,
+                           int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int q = 0; q < cb; ++q) {
-      const __m512 v = _mm512_loadu_ps(c + r * 32 + q * 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + q * 16),
-                          (__m256i)_mm512_cvtneps_pbh(v));
+      Bf16Gemm::store(y + r * n + q * 16, _mm512_loadu_ps(c + r * ldc + q * 16));
     }
   }
 }
@@ -277,7 +280,7 @@ RADIXKV_AMX_TARGET void amx_gemm_row_blocks(const TileRows& tile_rows, int64_t m
         else if (rows > 16) amx_gemm_tile<2, 1>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
         else if (cb == 2) amx_gemm_tile<1, 2>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
         else amx_gemm_tile<1, 1>(a0, a1, k, b0, b1, kt_n, c, pfs, len);
-        amx_store_rows(c, rows, cb, y + t0 * n + nb * 16, n);
+        amx_store_rows(c, 32, rows, cb, y + t0 * n + nb * 16, n);
       }
     }
   }
@@ -301,10 +304,7 @@ RADIXKV_AMX_TARGET void amx_gemm_pairs(const uint16_t* x, int64_t m, int64_t ks,
       const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * bs);
       if (m > 48) amx_gemm_column<4>(a, k, w + nb * bs, kt_n, c, pf, pf_bytes);
       else amx_gemm_column<3>(a, k, w + nb * bs, kt_n, c, pf, pf_bytes);
-      for (int64_t r = 0; r < m; ++r) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + nb * 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + r * 16)));
-      }
+      amx_store_rows(c, 16, m, 1, y + nb * 16, n);
     }
   } else {
     amx_gemm_row_blocks(tile_rows, m, ks, w, nblocks, y, p0, p1, c);
