@@ -408,8 +408,9 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
     robin): a completion through sgl-router answers as a replica does; a replica SIGKILLed under
     load (4 streams and 4 whole answers in flight, 2 streams and a whole answer or more on each
     replica) ends the streams it held with an error within 30 s, never as complete, the other
-    replica's streams complete, and no request hangs; the next requests all succeed; the cluster's Redis SIGKILLed under requests fails none
-    of them; Ctrl-C stops sgl-router, the replicas and the cluster."""
+    replica's streams complete, and no request hangs; the next requests all succeed; the
+    cluster's Redis SIGKILLed under requests fails none of them; Ctrl-C stops sgl-router, the
+    replicas and the cluster."""
     import psutil
 
     if importlib.util.find_spec("sglang_router") is None:
