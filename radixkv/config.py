@@ -47,6 +47,11 @@ class EngineConfig:
     environment variable ``RADIXKV_KV_MAC_KEY``, else the disk tier's ``kv_mac.key`` (created in
     ``disk_cache_dir`` on first start), else a random key of the process (see
     radixkv/cache/kv_mac.py).
+    A step that decodes carries prefill tokens in proportion to the requests on each side: the
+    step budget (``chunked_prefill_tokens``) times w / (w + d), for w requests waiting for their
+    first token and d decodes, kept within [``mixed_prefill_min_tokens``,
+    ``mixed_prefill_tokens``]; a floor at or above the cap is a fixed budget (radixkv/engine/
+    scheduler.py).
     ``chat_template``: a Jinja chat template (a file's path or the text itself, as vLLM's
     ``--chat-template``) replacing the model's own for chat requests. ``tokenizer``: a
     tokenizer (local directory or Hugging Face id in the local cache) replacing the model's.
@@ -62,6 +67,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     chunked_prefill_tokens: int = 2048
     mixed_prefill_tokens: int = 2048
+    mixed_prefill_min_tokens: int = 512
     max_running_requests: int = 128
     max_model_len: int | None = None
     attention_backend: str | None = None
@@ -114,6 +120,8 @@ class EngineConfig:
             raise bad("chunked_prefill_tokens", "must be an integer >= 1")
         if not isinstance(self.mixed_prefill_tokens, int) or self.mixed_prefill_tokens < 1:
             raise bad("mixed_prefill_tokens", "must be an integer >= 1")
+        if not isinstance(self.mixed_prefill_min_tokens, int) or self.mixed_prefill_min_tokens < 1:
+            raise bad("mixed_prefill_min_tokens", "must be an integer >= 1")
         if not isinstance(self.max_running_requests, int) or self.max_running_requests < 1:
             raise bad("max_running_requests", "must be an integer >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -76,7 +76,12 @@ ENGINE_FLAGS: list[EngineFlag] = [
     EngineFlag(
         ("--mixed-prefill-tokens",),
         "mixed_prefill_tokens",
-        "prefill tokens a step may carry beside decodes",
+        "prefill tokens a step may carry beside decodes, at most",
+    ),
+    EngineFlag(
+        ("--mixed-prefill-min-tokens",),
+        "mixed_prefill_min_tokens",
+        "prefill tokens a step may carry beside decodes, at least (when prefills wait)",
     ),
     EngineFlag(
         ("--max-running-requests", "--max-num-seqs"), "max_running_requests", "batch size cap"

@@ -291,3 +291,63 @@ def test_a_step_that_decodes_carries_at_most_mixed_prefill_tokens(tiny_model) ->
     same, wide = run(64)
     assert max(p for d, p in wide if d) > 8  # the knob is what made the difference
     assert tokens == same
+
+
+def _mixed_steps(
+    tiny_model, waiting: int, **knobs
+) -> tuple[list[tuple[int, int]], dict[str, list[int]]]:
+    """Three short requests decode while ``waiting`` long prompts arrive: (decodes, prefill
+    tokens) of every step, and each request's greedy tokens."""
+    engine = engine_for(tiny_model, "fcfs", chunked_prefill_tokens=64, **knobs)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    steps: list[tuple[int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        decodes = sum(1 for s, n in batch.entries if n == 1 and not s.in_prefill)
+        steps.append((decodes, batch.num_tokens - decodes))
+        return batch
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    out: dict[str, list[int]] = {}
+    for i in range(3):
+        engine.add_request(f"d{i}", toks(10 + i, 6), params)
+    pending = engine.step()  # all three prefilled: they decode from here on
+    for i in range(waiting):
+        engine.add_request(f"w{i}", toks(20 + i, 150), params)
+    while engine.has_unfinished():
+        for o in pending + engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        pending = []
+        engine.check_integrity()
+    return steps, out
+
+
+@pytest.mark.parametrize(
+    ("waiting", "knobs", "first_mixed"),
+    [
+        (1, {}, 64 * 1 // 4),  # 1 waiting beside 3 decodes: a quarter of the 64-token budget
+        (3, {}, 64 * 3 // 6),  # 3 waiting beside 3 decodes: half of it
+        (1, {"mixed_prefill_min_tokens": 24}, 24),  # the floor
+        (3, {"mixed_prefill_tokens": 20, "mixed_prefill_min_tokens": 8}, 20),  # the cap
+        (1, {"mixed_prefill_tokens": 40, "mixed_prefill_min_tokens": 40}, 40),  # fixed budget
+    ],
+)
+def test_a_step_that_decodes_gives_prefill_the_waiting_requests_share(
+    tiny_model, waiting: int, knobs: dict[str, int], first_mixed: int
+) -> None:
+    """Beside d decodes a step carries chunked_prefill_tokens x w / (w + d) prefill tokens for w
+    requests waiting for a first token, within [mixed_prefill_min_tokens, mixed_prefill_tokens]
+    (default floor 512 is above this test's 64-token budget: the knobs set a small one), and the
+    greedy tokens are those of a fixed budget."""
+    knobs = {"mixed_prefill_min_tokens": 1, **knobs}
+    steps, out = _mixed_steps(tiny_model, waiting, **knobs)
+    assert steps[1] == (3, first_mixed), steps
+    _, fixed = _mixed_steps(tiny_model, waiting, mixed_prefill_tokens=64)
+    assert out == fixed
+
+
+def test_engine_config_refuses_a_bad_mixed_prefill_floor() -> None:
+    with pytest.raises(ValueError, match="mixed_prefill_min_tokens"):
+        EngineConfig(mixed_prefill_min_tokens=0).validate()

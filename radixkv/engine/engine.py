@@ -40,9 +40,10 @@ class Engine:
 
     ``Engine(model="smollm2", page_size=16, kv_cache_tokens=None, enable_prefix_cache=True,
     schedule_policy="lpm", eviction_policy="lru", chunked_prefill_tokens=2048,
-    mixed_prefill_tokens=2048, max_running_requests=128, dtype=None, ...)`` — see
-    :class:`~radixkv.config.EngineConfig` for every knob. ``model`` may also be an already loaded
-    :class:`~radixkv.model.loader.LoadedModel` (tests use a tiny random Llama that way).
+    mixed_prefill_tokens=2048, mixed_prefill_min_tokens=512, max_running_requests=128,
+    dtype=None, ...)`` — see :class:`~radixkv.config.EngineConfig` for every knob. ``model`` may
+    also be an already loaded :class:`~radixkv.model.loader.LoadedModel` (tests use a tiny random
+    Llama that way).
     The engine is not thread-safe: one thread drives it (the server has a loop thread).
     """
 

@@ -2,13 +2,19 @@
 
 Each step shares one token budget (``chunked_prefill_tokens``) between decodes (one token each,
 served first so they are never starved) and prefills (the uncached suffix of a prompt, in chunks
-that fit the rest of the budget). A step that decodes carries at most ``mixed_prefill_tokens`` of
-prefill (default 2,048, the whole budget); a step with no decode keeps the whole budget. Lower
-values shorten the steps decodes wait in while new prompts arrive (on a CPU a 2,048-token fp32
-chunk costs seconds) at the cost of more steps: under vLLM's client (``bench/bench_vllm_serve.py``,
-AVX2 host) 512 gave cold TPOT p50 581 and 813 ms in two runs against 658 ms for 2,048, within this
-host's run-to-run noise, so the default stays. Pages come from the free pool, then from evicting
-unlocked cache, then from preempting running sequences, newest first, by recompute.
+that fit the rest of the budget). A step with no decode keeps the whole budget. A step that
+decodes gives prefill the waiting requests' share of it: with w requests waiting for a first
+token (queued, or admitted and still in prefill) and d decodes, ``chunked_prefill_tokens`` x
+w / (w + d) tokens, within [``mixed_prefill_min_tokens`` (512), ``mixed_prefill_tokens``
+(2,048)] (:meth:`Scheduler.mixed_budget`). A burst's first steps, when nearly every request
+waits, keep long chunks (fewer steps, its throughput); as first tokens come out the steps
+shorten, so the requests still waiting finish in finer steps and the decodes wait less. (A
+fixed 2,048 made the median request of a warm multi-turn burst, ~73 new tokens a prompt, wait
+for the end of a second whole 2,048-token step; a fixed 512 cut that but split a cold burst's
+prefill into many short steps, each with every decode in it: AVX512-BF16/AMX host, vLLM's
+client, docs/performance.md.) A floor at or above the cap is a fixed budget. Pages come from the
+free pool, then from evicting unlocked cache, then from preempting running sequences, newest
+first, by recompute.
 
 In-step prefix sharing: a waiting request that shares a prefix (at least ``DEDUPE_MIN_TOKENS``
 and a page, not yet cached) with a prefill in this step's batch borrows that prefill's pages for
@@ -123,8 +129,8 @@ class Scheduler:
                 batch.entries.append((m, 1))
                 scheduled.add(id(m))
             budget -= len(unit)
-        if batch.entries:  # decodes run this step: keep it short for them (module docstring)
-            budget = min(budget, self.config.mixed_prefill_tokens)
+        if batch.entries:  # decodes run this step: their share of it (module docstring)
+            budget = min(budget, self.mixed_budget(len(batch.entries)))
         # 2. prefills already under way (chunked), oldest first.
         for seq in sorted(self.running, key=lambda s: s.admit_order):
             if budget <= 0:
@@ -144,6 +150,16 @@ class Scheduler:
         if budget > 0 and self.waiting and len(self.running) < self.config.max_running_requests:
             self._admit(batch, scheduled, budget)
         return batch
+
+    def mixed_budget(self, decodes: int) -> int:
+        """Prefill tokens a step with ``decodes`` decodes may carry: the step budget's share of
+        the requests waiting for a first token (queued, or admitted and still in prefill) among
+        them and the decodes, within [``mixed_prefill_min_tokens``, ``mixed_prefill_tokens``]."""
+        cap = self.config.mixed_prefill_tokens
+        floor = min(self.config.mixed_prefill_min_tokens, cap)
+        first = len(self.waiting) + sum(1 for s in self.running if s.in_prefill)
+        share = self.config.chunked_prefill_tokens * first // max(1, first + decodes)
+        return max(floor, min(cap, share))
 
     @staticmethod
     def _decode_ready(seq: Sequence) -> bool:
