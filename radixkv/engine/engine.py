@@ -43,8 +43,7 @@ class Engine:
     mixed_prefill_tokens=2048, mixed_prefill_min_tokens=512, max_running_requests=128,
     dtype=None, ...)`` — see :class:`~radixkv.config.EngineConfig` for every knob. ``model`` may
     also be an already loaded :class:`~radixkv.model.loader.LoadedModel` (tests use a tiny random
-    Llama that way).
-    The engine is not thread-safe: one thread drives it (the server has a loop thread).
+    Llama that way). Not thread-safe: one thread drives it (the server has a loop thread).
     """
 
     def __init__(self, model: Any = "smollm2", **knobs: Any) -> None:
