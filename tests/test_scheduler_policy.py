@@ -251,55 +251,18 @@ def test_shared_prefix_workload_caches_more_than_fcfs(tiny_model) -> None:
     assert outputs["lpm"] == outputs["dfs-weight"] == outputs["fcfs"]
 
 
-def test_a_step_that_decodes_carries_at_most_mixed_prefill_tokens(tiny_model) -> None:
-    """Decodes wait for their step: beside them a prefill gets ``mixed_prefill_tokens`` at most,
-    while a step with no decode uses the whole ``chunked_prefill_tokens``; outputs are the same
-    as with one budget for both (greedy)."""
-    prompts = [toks(1, 6), toks(2, 150), toks(3, 90)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-    def run(mixed: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
-        engine = engine_for(
-            tiny_model, "fcfs", chunked_prefill_tokens=64, mixed_prefill_tokens=mixed
-        )
-        steps: list[tuple[int, int]] = []  # (decodes, prefill tokens) per step
-        schedule = engine.scheduler.schedule
-
-        def recording():
-            batch = schedule()
-            decodes = sum(1 for s, n in batch.entries if n == 1 and not s.in_prefill)
-            steps.append((decodes, batch.num_tokens - decodes))
-            return batch
-
-        engine.scheduler.schedule = recording  # type: ignore[method-assign]
-        out: dict[str, list[int]] = {"a": [], "b": [], "c": []}
-        engine.add_request("a", prompts[0], params)
-        first = engine.step()  # "a" is prefilled and decodes from here on
-        engine.add_request("b", prompts[1], params)
-        engine.add_request("c", prompts[2], params)
-        while engine.has_unfinished():
-            for o in first + engine.step():
-                out[o.request_id].extend(o.new_token_ids)
-            first = []
-        engine.check_integrity()
-        return [out[k] for k in "abc"], steps
-
-    tokens, steps = run(8)
-    mixed = [p for d, p in steps if d and p]
-    assert mixed and max(mixed) <= 8, steps
-    assert any(p > 8 for d, p in steps if not d), "a step without decodes keeps the whole budget"
-    same, wide = run(64)
-    assert max(p for d, p in wide if d) > 8  # the knob is what made the difference
-    assert tokens == same
-
-
-def _mixed_steps(
-    tiny_model, waiting: int, **knobs
+def _mixed_run(
+    tiny_model,
+    first: dict[str, list[int]],
+    later: dict[str, list[int]],
+    max_tokens: int,
+    **knobs,
 ) -> tuple[list[tuple[int, int]], dict[str, list[int]]]:
-    """Three short requests decode while ``waiting`` long prompts arrive: (decodes, prefill
-    tokens) of every step, and each request's greedy tokens."""
+    """``first`` is prefilled in one step and decodes from then on, ``later`` arrives after it
+    (fcfs, a 64-token step): (decodes, prefill tokens) of every step, and each request's greedy
+    tokens; the engine's integrity is checked after every step."""
     engine = engine_for(tiny_model, "fcfs", chunked_prefill_tokens=64, **knobs)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     steps: list[tuple[int, int]] = []
     schedule = engine.scheduler.schedule
 
@@ -310,18 +273,41 @@ def _mixed_steps(
         return batch
 
     engine.scheduler.schedule = recording  # type: ignore[method-assign]
-    out: dict[str, list[int]] = {}
-    for i in range(3):
-        engine.add_request(f"d{i}", toks(10 + i, 6), params)
-    pending = engine.step()  # all three prefilled: they decode from here on
-    for i in range(waiting):
-        engine.add_request(f"w{i}", toks(20 + i, 150), params)
+    out: dict[str, list[int]] = {k: [] for k in [*first, *later]}
+    for k, p in first.items():
+        engine.add_request(k, p, params)
+    pending = engine.step()
+    for k, p in later.items():
+        engine.add_request(k, p, params)
     while engine.has_unfinished():
         for o in pending + engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out[o.request_id].extend(o.new_token_ids)
         pending = []
         engine.check_integrity()
     return steps, out
+
+
+def test_a_step_that_decodes_carries_at_most_mixed_prefill_tokens(tiny_model) -> None:
+    """Decodes wait for their step: beside them a prefill gets ``mixed_prefill_tokens`` at most,
+    while a step with no decode uses the whole ``chunked_prefill_tokens``; outputs are the same
+    as with one budget for both (greedy)."""
+    first, later = {"a": toks(1, 6)}, {"b": toks(2, 150), "c": toks(3, 90)}
+    steps, tokens = _mixed_run(tiny_model, first, later, 12, mixed_prefill_tokens=8)
+    mixed = [p for d, p in steps if d and p]
+    assert mixed and max(mixed) <= 8, steps
+    assert any(p > 8 for d, p in steps if not d), "a step without decodes keeps the whole budget"
+    wide, same = _mixed_run(tiny_model, first, later, 12, mixed_prefill_tokens=64)
+    assert max(p for d, p in wide if d) > 8  # the knob is what made the difference
+    assert tokens == same
+
+
+def _mixed_steps(
+    tiny_model, waiting: int, **knobs
+) -> tuple[list[tuple[int, int]], dict[str, list[int]]]:
+    """Three short requests decode while ``waiting`` long prompts arrive."""
+    first = {f"d{i}": toks(10 + i, 6) for i in range(3)}
+    later = {f"w{i}": toks(20 + i, 150) for i in range(waiting)}
+    return _mixed_run(tiny_model, first, later, 8, **knobs)
 
 
 @pytest.mark.parametrize(
