@@ -738,7 +738,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         + ["--disk-write-policy", "write_through", "--host-write-policy", "write_through"]
         + ["--max-model-len", "256", "--device", "cpu", "--seed", "5"]
         + ["--remote-cache", "redis://127.0.0.1:6399/0", "--mixed-prefill-tokens", "128"]
-        + ["--remote-write-policy", "write_back"]
+        + ["--remote-write-policy", "write_back", "--mixed-prefill-min-tokens", "64"]
         + ["--served-model-name", "svc", "--api-key-file", "/tmp/keys.txt"]
         + ["--kv-mac-key-file", "/tmp/kv.key", "--tokenizer", "tok-dir"]
         + ["--chat-template", "t.jinja", "--gpu-memory-utilization", "0.9"]
@@ -754,6 +754,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         "remote_cache_url": "redis://127.0.0.1:6399/0",
         "remote_write_policy": "write_back",
         "mixed_prefill_tokens": 128,
+        "mixed_prefill_min_tokens": 64,
         "kv_mac_key_file": "/tmp/kv.key",
         "tokenizer": "tok-dir",
         "chat_template": "t.jinja",
