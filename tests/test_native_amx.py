@@ -55,6 +55,12 @@ CASES = {
     "a burst on one prompt": ([(0, 832)] + [(768, 64)] * 6, []),
     "grouped decodes (phase A on AMX, B on vectors)": ([(130 + b, 1) for b in range(24)], [130]),
     "grouped extends (both phases on AMX)": ([(130 + 5 * b, 40) for b in range(6)], [130]),
+    # 64-token items; a last block under 32 tokens joins the one before (73 = one item of 73,
+    # 845 = 12 x 64 + 77), one of 32 or more stays its own (100 = 64 + 36)
+    "extends and a prefill with a short last block": (
+        [(832, 73), (773, 72), (0, 845), (832, 100)],
+        [],
+    ),
 }
 
 

@@ -130,6 +130,28 @@ def test_bad_groups_raise_clear_errors(module):
 
 
 @pytest.mark.parametrize("amx", [False, True])
+def test_items_whose_last_block_is_short_match_the_oracle(module, amx):
+    """A request's new tokens are cut into items of a fixed count of tokens (32 on the vector
+    path, 64 on AMX); a last block under half of that joins the item before it, so some items
+    hold up to 1.5 times the count. Checked at the counts around those edges, against float64,
+    on every path this host runs."""
+    if amx and not module.amx_attention_available():
+        pytest.skip("this host or build has no AMX-BF16 tiles")
+    ext = [15, 16, 47, 48, 73, 95, 96, 100]
+    case = bf16_case(
+        16, 9, 3, 64, [(300 + 7 * i, n) for i, n in enumerate(ext)] + [(0, 845)], [], seed=21
+    )
+    before = module.set_amx_attention(amx) if amx or module.amx_attention_available() else None
+    try:
+        got = run(case, module)
+    finally:
+        if before is not None:
+            module.set_amx_attention(before)
+    max_err, mean_err = errors(got, case)
+    assert max_err < MAX_ERR and mean_err < MEAN_ERR, (max_err, mean_err)
+
+
+@pytest.mark.parametrize("amx", [False, True])
 def test_q_as_a_view_of_fused_qkv_rows_gives_the_contiguous_answer(module, amx):
     """The model passes q as a view of the fused QKV projection's rows (each token's [Hq, D]
     contiguous, tokens a row apart): the kernel reads it in place, with no copy, and must give
