@@ -57,6 +57,10 @@ CASES = {
     "grouped extends (both phases on AMX)": ([(130 + 5 * b, 40) for b in range(6)], [130]),
     # 64-token items; a last block under 32 tokens joins the one before (73 = one item of 73,
     # 845 = 12 x 64 + 77), one of 32 or more stays its own (100 = 64 + 36)
+    "70 grouped decodes (phase A's items: 64 + 6 members -> one of 70)": (
+        [(130 + b % 7, 1) for b in range(70)],
+        [130],
+    ),
     "extends and a prefill with a short last block": (
         [(832, 73), (773, 72), (0, 845), (832, 100)],
         [],

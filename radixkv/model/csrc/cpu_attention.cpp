@@ -1422,7 +1422,7 @@ RADIXKV_AMX_TARGET void run_item_amx(const Problem& p, const Item& it, const Ent
 
 #endif  // RADIXKV_AVX512BF16
 
-// Tokens of a request's next item when `left` of its tokens remain, `per_item` a block: a last
+// Tokens (or a group's entries) of the next item when `left` remain, `per_item` a block: a last
 // block under half of `per_item` joins the one before it (items of up to 1.5 per_item). Cut
 // 64 + 9, a 73-token extend over 832 keys repacked every key block's K^T and V for the 9-token
 // item's 27 rows (such items ran at about half the 64-token ones' GFLOP/s): one item of 73 took
@@ -1617,8 +1617,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
       }
       const int64_t last = static_cast<int64_t>(en.tok.size());
       const int64_t ref = group_members[group_offsets[g]];
-      for (int64_t e0 = first; e0 < last; e0 += tok_per_item) {
-        const int64_t ne = std::min(tok_per_item, last - e0);
+      for (int64_t e0 = first, ne = 0; e0 < last; e0 += ne) {
+        ne = item_tokens(last - e0, tok_per_item);
         for (int64_t h = 0; h < hkv; ++h) {
           items.push_back(Item{i32(e0), i32(ne), i32(h), 1, i32(ref), true, false, 0, S,
                                S * (ne * p.group + 8)});
