@@ -82,6 +82,10 @@ def test_fast_encode_returns_transformers_ids(real_model):
     inner = getattr(real_model.tokenizer, "wrapped", real_model.tokenizer)
     tok = LockedTokenizer(inner)
     assert inner.is_fast and tok._backend is not None  # the direct path is the one under test
+    # the offset-free batch call where this tokenizers has it (>= 0.20: the version installed)
+    assert tok._encode_batch == getattr(
+        tok._backend, "encode_batch_fast", tok._backend.encode_batch
+    )
     rng = random.Random(0)
     texts = [inner.decode([rng.randrange(len(inner)) for _ in range(n)]) for n in (1, 7, 300)]
     texts += [inner.decode([i]) for i in range(0, 400, 3)]

@@ -6,7 +6,8 @@ call through :class:`LockedTokenizer` holds one lock; attributes are passed thro
 
 ``encode(text, add_special_tokens=...)`` and ``decode(ids, skip_special_tokens=...,
 clean_up_tokenization_spaces=False)`` of a transformers fast tokenizer go straight to its Rust
-backend (``encode_batch`` of one text, ``decode``): what transformers returns, as it calls the
+backend (``encode_batch_fast`` of one text where the backend has it, which skips the
+character offsets, else ``encode_batch``; ``decode``): what transformers returns, as it calls the
 same backend, without its Python bookkeeping (~1.2 ms per 832-token prompt encoded, held under
 the GIL; 6.3 -> 1.9 us per incremental-detokenizer window, two per running request a step). Any
 other call goes through transformers.
@@ -30,6 +31,12 @@ class LockedTokenizer:
             hasattr(backend, name) for name in ("encode_batch", "decode")
         )
         object.__setattr__(self, "_backend", backend if fast else None)
+        # encode_batch_fast (tokenizers >= 0.20): the same ids without the character offsets
+        # (1.55 vs 2.0-2.4 ms per 841-token prompt), else encode_batch
+        batch = getattr(backend, "encode_batch_fast", None) or getattr(
+            backend, "encode_batch", None
+        )
+        object.__setattr__(self, "_encode_batch", batch if fast else None)
 
     @property
     def wrapped(self) -> Any:
@@ -59,7 +66,7 @@ class LockedTokenizer:
         with self._lock:
             if backend is not None and plain:
                 special = bool(kwargs.get("add_special_tokens", True))
-                return backend.encode_batch([text], add_special_tokens=special)[0].ids
+                return self._encode_batch([text], add_special_tokens=special)[0].ids
             return self._tokenizer.encode(text, *args, **kwargs)
 
     def decode(self, ids: Any, *args: Any, **kwargs: Any) -> Any:
