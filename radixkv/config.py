@@ -50,7 +50,8 @@ class EngineConfig:
     A step that decodes carries prefill tokens in proportion to the requests on each side: the
     step budget (``chunked_prefill_tokens``) times w / (w + d), for w requests waiting for their
     first token and d decodes, kept within [``mixed_prefill_min_tokens``,
-    ``mixed_prefill_tokens``]; a floor at or above the cap is a fixed budget (radixkv/engine/
+    ``mixed_prefill_tokens``], or all the step can carry once every waiting request's
+    uncached rest fits in it; a floor at or above the cap is a fixed budget (radixkv/engine/
     scheduler.py).
     ``chat_template``: a Jinja chat template (a file's path or the text itself, as vLLM's
     ``--chat-template``) replacing the model's own for chat requests. ``tokenizer``: a

@@ -334,6 +334,28 @@ def test_a_step_that_decodes_gives_prefill_the_waiting_requests_share(
     assert out == fixed
 
 
+def test_a_burst_tail_that_fits_one_step_runs_in_one_step(tiny_model) -> None:
+    """Beside 3 decodes, waiting requests whose uncached rest all fits in what the step can
+    carry (64 - 3 tokens) run in that one step instead of their share of it (2 of 5: 25
+    tokens); the rest counts past each prompt's cached prefix. Greedy tokens as a fixed
+    budget's."""
+    knobs = {"mixed_prefill_min_tokens": 1}
+    first = {f"d{i}": toks(10 + i, 6) for i in range(3)}
+    short = {"w0": toks(20, 20), "w1": toks(21, 20)}  # 40 tokens: all fit in 61
+    steps, out = _mixed_run(tiny_model, first, short, 8, **knobs)
+    assert steps[1] == (3, 40), steps
+    _, fixed = _mixed_run(tiny_model, first, short, 8, mixed_prefill_tokens=64)
+    assert out == fixed
+    # 62-token prompts on a 40-token prefix that a decoding request cached: 2 x 22 <= 61
+    prefix = toks(30, 40)
+    first = {"d0": prefix + toks(10, 2), "d1": toks(11, 6), "d2": toks(12, 6)}
+    cached = {"w0": prefix + toks(20, 22), "w1": prefix + toks(21, 22)}
+    steps, out = _mixed_run(tiny_model, first, cached, 8, **knobs)
+    assert steps[:2] == [(0, 54), (3, 44)], steps
+    _, fixed = _mixed_run(tiny_model, first, cached, 8, mixed_prefill_tokens=64)
+    assert out == fixed
+
+
 def test_engine_config_refuses_a_bad_mixed_prefill_floor() -> None:
     with pytest.raises(ValueError, match="mixed_prefill_min_tokens"):
         EngineConfig(mixed_prefill_min_tokens=0).validate()

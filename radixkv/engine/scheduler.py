@@ -8,7 +8,11 @@ token (queued, or admitted and still in prefill) and d decodes, ``chunked_prefil
 w / (w + d) tokens, within [``mixed_prefill_min_tokens`` (512), ``mixed_prefill_tokens``
 (2,048)] (:meth:`Scheduler.mixed_budget`). A burst's first steps, when nearly every request
 waits, keep long chunks (fewer steps, its throughput); as first tokens come out the steps
-shorten, so the requests still waiting finish in finer steps and the decodes wait less. (A
+shorten, so the requests still waiting finish in finer steps and the decodes wait less; once
+what all of them still need (past their cached prefixes) fits in ``mixed_prefill_tokens``, one
+step takes it all (a cold multi-turn burst's tail ran as four steps of ~500 tokens, each
+carrying ~50 decodes, where a 2,048-row step costs ~0.6-0.7x as much per token in the
+linears: AVX512-BF16/AMX host, docs/performance.md). (A
 fixed 2,048 made the median request of a warm multi-turn burst, ~73 new tokens a prompt, wait
 for the end of a second whole 2,048-token step; a fixed 512 cut that but split a cold burst's
 prefill into many short steps, each with every decode in it: AVX512-BF16/AMX host, vLLM's
@@ -154,12 +158,35 @@ class Scheduler:
     def mixed_budget(self, decodes: int) -> int:
         """Prefill tokens a step with ``decodes`` decodes may carry: the step budget's share of
         the requests waiting for a first token (queued, or admitted and still in prefill) among
-        them and the decodes, within [``mixed_prefill_min_tokens``, ``mixed_prefill_tokens``]."""
+        them and the decodes, within [``mixed_prefill_min_tokens``, ``mixed_prefill_tokens``];
+        all the step can carry when every such request's uncached rest fits in it
+        (:meth:`_prefill_left`: a burst's tail in one step, not cut into floor-sized steps that
+        each carry every decode)."""
         cap = self.config.mixed_prefill_tokens
         floor = min(self.config.mixed_prefill_min_tokens, cap)
-        first = len(self.waiting) + sum(1 for s in self.running if s.in_prefill)
+        prefilling = [s for s in self.running if s.in_prefill]
+        first = len(self.waiting) + len(prefilling)
         share = self.config.chunked_prefill_tokens * first // max(1, first + decodes)
-        return max(floor, min(cap, share))
+        budget = max(floor, min(cap, share))
+        whole = min(cap, self.config.chunked_prefill_tokens - decodes)  # all one step can carry
+        if budget < whole and self._prefill_left(prefilling, whole) <= whole:
+            return whole
+        return budget
+
+    def _prefill_left(self, prefilling: list[Sequence], limit: int) -> int:
+        """Tokens still to compute before every waiting and prefilling request has its first
+        token: each prefill's rest, each waiting request's prompt past its cached prefix
+        (``KVManager.peek``; a prefix another request computes in this step counts as uncached,
+        so this errs high). Stops counting past ``limit``; past ``LPM_MAX_QUEUE`` waiting
+        requests it does not match them and returns more than ``limit``."""
+        if len(self.waiting) > LPM_MAX_QUEUE:
+            return limit + 1
+        left = sum(s.num_tokens - s.num_computed for s in prefilling)
+        for seq in self.waiting:
+            if left > limit:
+                break
+            left += seq.num_tokens - self.kv.peek(seq)[0]
+        return left
 
     @staticmethod
     def _decode_ready(seq: Sequence) -> bool:
