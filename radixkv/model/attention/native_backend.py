@@ -119,7 +119,7 @@ def native_paged_attention(
     ``groups`` (see :func:`radixkv.model.attention.prefix_groups.shared_prefix_groups`) name
     requests whose first ``shared`` tokens are the same pages, read once for all members; the
     kernel checks that members really share those page ids and raises ``RuntimeError``
-    otherwise. ``group_args``: ``groups`` already in the kernel's lists (:func:`group_args`;
+    otherwise. ``group_args``: ``groups`` already in the kernel's lists (:func:`group_lists`;
     a backend converts them once per forward, not once per layer), used instead of ``groups``.
     ``module`` is the native build to call (default :func:`radixkv.model.native.load`). Raises
     ``RuntimeError`` if it is unavailable.
