@@ -27,7 +27,7 @@ prompt's KV once per step, not 64 times.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,10 +80,7 @@ def _module(module: Any | None) -> Any:
     return module
 
 
-GroupArgs = tuple[list[int], list[int], list[int]]
-
-
-def group_lists(groups: list[PrefixGroup] | None) -> GroupArgs:
+def _group_lists(groups: list[PrefixGroup] | None) -> tuple[list[int], list[int], list[int]]:
     """``groups`` as the kernels take them: members, offsets (one per group plus one), shared."""
     members: list[int] = []
     offsets: list[int] = []
@@ -108,7 +105,6 @@ def native_paged_attention(
     sm_scale: float,
     module: Any | None = None,
     groups: list[PrefixGroup] | None = None,
-    group_args: GroupArgs | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D] -> o [T, Hq, D]`` (bf16) over bfloat16 or quantized pages
     (``[pages, page_size, Hkv, D + 2]`` int8 / uint8, :mod:`radixkv.model.kv_quant`); new K/V
@@ -119,10 +115,8 @@ def native_paged_attention(
     ``groups`` (see :func:`radixkv.model.attention.prefix_groups.shared_prefix_groups`) name
     requests whose first ``shared`` tokens are the same pages, read once for all members; the
     kernel checks that members really share those page ids and raises ``RuntimeError``
-    otherwise. ``group_args``: ``groups`` already in the kernel's lists (:func:`group_lists`;
-    a backend converts them once per forward, not once per layer), used instead of ``groups``.
-    ``module`` is the native build to call (default :func:`radixkv.model.native.load`). Raises
-    ``RuntimeError`` if it is unavailable.
+    otherwise. ``module`` is the native build to call (default
+    :func:`radixkv.model.native.load`). Raises ``RuntimeError`` if it is unavailable.
     """
     module = _module(module)
     table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
@@ -138,7 +132,7 @@ def native_paged_attention(
         extend_lens,
         extend_starts,
         float(sm_scale),
-        *(group_args if group_args is not None else group_lists(groups)),
+        *_group_lists(groups),
     )
 
 
@@ -152,10 +146,6 @@ class NativeAttnMeta:
     extend_lens: list[int]
     extend_starts: list[int]
     groups: list[PrefixGroup]
-    group_args: GroupArgs = field(init=False)  # group_lists(groups), once per forward
-
-    def __post_init__(self) -> None:
-        self.group_args = group_lists(self.groups)
 
 
 class NativeAttentionBackend(AttentionBackend):
@@ -221,7 +211,6 @@ class NativeAttentionBackend(AttentionBackend):
             sm_scale,
             self.module,
             meta.groups,
-            meta.group_args,
         )
 
 
@@ -245,12 +234,11 @@ def native_paged_attention_f32(
     sm_scale: float,
     groups: list[PrefixGroup] | None = None,
     module: Any | None = None,
-    group_args: GroupArgs | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D] -> o [T, Hq, D]`` (float32) over float32/bf16/fp16 or quantized pages
     (``[pages, page_size, Hkv, D + 2]`` int8 / uint8, :mod:`radixkv.model.kv_quant`), in place.
 
-    Same contract as :func:`native_paged_attention` (``group_args`` too); ``groups`` (see
+    Same contract as :func:`native_paged_attention`; ``groups`` (see
     :func:`radixkv.model.attention.prefix_groups.shared_prefix_groups`) name requests whose
     first ``shared`` tokens are the same pages, read once for all members. The kernel checks
     that members really share those page ids and raises ``RuntimeError`` otherwise.
@@ -266,7 +254,7 @@ def native_paged_attention_f32(
         extend_lens,
         extend_starts,
         float(sm_scale),
-        *(group_args if group_args is not None else group_lists(groups)),
+        *_group_lists(groups),
     )
 
 
@@ -295,6 +283,5 @@ class NativeCascadeBackend(NativeAttentionBackend):
             sm_scale,
             meta.groups,
             self.module,
-            meta.group_args,
         )
         return out if out.dtype == q.dtype else out.to(q.dtype)
