@@ -1640,15 +1640,14 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            prefix_lens[b] + n, (prefix_lens[b] + n - k0) * (n + 4) * hkv});
       continue;
     }
-    for (int64_t t0 = 0; t0 < n;) {
-      const int64_t nt = item_tokens(n - t0, tok_per_item);
+    for (int64_t t0 = 0, nt = 0; t0 < n; t0 += nt) {
+      nt = item_tokens(n - t0, tok_per_item);
       const int64_t keys = prefix_lens[b] + t0 + nt;
       const int64_t e0 = add_entries(b, t0, nt, false);
       for (int64_t h = 0; h < hkv; ++h) {
         items.push_back(Item{i32(e0), i32(nt), i32(h), 1, i32(b), false, resume, k0, keys,
                              (keys - k0) * (nt + 4)});
       }
-      t0 += nt;
     }
   }
   run_items(p, en, items, fast);
