@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -425,3 +426,40 @@ def test_huge_zeros_are_zeros_writable_and_outlive_their_names(dtype):
     assert view[5].eq(1.5).all() and view[4].eq(0).all()
     small = huge_zeros((2, 3), dtype)
     assert small.shape == (2, 3) and not small.any()
+
+
+def _mapping_of(address: int) -> tuple[str, dict[str, int]]:
+    """The permissions and the kB fields of this process's mapping holding ``address``."""
+    perms, fields, inside = "", {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                if inside:
+                    break
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside, perms = lo <= address < hi, head[1]
+            elif inside and len(head) == 3 and head[2] == "kB":
+                fields[head[0].rstrip(":")] = int(head[1])
+    assert perms, f"no mapping holds {address:#x}"
+    return perms, fields
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="THP is Linux's")
+def test_huge_zeros_memory_is_private_and_gets_huge_pages():
+    """The pool's memory is a *private* anonymous mapping: a shared one (``mmap.mmap(-1, n)``'s
+    default) is shmem, whose THP follows ``shmem_enabled`` (``never`` by default), so its
+    ``MADV_HUGEPAGE`` gave the KV pool no huge pages at all. Where THP is on (``madvise`` or
+    ``always``), the written buffer holds some."""
+    from pathlib import Path
+
+    from radixkv.model.hugepages import huge_zeros
+
+    t = huge_zeros((32 << 20,), torch.uint8)
+    t.fill_(1)
+    perms, fields = _mapping_of(t.data_ptr() + (16 << 20))
+    assert perms.endswith("p"), f"the pool's mapping is {perms}, not private"
+    assert fields.get("Shmem", 0) == 0 and fields.get("Rss", 0) >= 16 << 10
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert fields.get("AnonHugePages", 0) > 0, fields

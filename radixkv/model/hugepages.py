@@ -105,9 +105,19 @@ def huge_zeros(
     nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < _MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    t = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel).view(shape)
+    t = torch.frombuffer(_anonymous_private(nbytes), dtype=dtype, count=numel).view(shape)
     advise_huge(t)
     return t
+
+
+def _anonymous_private(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of ``nbytes``. ``mmap.mmap(-1, n)`` alone is a *shared*
+    anonymous mapping, which Linux backs with shmem: there THP follows ``shmem_enabled``
+    (``never`` by default), not ``enabled``, so ``MADV_HUGEPAGE`` got the pool no huge pages."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if not flags:  # not a POSIX mmap (Windows): its anonymous mapping
+        return mmap.mmap(-1, nbytes)
+    return mmap.mmap(-1, nbytes, flags=flags)
 
 
 def huge_copy(src: torch.Tensor) -> torch.Tensor:
