@@ -16,13 +16,16 @@
 // prefix + t, causal) and normalises. Continuing the running (max, sum, acc) of phase A is the
 // log-sum-exp merge of the two parts. A request in no group has shared = 0.
 //
-// Within a work item, keys are visited in blocks of kKeyBlock: K^T and V of the block are
-// converted to float32 scratch (K transposed, so S = Q K^T vectorises over keys without a
-// horizontal reduction), then per row: S = sm_scale * q K^T, running max m, P = 2^((S - m) log2 e)
-// (2^x by a minimax polynomial, ~2e-8 relative; log2 e is applied after subtracting the max, where
-// the argument is small, so its rounding costs nothing for the keys that matter: folding it into q
-// cost ~1e-6 of relative error that the real model amplified 10x past transformers in fp32
-// logits), l = l * e^(m_old - m) + sum P and
+// Within a work item, keys are visited in blocks of kKeyBlock, the next block's rows prefetched
+// while one computes. Many rows (a group's stacked rows, a prefill chunk: attend_tiled) compute
+// S^T with rows along the vector lanes; a few rows (a decode's G query heads: row_dot) take
+// each score as a dot product with a K row, VW keys' lane sums at a time by a shuffle tree; both
+// read the block's K and V rows converted (or copied) to contiguous float32 scratch. The generic
+// head dim transposes K instead. Per row: S = sm_scale * q K^T, running max m,
+// P = 2^((S - m) log2 e) (2^x by a minimax polynomial, ~2e-8 relative; log2 e is applied after
+// subtracting the max, where the argument is small, so its rounding costs nothing for the keys
+// that matter: folding it into q cost ~1e-6 of relative error that the real model amplified 10x
+// past transformers in fp32 logits), l = l * e^(m_old - m) + sum P and
 // O = O * e^(m_old - m) + P V, all float32. Vectors are GCC vector extensions of the build's
 // width (16 floats with AVX-512, 8 otherwise), so one source serves every ISA level.
 
@@ -40,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__F16C__) || defined(__AVX__) || defined(__AVX512F__)
@@ -121,6 +125,41 @@ struct Problem {
   const std::vector<int64_t>* start;
 };
 
+// Byte offsets in the pool of the rows of KV head h for keys [kb, kb + nk) of page table row
+// `table` (a page's tokens are contiguous, pages are scattered over the pool).
+template <KV T>
+inline void block_offsets(const Problem& p, const int32_t* table, int64_t h, int64_t kb, int nk,
+                          int64_t* off) {
+  const int64_t token_bytes = p.hkv * row_bytes<T>(p.d);
+  const int64_t head_bytes = h * row_bytes<T>(p.d);
+  int64_t pi = kb / p.page_size, slot = kb % p.page_size;
+  for (int j = 0; j < nk; ++j) {
+    off[j] = (static_cast<int64_t>(table[pi]) * p.page_size + slot) * token_bytes + head_bytes;
+    if (++slot == p.page_size) {
+      slot = 0;
+      ++pi;
+    }
+  }
+}
+
+// Prefetches (into L2) the K and V rows of one head at byte offsets off[0 .. nk): a block's
+// pages are scattered over the pool, so the hardware prefetchers do not run ahead of them, and
+// after a step's linears they come from DRAM. Issued one block ahead of the block computed.
+template <KV T>
+inline void prefetch_block(const Problem& p, const int64_t* off, int nk) {
+  const int64_t bytes = row_bytes<T>(p.d);
+  for (int j = 0; j < nk; ++j) {
+    const uintptr_t k = reinterpret_cast<uintptr_t>(p.k_cache + off[j]);
+    const uintptr_t v = reinterpret_cast<uintptr_t>(p.v_cache + off[j]);
+    for (uintptr_t a = k & ~uintptr_t{63}; a < k + bytes; a += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
+    }
+    for (uintptr_t a = v & ~uintptr_t{63}; a < v + bytes; a += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
+    }
+  }
+}
+
 // One work item: `rows` query rows of KV head h over keys [lo, hi) of the page table row `table`.
 struct Item {
   int32_t kind;  // 0: shared part of a group, 1: own part of a request
@@ -137,7 +176,8 @@ struct Scratch {
   std::vector<float> qbuf;  // [rows][D] scaled queries
   std::vector<int64_t> row_index;  // [rows] token * hq + q head
   std::vector<int64_t> row_limit;  // [rows] last visible absolute key
-  std::vector<int64_t> koff;       // [kKeyBlock]
+  std::vector<int64_t> koff;       // [kKeyBlock] this block's row offsets
+  std::vector<int64_t> knext;      // [kKeyBlock] the next block's (prefetched)
   // the tiled path (attend_tiled): queries transposed, scores with rows along the vector lanes
   std::vector<float> qt;     // [D][rows padded]
   std::vector<float> st;     // [kKeyBlock][rows padded]
@@ -159,72 +199,82 @@ inline float hsum(vf v) {
 constexpr int kTile = 4;  // vectors per register tile: NR rows x kTile vectors of accumulators
 static_assert(kKV % kTile == 0, "a key block is a whole number of tiles");
 
-// The register-blocked path for NR (1 or 2) rows of one key block: S = scale * q K^T from the
-// transposed block kt, the online-softmax update of each row's (m, l, out), and out += P V.
-// `valid[r]` keys of the block are visible to row r (the rest are masked). D is a multiple of
+// Lane sums of VW vectors, one per lane: out[c] = sum of v[c]'s lanes. A tree of VW - 1
+// shuffle-and-add steps (level S adds lanes S apart of vector pairs, interleaving them in blocks
+// of S), not VW horizontal sums. Clobbers v.
+template <int S>
+constexpr int fold_lane(int i) {
+  return (i % (2 * S) < S) ? (i / (2 * S)) * 2 * S + i % (2 * S)
+                           : VW + (i / (2 * S)) * 2 * S + i % (2 * S) - S;
+}
+template <int S, size_t... I>
+inline vf fold(vf a, vf b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, fold_lane<S>(I)...) +
+         __builtin_shufflevector(a, b, (fold_lane<S>(I) + S)...);
+}
+template <int S>
+inline void fold_level(vf* v) {
+  if constexpr (S < VW) {
+    for (int c = 0; c < VW / (2 * S); ++c) {
+      v[c] = fold<S>(v[2 * c], v[2 * c + 1], std::make_index_sequence<VW>{});
+    }
+    fold_level<2 * S>(v);
+  }
+}
+inline vf lane_sums(vf* v) {
+  fold_level<1>(v);
+  return v[0];
+}
+
+// One query row of a few (a decode's query heads of one KV head) over one key block whose K and
+// V rows are float32 rows in kb and vb ([kKeyBlock][D]): S = scale * q K^T as dot products,
+// VW keys at a time (their lane sums by lane_sums: no transposed copy of K), the online-softmax
+// update of the row's (m, l, out), and out += P V. `valid` keys are visible; D is a multiple of
 // kTile * VW.
-template <int NR, int D>
-inline void rows_block(const Problem& p, const float* const* qr, const int64_t* ri,
-                       const int* valid, const float* kt, const float* vb) {
-  alignas(64) float s[NR][kKeyBlock];
-  for (int c0 = 0; c0 < kKV; c0 += kTile) {
-    vf acc[NR][kTile];
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < kTile; ++c) acc[r][c] = vf{};
-    for (int i = 0; i < D; ++i) {
-      vf kv[kTile];
-      for (int c = 0; c < kTile; ++c) kv[c] = loadv(kt + i * kKeyBlock + (c0 + c) * VW);
-      for (int r = 0; r < NR; ++r) {
-        const vf qi = splat(qr[r][i]);
-        for (int c = 0; c < kTile; ++c) acc[r][c] += qi * kv[c];
-      }
+template <int D>
+inline void row_dot(const Problem& p, const float* q, int64_t ri, int valid, const float* kb,
+                    const float* vb) {
+  alignas(64) float s[kKeyBlock];
+  const int nv = (valid + VW - 1) / VW * VW;
+  for (int j0 = 0; j0 < nv; j0 += VW) {
+    vf acc[VW];
+    for (int c = 0; c < VW; ++c) acc[c] = vf{};
+    for (int v = 0; v < D; v += VW) {
+      const vf qv = loadv(q + v);
+      for (int c = 0; c < VW; ++c) acc[c] += qv * loadv(kb + (j0 + c) * D + v);
     }
-    const vf sv = splat(p.scale);
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < kTile; ++c) storev(s[r] + (c0 + c) * VW, acc[r][c] * sv);
+    storev(s + j0, lane_sums(acc) * splat(p.scale));
   }
-  float alpha[NR];
-  int jmax = 0;
-  for (int r = 0; r < NR; ++r) {
-    for (int j = valid[r]; j < kKeyBlock; ++j) s[r][j] = -INFINITY;
-    jmax = std::max(jmax, valid[r]);
-    vf mx = loadv(s[r]);
-    for (int c = 1; c < kKV; ++c) {
-      const vf x = loadv(s[r] + c * VW);
-      mx = mx < x ? x : mx;
-    }
-    const float m_old = p.m[ri[r]];
-    const float m_new = std::max(m_old, hmax(mx));
-    const vf mv = splat(m_new), l2e = splat(kLog2e);
-    vf sum = vf{};
-    for (int c = 0; c < kKV; ++c) {
-      const vf e = exp2v((loadv(s[r] + c * VW) - mv) * l2e);
-      storev(s[r] + c * VW, e);
-      sum += e;
-    }
-    alpha[r] = m_old == -INFINITY ? 0.f : std::exp2((m_old - m_new) * kLog2e);
-    p.l[ri[r]] = p.l[ri[r]] * alpha[r] + hsum(sum);
-    p.m[ri[r]] = m_new;
+  for (int j = valid; j < nv; ++j) s[j] = -INFINITY;
+  vf mx = loadv(s);
+  for (int c = VW; c < nv; c += VW) {
+    const vf x = loadv(s + c);
+    mx = mx < x ? x : mx;
   }
+  const float m_old = p.m[ri];
+  const float m_new = std::max(m_old, hmax(mx));
+  const vf mv = splat(m_new), l2e = splat(kLog2e);
+  vf sum = vf{};
+  for (int c = 0; c < nv; c += VW) {
+    const vf e = exp2v((loadv(s + c) - mv) * l2e);
+    storev(s + c, e);
+    sum += e;
+  }
+  const float alpha = m_old == -INFINITY ? 0.f : std::exp2((m_old - m_new) * kLog2e);
+  p.l[ri] = p.l[ri] * alpha + hsum(sum);
+  p.m[ri] = m_new;
+  const vf av = splat(alpha);
+  float* o = p.out + ri * D;
   for (int d0 = 0; d0 < D; d0 += kTile * VW) {
     // P V of this block alone, then out = alpha out + P V: the serial sum over keys is one
     // block long (not the whole sequence), which keeps long contexts at float32 accuracy
-    vf oa[NR][kTile];
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < kTile; ++c) oa[r][c] = vf{};
-    for (int j = 0; j < jmax; ++j) {
-      vf vv[kTile];
-      for (int c = 0; c < kTile; ++c) vv[c] = loadv(vb + j * D + d0 + c * VW);
-      for (int r = 0; r < NR; ++r) {
-        const vf pj = splat(s[r][j]);
-        for (int c = 0; c < kTile; ++c) oa[r][c] += pj * vv[c];
-      }
+    vf oa[kTile];
+    for (int c = 0; c < kTile; ++c) oa[c] = vf{};
+    for (int j = 0; j < valid; ++j) {
+      const vf pj = splat(s[j]);
+      for (int c = 0; c < kTile; ++c) oa[c] += pj * loadv(vb + j * D + d0 + c * VW);
     }
-    for (int r = 0; r < NR; ++r) {
-      const vf av = splat(alpha[r]);
-      float* o = p.out + ri[r] * D + d0;
-      for (int c = 0; c < kTile; ++c) storev(o + c * VW, av * loadv(o + c * VW) + oa[r][c]);
-    }
+    for (int c = 0; c < kTile; ++c) storev(o + d0 + c * VW, av * loadv(o + d0 + c * VW) + oa[c]);
   }
 }
 
@@ -285,8 +335,6 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
   constexpr int D = DT;
   constexpr int RW = 2 * VW;
   const int64_t rp = (nrows + RW - 1) / RW * RW;
-  const int64_t token_bytes = p.hkv * row_bytes<T>(p.d);
-  const int64_t head_bytes = h * row_bytes<T>(p.d);
   float* qt = sc.qt.data();
   float* st = sc.st.data();
   float* mrow = sc.mrow.data();
@@ -310,25 +358,25 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
   const float* kp[kKeyBlock];
   const float* vp[kKeyBlock];
   const vf ninf = splat(-INFINITY), l2e = splat(kLog2e);
-  for (int64_t kb = lo; kb < hi && kb <= max_limit; kb += kKeyBlock) {
+  const int64_t end = std::min(hi, max_limit + 1);
+  if (lo < end) {
+    block_offsets<T>(p, table, h, lo, static_cast<int>(std::min<int64_t>(kKeyBlock, hi - lo)),
+                     sc.koff.data());
+  }
+  for (int64_t kb = lo; kb < end; kb += kKeyBlock) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb));
-    int64_t pi = kb / p.page_size, slot = kb % p.page_size;
+    if (kb + kKeyBlock < end) {
+      const int nk_next = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb - kKeyBlock));
+      block_offsets<T>(p, table, h, kb + kKeyBlock, nk_next, sc.knext.data());
+      prefetch_block<T>(p, sc.knext.data(), nk_next);
+    }
+    // the block's rows, converted (or copied) into contiguous scratch: faster to read than
+    // float32 rows in place, which lie one head of a token row apart over scattered pages
     for (int j = 0; j < nk; ++j) {
-      const int64_t off =
-          (static_cast<int64_t>(table[pi]) * p.page_size + slot) * token_bytes + head_bytes;
-      if constexpr (T == KV::F32) {
-        kp[j] = reinterpret_cast<const float*>(p.k_cache + off);
-        vp[j] = reinterpret_cast<const float*>(p.v_cache + off);
-      } else {
-        to_float<T>(p.k_cache + off, &sc.kt[j * D], D);
-        to_float<T>(p.v_cache + off, &sc.vb[j * D], D);
-        kp[j] = &sc.kt[j * D];
-        vp[j] = &sc.vb[j * D];
-      }
-      if (++slot == p.page_size) {
-        slot = 0;
-        ++pi;
-      }
+      to_float<T>(p.k_cache + sc.koff[j], &sc.kt[j * D], D);
+      to_float<T>(p.v_cache + sc.koff[j], &sc.vb[j * D], D);
+      kp[j] = &sc.kt[j * D];
+      vp[j] = &sc.vb[j * D];
     }
     // S^T = scale * K Q^T
     for (int64_t r0 = 0; r0 < rp; r0 += RW) {
@@ -390,6 +438,7 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
       }
     }
     if (n == 1) pv_rows<1, D>(p, ri, al, st, rp, col, vp, nk);
+    std::swap(sc.koff, sc.knext);
   }
   for (int r = 0; r < nrows; ++r) {
     p.m[sc.row_index[r]] = mrow[r];
@@ -409,25 +458,37 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
     }
   }
   const int D = DT ? DT : static_cast<int>(p.d);
-  const int64_t token_bytes = p.hkv * row_bytes<T>(p.d);
-  const int64_t head_bytes = h * row_bytes<T>(p.d);
   alignas(64) float s[kKeyBlock];
-  for (int64_t kb = lo; kb < hi; kb += kKeyBlock) {
+  int64_t max_limit = -1;
+  for (int r = 0; r < nrows; ++r) max_limit = std::max(max_limit, sc.row_limit[r]);
+  // rows that see nothing of a block are skipped (limit < kb); blocks no row sees are not read
+  const int64_t end = std::min(hi, max_limit + 1);
+  if (lo < end) {
+    block_offsets<T>(p, table, h, lo, static_cast<int>(std::min<int64_t>(kKeyBlock, hi - lo)),
+                     sc.koff.data());
+  }
+  for (int64_t kb = lo; kb < end; kb += kKeyBlock, std::swap(sc.koff, sc.knext)) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb));
-    // rows that see nothing of this block are skipped (limit < kb)
-    bool any = false;
-    for (int r = 0; r < nrows; ++r) any |= sc.row_limit[r] >= kb;
-    if (!any) continue;
-    {
-      int64_t pi = kb / p.page_size, slot = kb % p.page_size;
+    if (kb + kKeyBlock < end) {
+      const int nk_next = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb - kKeyBlock));
+      block_offsets<T>(p, table, h, kb + kKeyBlock, nk_next, sc.knext.data());
+      prefetch_block<T>(p, sc.knext.data(), nk_next);
+    }
+    if constexpr (DT != 0 && DT % (kTile * VW) == 0) {
+      // K and V rows as float32 rows (copied or converted into contiguous scratch), each row
+      // by dot products (row_dot); a row that sees nothing of this block is skipped
       for (int j = 0; j < nk; ++j) {
-        sc.koff[j] = (static_cast<int64_t>(table[pi]) * p.page_size + slot) * token_bytes +
-                     head_bytes;
-        if (++slot == p.page_size) {
-          slot = 0;
-          ++pi;
-        }
+        to_float<T>(p.k_cache + sc.koff[j], &sc.kt[j * DT], DT);
+        to_float<T>(p.v_cache + sc.koff[j], &sc.vb[j * DT], DT);
       }
+      for (int r = 0; r < nrows; ++r) {
+        const int64_t lim = sc.row_limit[r] - kb;
+        if (lim < 0) continue;
+        row_dot<DT>(p, &sc.qbuf[static_cast<int64_t>(r) * DT], sc.row_index[r],
+                    static_cast<int>(std::min<int64_t>(nk, lim + 1)), sc.kt.data(),
+                    sc.vb.data());
+      }
+      continue;
     }
     // K^T (zero-padded to kKeyBlock keys) and V rows, as float32
     alignas(64) float krow[512];
@@ -447,26 +508,6 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
       for (int i = 0; i < D; ++i) {
         std::fill(kt + i * kKeyBlock + nk, kt + (i + 1) * kKeyBlock, 0.f);
       }
-    }
-    if constexpr (DT != 0 && DT % (kTile * VW) == 0) {
-      // rows in pairs (register-blocked); a row that sees nothing of this block is skipped
-      const float* qr[2];
-      int64_t ri[2];
-      int valid[2];
-      int n = 0;
-      for (int r = 0; r < nrows; ++r) {
-        const int64_t lim = sc.row_limit[r] - kb;
-        if (lim < 0) continue;
-        qr[n] = &sc.qbuf[static_cast<int64_t>(r) * DT];
-        ri[n] = sc.row_index[r];
-        valid[n] = static_cast<int>(std::min<int64_t>(nk, lim + 1));
-        if (++n == 2) {
-          rows_block<2, DT>(p, qr, ri, valid, kt, sc.vb.data());
-          n = 0;
-        }
-      }
-      if (n == 1) rows_block<1, DT>(p, qr, ri, valid, kt, sc.vb.data());
-      continue;
     }
     for (int r = 0; r < nrows; ++r) {
       const int64_t lim = sc.row_limit[r] - kb;
@@ -609,6 +650,7 @@ void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV 
     sc.kt.resize(p.d * kKeyBlock);
     sc.vb.resize(p.d * kKeyBlock);
     sc.koff.resize(kKeyBlock);
+    sc.knext.resize(kKeyBlock);
     sc.qbuf.resize(max_rows * p.d);
     sc.row_index.resize(max_rows);
     sc.row_limit.resize(max_rows);
@@ -619,6 +661,39 @@ void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV 
     sc.lrow.resize(padded);
     sc.arow.resize(padded);
     return sc;
+  };
+  // a worker's next item: its first key block is prefetched before the current item runs
+  auto prefetch_first = [&](const Item& it, Scratch&) {
+    const int32_t* table;
+    int64_t lo, hi;
+    if (it.kind == 0) {
+      table = p.page_table + (*gr.members)[(*gr.offsets)[it.id]] * p.table_stride;
+      lo = 0;
+      hi = (*gr.shared)[it.id];
+    } else {
+      table = p.page_table + it.id * p.table_stride;
+      lo = it.lo;
+      hi = (*p.prefix)[it.id] + it.r0 + it.nr;
+    }
+    const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - lo));
+    if (nk <= 0) return;
+    int64_t off[kKeyBlock];
+    switch (kv) {
+      case KV::F32:
+        block_offsets<KV::F32>(p, table, it.h, lo, nk, off);
+        prefetch_block<KV::F32>(p, off, nk);
+        break;
+      case KV::BF16:
+      case KV::F16:
+        block_offsets<KV::BF16>(p, table, it.h, lo, nk, off);
+        prefetch_block<KV::BF16>(p, off, nk);
+        break;
+      case KV::I8:
+      case KV::FP8:
+        block_offsets<KV::I8>(p, table, it.h, lo, nk, off);
+        prefetch_block<KV::I8>(p, off, nk);
+        break;
+    }
   };
   radixkv_work::run_longest_first(items, make_scratch, [&](const Item& it, Scratch& sc) {
     switch (kv) {
@@ -638,7 +713,7 @@ void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV 
         run_any<KV::FP8>(p, gr, it, sc);
         break;
     }
-  });
+  }, prefetch_first);
 }
 
 }  // namespace
