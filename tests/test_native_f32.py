@@ -83,7 +83,7 @@ class Case:
         self.scale = d**-0.5
         self.groups = [PrefixGroup(list(m), s) for m, s in groups]
 
-    def run(self, groups=None):
+    def run(self, groups=None, module=None):
         return native_paged_attention_f32(
             self.q,
             self.k_cache,
@@ -94,6 +94,7 @@ class Case:
             self.starts,
             self.scale,
             self.groups if groups is None else groups,
+            module,
         )
 
     def reference(self):
@@ -176,19 +177,7 @@ def test_few_rows_match_the_oracle_on_every_level(level, d, hq, hkv):
         case = Case(16, hq, hkv, d, FEW_ROWS, groups=groups, dtype=dtype, seed=d + hq)
         ref = case.reference()
         for gr in (None, []):
-            out = native_paged_attention_f32(
-                case.q,
-                case.k_cache,
-                case.v_cache,
-                case.table,
-                case.prefix,
-                case.ext,
-                case.starts,
-                case.scale,
-                case.groups if gr is None else gr,
-                m,
-            )
-            err = (out.double() - ref).abs().max().item()
+            err = (case.run(gr, m).double() - ref).abs().max().item()
             assert err < TOL[dtype], (level, dtype, gr is None, err)
 
 
