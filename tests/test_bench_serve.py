@@ -493,3 +493,27 @@ def test_vllm_serve_interleaves_who_goes_first() -> None:
     assert orders[0::2] == [names] * 3 and orders[1::2] == [names[::-1]] * 3
     assert [o[0] for o in orders].count("radixkv") == 3
     assert phase_order(["radixkv"], 1) == ["radixkv"] and names == ["radixkv", "vllm"]
+
+
+def test_the_avx2_proxy_holds_every_vllm_process_to_avx2(tmp_path, monkeypatch):
+    """Under the AVX2 proxy (ATEN_CPU_CAPABILITY=avx2) vLLM's processes get a PYTHONPATH whose
+    sitecustomize makes torch report no AVX-512, which is how vLLM picks its _C_AVX2 build; a
+    fresh interpreter (as vLLM's spawned worker is) sees it. Without the proxy: no path."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.bench_w1 import vllm_pythonpath
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert vllm_pythonpath(tmp_path) == "" and not (tmp_path / "sitecustomize.py").exists()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    path = vllm_pythonpath(tmp_path)
+    assert path == str(tmp_path)
+    probe = (
+        "import torch; "
+        "print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported())"
+    )
+    env = {**os.environ, "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "False"], out.stderr
