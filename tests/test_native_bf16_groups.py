@@ -187,8 +187,12 @@ sys.path.insert(0, {tests!r})
 from test_native_bf16_groups import bf16_case
 from radixkv.model import native
 m = native.load()
-# head dim 80: the portable path, slow enough (a 1,024-token causal prefill) to watch
-case = bf16_case(16, 4, 4, 80, [(0, 1024)], [], seed=3)
+# head dim 80: the portable path, slow enough (a 2,048-token causal prefill) to watch
+case = bf16_case(16, 4, 4, 80, [(0, 2048)], [], seed=3)
+# A short switch interval: when the kernel returns, its thread waits for the GIL while this one
+# ticks on until asked to drop it; at the default 5 ms (and a busy host) those ticks landed
+# inside the watched window of a ~50 ms call, as if the held GIL had let them run.
+sys.setswitchinterval(1e-4)
 args = (case.q.contiguous(), case.k_cache, case.v_cache, case.table.to(torch.int32).contiguous(),
         list(case.prefix), list(case.ext), list(case.starts), float(case.scale), [], [], [])
 span, ticks = [], []
