@@ -453,7 +453,9 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         streaming: dict[str, threading.Event] = {f"stream{i}": threading.Event() for i in range(4)}
 
         def one(name: str, stream: bool) -> None:
-            tokens = 8000 if stream else 3000
+            # long enough to outlive the set-up on a fast host (a Zen 5 ran 8,000 tokens in ~5 s,
+            # every stream done before the last whole answer started)
+            tokens = 16000 if stream else 6000
             body = {"model": model, "prompt": f"Tell me a story ({name}).", "max_tokens": tokens}
             body |= {"ignore_eos": True, "temperature": 0.0, "stream": stream}
             try:
@@ -524,15 +526,16 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
                 t_kill = time.monotonic()
                 child.kill()
         assert t_kill, "no replica process found"
+        joined_by = time.monotonic() + 300  # a slow host's survivors run 16,000 tokens
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=max(0.0, joined_by - time.monotonic()))
         assert len(outcomes) == len(threads), f"requests still hanging: {outcomes}"
         kinds = {n: o for n, (o, _) in outcomes.items()}
         print("in-flight outcomes:", kinds, "load at the kill:", running, "holders:", holder)
         # The victim's streams end within 30 s of the kill, in an error (cut, or an error event),
-        # never as complete. (The bound is on them alone: the survivor's 8,000-token streams run
-        # to their end, which took 30.5 s after the kill on a slow CI host; whole answers on the
-        # victim may be retried by sgl-router on the survivor and run their 3,000 tokens there.)
+        # never as complete. (The bound is on them alone: the survivor's streams run to their
+        # end, which for 8,000 tokens took 30.5 s after the kill on a slow CI host; whole answers
+        # on the victim may be retried by sgl-router on the survivor and run their tokens there.)
         late = {n: round(outcomes[n][1] - t_kill, 1) for n in victims_streams}
         assert all(t <= 30 for t in late.values()), f"the victim's streams ended late: {late}"
         assert victims_streams and all(kinds[n] != "completed" for n in victims_streams), (
