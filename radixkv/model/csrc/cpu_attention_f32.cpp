@@ -103,13 +103,6 @@ inline void to_float(const void* src, float* dst, int n) {
   }
 }
 
-// Bytes of one (token, head) row of d elements in the pool.
-template <KV T>
-constexpr int64_t row_bytes(int64_t d) {
-  if constexpr (T == KV::I8 || T == KV::FP8) return d + radixkv_kvq::kScaleBytes;
-  return d * (T == KV::F32 ? 4 : 2);
-}
-
 struct Problem {
   const float* q;
   const char* k_cache;
@@ -119,6 +112,7 @@ struct Problem {
   float* m;  // [T * hq] running max of the scaled scores
   float* l;  // [T * hq] running sum
   int64_t table_stride, page_size, hq, hkv, group, d;
+  int64_t row_bytes;  // bytes of one (token, head) row of the pool: D values, or D codes + scale
   float scale;
   const std::vector<int64_t>* prefix;
   const std::vector<int64_t>* ext;
@@ -127,11 +121,10 @@ struct Problem {
 
 // Byte offsets in the pool of the rows of KV head h for keys [kb, kb + nk) of page table row
 // `table` (a page's tokens are contiguous, pages are scattered over the pool).
-template <KV T>
 inline void block_offsets(const Problem& p, const int32_t* table, int64_t h, int64_t kb, int nk,
                           int64_t* off) {
-  const int64_t token_bytes = p.hkv * row_bytes<T>(p.d);
-  const int64_t head_bytes = h * row_bytes<T>(p.d);
+  const int64_t token_bytes = p.hkv * p.row_bytes;
+  const int64_t head_bytes = h * p.row_bytes;
   int64_t pi = kb / p.page_size, slot = kb % p.page_size;
   for (int j = 0; j < nk; ++j) {
     off[j] = (static_cast<int64_t>(table[pi]) * p.page_size + slot) * token_bytes + head_bytes;
@@ -145,9 +138,8 @@ inline void block_offsets(const Problem& p, const int32_t* table, int64_t h, int
 // Prefetches (into L2) the K and V rows of one head at byte offsets off[0 .. nk): a block's
 // pages are scattered over the pool, so the hardware prefetchers do not run ahead of them, and
 // after a step's linears they come from DRAM. Issued one block ahead of the block computed.
-template <KV T>
 inline void prefetch_block(const Problem& p, const int64_t* off, int nk) {
-  const int64_t bytes = row_bytes<T>(p.d);
+  const int64_t bytes = p.row_bytes;
   for (int j = 0; j < nk; ++j) {
     const uintptr_t k = reinterpret_cast<uintptr_t>(p.k_cache + off[j]);
     const uintptr_t v = reinterpret_cast<uintptr_t>(p.v_cache + off[j]);
@@ -183,6 +175,34 @@ struct Scratch {
   std::vector<float> st;     // [kKeyBlock][rows padded]
   std::vector<float> mrow, lrow, arow;  // [rows padded] running max, sum, this block's rescale
 };
+
+// Offsets of the first key block [lo, lo + kKeyBlock) of keys [lo, hi), into sc.koff.
+inline void first_block(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64_t hi,
+                        Scratch& sc) {
+  block_offsets(p, table, h, lo, static_cast<int>(std::min<int64_t>(kKeyBlock, hi - lo)),
+                sc.koff.data());
+}
+
+// While block kb computes: the next block's offsets into sc.knext (it becomes sc.koff by a swap
+// at the end of the block) and a prefetch of its rows, if it starts before `end`.
+inline void next_block(const Problem& p, const int32_t* table, int64_t h, int64_t kb, int64_t hi,
+                       int64_t end, Scratch& sc) {
+  if (kb + kKeyBlock >= end) return;
+  const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb - kKeyBlock));
+  block_offsets(p, table, h, kb + kKeyBlock, nk, sc.knext.data());
+  prefetch_block(p, sc.knext.data(), nk);
+}
+
+// The block's nk K and V rows (at sc.koff) as float32 rows of D in sc.kt and sc.vb, converted
+// or copied: contiguous scratch reads faster than float32 rows in place, one head of a token
+// row apart over scattered pages.
+template <KV T>
+inline void block_rows(const Problem& p, int nk, int D, Scratch& sc) {
+  for (int j = 0; j < nk; ++j) {
+    to_float<T>(p.k_cache + sc.koff[j], &sc.kt[j * D], D);
+    to_float<T>(p.v_cache + sc.koff[j], &sc.vb[j * D], D);
+  }
+}
 
 inline float hmax(vf v) {
   float m = v[0];
@@ -359,22 +379,12 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
   const float* vp[kKeyBlock];
   const vf ninf = splat(-INFINITY), l2e = splat(kLog2e);
   const int64_t end = std::min(hi, max_limit + 1);
-  if (lo < end) {
-    block_offsets<T>(p, table, h, lo, static_cast<int>(std::min<int64_t>(kKeyBlock, hi - lo)),
-                     sc.koff.data());
-  }
+  if (lo < end) first_block(p, table, h, lo, hi, sc);
   for (int64_t kb = lo; kb < end; kb += kKeyBlock) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb));
-    if (kb + kKeyBlock < end) {
-      const int nk_next = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb - kKeyBlock));
-      block_offsets<T>(p, table, h, kb + kKeyBlock, nk_next, sc.knext.data());
-      prefetch_block<T>(p, sc.knext.data(), nk_next);
-    }
-    // the block's rows, converted (or copied) into contiguous scratch: faster to read than
-    // float32 rows in place, which lie one head of a token row apart over scattered pages
+    next_block(p, table, h, kb, hi, end, sc);
+    block_rows<T>(p, nk, D, sc);
     for (int j = 0; j < nk; ++j) {
-      to_float<T>(p.k_cache + sc.koff[j], &sc.kt[j * D], D);
-      to_float<T>(p.v_cache + sc.koff[j], &sc.vb[j * D], D);
       kp[j] = &sc.kt[j * D];
       vp[j] = &sc.vb[j * D];
     }
@@ -463,24 +473,14 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
   for (int r = 0; r < nrows; ++r) max_limit = std::max(max_limit, sc.row_limit[r]);
   // rows that see nothing of a block are skipped (limit < kb); blocks no row sees are not read
   const int64_t end = std::min(hi, max_limit + 1);
-  if (lo < end) {
-    block_offsets<T>(p, table, h, lo, static_cast<int>(std::min<int64_t>(kKeyBlock, hi - lo)),
-                     sc.koff.data());
-  }
+  if (lo < end) first_block(p, table, h, lo, hi, sc);
   for (int64_t kb = lo; kb < end; kb += kKeyBlock, std::swap(sc.koff, sc.knext)) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb));
-    if (kb + kKeyBlock < end) {
-      const int nk_next = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb - kKeyBlock));
-      block_offsets<T>(p, table, h, kb + kKeyBlock, nk_next, sc.knext.data());
-      prefetch_block<T>(p, sc.knext.data(), nk_next);
-    }
+    next_block(p, table, h, kb, hi, end, sc);
     if constexpr (DT != 0 && DT % (kTile * VW) == 0) {
-      // K and V rows as float32 rows (copied or converted into contiguous scratch), each row
-      // by dot products (row_dot); a row that sees nothing of this block is skipped
-      for (int j = 0; j < nk; ++j) {
-        to_float<T>(p.k_cache + sc.koff[j], &sc.kt[j * DT], DT);
-        to_float<T>(p.v_cache + sc.koff[j], &sc.vb[j * DT], DT);
-      }
+      // each row by dot products with the block's rows (row_dot); a row that sees nothing of
+      // this block is skipped
+      block_rows<T>(p, nk, DT, sc);
       for (int r = 0; r < nrows; ++r) {
         const int64_t lim = sc.row_limit[r] - kb;
         if (lim < 0) continue;
@@ -678,22 +678,8 @@ void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV 
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - lo));
     if (nk <= 0) return;
     int64_t off[kKeyBlock];
-    switch (kv) {
-      case KV::F32:
-        block_offsets<KV::F32>(p, table, it.h, lo, nk, off);
-        prefetch_block<KV::F32>(p, off, nk);
-        break;
-      case KV::BF16:
-      case KV::F16:
-        block_offsets<KV::BF16>(p, table, it.h, lo, nk, off);
-        prefetch_block<KV::BF16>(p, off, nk);
-        break;
-      case KV::I8:
-      case KV::FP8:
-        block_offsets<KV::I8>(p, table, it.h, lo, nk, off);
-        prefetch_block<KV::I8>(p, off, nk);
-        break;
-    }
+    block_offsets(p, table, it.h, lo, nk, off);
+    prefetch_block(p, off, nk);
   };
   radixkv_work::run_longest_first(items, make_scratch, [&](const Item& it, Scratch& sc) {
     switch (kv) {
@@ -803,6 +789,7 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
   p.hkv = hkv;
   p.group = hq / hkv;
   p.d = d;
+  p.row_bytes = k_cache.size(3) * k_cache.element_size();
   p.scale = static_cast<float>(sm_scale);
   p.prefix = &prefix_lens;
   p.ext = &extend_lens;
