@@ -19,9 +19,12 @@
 // Within a work item, keys are visited in blocks of kKeyBlock, the next block's rows prefetched
 // while one computes. Many rows (a group's stacked rows, a prefill chunk: attend_tiled) compute
 // S^T with rows along the vector lanes; a few rows (a decode's G query heads: row_dot) take
-// each score as a dot product with a K row, VW keys' lane sums at a time by a shuffle tree; both
-// read the block's K and V rows converted (or copied) to contiguous float32 scratch. The generic
-// head dim transposes K instead. Per row: S = sm_scale * q K^T, running max m,
+// each score as a dot product with a K row, VW keys' lane sums at a time by a shuffle tree). The
+// tiled path reads the block's K and V rows converted (or copied) to contiguous float32 scratch,
+// which every row block of the item reuses; the few-rows path converts half-precision and
+// quantized rows the same way but reads float32 rows in place, where a copy only added a store
+// and a reload of each row, read by just G query rows (a W1-shape decode layer 0.90x, AVX2
+// build). The generic head dim transposes K instead. Per row: S = sm_scale * q K^T, running max m,
 // P = 2^((S - m) log2 e) (2^x by a minimax polynomial, ~2e-8 relative; log2 e is applied after
 // subtracting the max, where the argument is small, so its rounding costs nothing for the keys
 // that matter: folding it into q cost ~1e-6 of relative error that the real model amplified 10x
@@ -194,8 +197,8 @@ inline void next_block(const Problem& p, const int32_t* table, int64_t h, int64_
 }
 
 // The block's nk K and V rows (at sc.koff) as float32 rows of D in sc.kt and sc.vb, converted
-// or copied: contiguous scratch reads faster than float32 rows in place, one head of a token
-// row apart over scattered pages.
+// or copied: for the tiled path's many rows, contiguous scratch reads faster than float32 rows
+// in place, one head of a token row apart over scattered pages.
 template <KV T>
 inline void block_rows(const Problem& p, int nk, int D, Scratch& sc) {
   for (int j = 0; j < nk; ++j) {
@@ -247,13 +250,14 @@ inline vf lane_sums(vf* v) {
 }
 
 // One query row of a few (a decode's query heads of one KV head) over one key block whose K and
-// V rows are float32 rows in kb and vb ([kKeyBlock][D]): S = scale * q K^T as dot products,
+// V rows are float32 rows of D at kp[j] and vp[j] (kp padded to a multiple of VW keys with
+// readable rows): S = scale * q K^T as dot products,
 // VW keys at a time (their lane sums by lane_sums: no transposed copy of K), the online-softmax
 // update of the row's (m, l, out), and out += P V. `valid` keys are visible; D is a multiple of
 // kTile * VW.
 template <int D>
-inline void row_dot(const Problem& p, const float* q, int64_t ri, int valid, const float* kb,
-                    const float* vb) {
+inline void row_dot(const Problem& p, const float* q, int64_t ri, int valid,
+                    const float* const* kp, const float* const* vp) {
   alignas(64) float s[kKeyBlock];
   const int nv = (valid + VW - 1) / VW * VW;
   for (int j0 = 0; j0 < nv; j0 += VW) {
@@ -261,7 +265,7 @@ inline void row_dot(const Problem& p, const float* q, int64_t ri, int valid, con
     for (int c = 0; c < VW; ++c) acc[c] = vf{};
     for (int v = 0; v < D; v += VW) {
       const vf qv = loadv(q + v);
-      for (int c = 0; c < VW; ++c) acc[c] += qv * loadv(kb + (j0 + c) * D + v);
+      for (int c = 0; c < VW; ++c) acc[c] += qv * loadv(kp[j0 + c] + v);
     }
     storev(s + j0, lane_sums(acc) * splat(p.scale));
   }
@@ -292,7 +296,7 @@ inline void row_dot(const Problem& p, const float* q, int64_t ri, int valid, con
     for (int c = 0; c < kTile; ++c) oa[c] = vf{};
     for (int j = 0; j < valid; ++j) {
       const vf pj = splat(s[j]);
-      for (int c = 0; c < kTile; ++c) oa[c] += pj * loadv(vb + j * D + d0 + c * VW);
+      for (int c = 0; c < kTile; ++c) oa[c] += pj * loadv(vp[j] + d0 + c * VW);
     }
     for (int c = 0; c < kTile; ++c) storev(o + d0 + c * VW, av * loadv(o + d0 + c * VW) + oa[c]);
   }
@@ -478,15 +482,28 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb));
     next_block(p, table, h, kb, hi, end, sc);
     if constexpr (DT != 0 && DT % (kTile * VW) == 0) {
-      // each row by dot products with the block's rows (row_dot); a row that sees nothing of
-      // this block is skipped
-      block_rows<T>(p, nk, DT, sc);
+      // each row by dot products with the block's rows (row_dot): float32 rows in place, others
+      // converted into scratch; a row that sees nothing of this block is skipped
+      const float* kp[kKeyBlock];
+      const float* vp[kKeyBlock];
+      if constexpr (T == KV::F32) {
+        for (int j = 0; j < nk; ++j) {
+          kp[j] = reinterpret_cast<const float*>(p.k_cache + sc.koff[j]);
+          vp[j] = reinterpret_cast<const float*>(p.v_cache + sc.koff[j]);
+        }
+      } else {
+        block_rows<T>(p, nk, DT, sc);
+        for (int j = 0; j < nk; ++j) {
+          kp[j] = &sc.kt[j * DT];
+          vp[j] = &sc.vb[j * DT];
+        }
+      }
+      for (int j = nk; j < (nk + VW - 1) / VW * VW; ++j) kp[j] = kp[0];
       for (int r = 0; r < nrows; ++r) {
         const int64_t lim = sc.row_limit[r] - kb;
         if (lim < 0) continue;
         row_dot<DT>(p, &sc.qbuf[static_cast<int64_t>(r) * DT], sc.row_index[r],
-                    static_cast<int>(std::min<int64_t>(nk, lim + 1)), sc.kt.data(),
-                    sc.vb.data());
+                    static_cast<int>(std::min<int64_t>(nk, lim + 1)), kp, vp);
       }
       continue;
     }
