@@ -126,11 +126,9 @@ def create_app(
     stats_line = StatsLine(log_stats_interval) if log_stats_interval else None
     prefaulter = None
     if prefault_kv:  # imported here: it needs torch, which the app itself does not
-        from radixkv.model.prefault import Prefaulter
+        from radixkv.model.prefault import Prefaulter, pool_tensors
 
-        pool = getattr(getattr(engine, "runner", None), "pool", None)
-        pool_tensors = [*getattr(pool, "k", ()), *getattr(pool, "v", ())]
-        prefaulter = Prefaulter(pool_tensors, lambda: engine_loop.idle)
+        prefaulter = Prefaulter(pool_tensors(engine), lambda: engine_loop.idle)
 
     async def sample() -> dict[str, Any]:
         got = await engine_loop.call(lambda e: collect_sample(e, metrics))

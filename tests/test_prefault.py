@@ -100,3 +100,23 @@ def test_a_server_with_prefault_commits_its_pool_while_idle_and_keeps_serving():
         again = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=30).json()
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     assert create_app(engine, model_name="tiny").state.prefaulter is None  # off by default
+
+
+@linux
+def test_commit_pool_commits_an_engines_whole_pool_before_a_burst(tiny_model):
+    """bench_w1's start-up (``commit_pool``): every K/V byte of the pool becomes resident (a
+    fresh pool is lazily zeroed: nothing of it is), and no byte changes."""
+    from radixkv import Engine
+    from radixkv.model.prefault import commit_pool, pool_tensors
+
+    engine = Engine(tiny_model, kv_cache_tokens=1 << 18)  # tensors over huge_zeros's minimum
+    tensors = pool_tensors(engine)
+    total = sum(t.untyped_storage().nbytes() for t in tensors)
+    assert tensors and total >= 8 << 20
+    before = _resident_kb()
+    committed = commit_pool(engine)
+    if committed == 0:
+        pytest.skip("MADV_POPULATE_WRITE is unsupported by this kernel")
+    grown = (_resident_kb() - before) * 1024
+    assert committed == total and grown >= 0.9 * total, (committed, grown, total)
+    assert all(float(t.abs().sum()) == 0 for t in tensors)  # contents unchanged (fresh pool)

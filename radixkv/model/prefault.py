@@ -21,12 +21,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from radixkv.model.hugepages import populate
 
-__all__ = ["Prefaulter"]
+__all__ = ["Prefaulter", "commit_pool", "pool_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +102,18 @@ class Prefaulter:
             self.committed / 2**20,
             time.perf_counter() - start,
         )
+
+
+def pool_tensors(engine: Any) -> list[torch.Tensor]:
+    """The KV pool's per-layer K and V tensors of ``engine`` (none for a layout without them)."""
+    pool = getattr(getattr(engine, "runner", None), "pool", None)
+    return [*getattr(pool, "k", ()), *getattr(pool, "v", ())]
+
+
+def commit_pool(engine: Any) -> int:
+    """Commit ``engine``'s whole KV pool now, in this thread (what vLLM pays at start-up by
+    filling its cache; an offline burst's first writes then do not fault). Returns the bytes
+    committed (0 where ``MADV_POPULATE_WRITE`` is unsupported)."""
+    prefaulter = Prefaulter(pool_tensors(engine), lambda: True)
+    prefaulter.run()
+    return prefaulter.committed
