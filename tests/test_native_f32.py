@@ -189,6 +189,22 @@ def test_two_groups_and_ungrouped_requests(module):
     assert (case.run().double() - case.reference()).abs().max().item() < 2e-5
 
 
+@pytest.mark.parametrize(
+    "members, new",
+    [(50, 1), (64, 1), (43, 1), (5, 40), (3, 47)],
+    ids=["150-rows", "192-rows", "129-rows", "600-rows", "423-rows"],
+)
+def test_a_groups_rows_split_into_several_items(module, members, new):
+    """A group's stacked rows (members x new tokens x 3 query heads a KV head) past one work
+    item's 128 split into several equal items on token boundaries (decodes of a batch-64 burst,
+    prefill chunks over a shared prefix), every row attending to the whole shared part once."""
+    reqs = [(100 + 3 * i, new) for i in range(members)]
+    case = Case(16, 9, 3, 64, reqs, groups=[(list(range(members)), 96)], seed=members + new)
+    out = case.run()
+    assert (out.double() - case.reference()).abs().max().item() < 2e-5
+    assert (out - case.run(groups=[])).abs().max().item() < 2e-5
+
+
 def test_fork_copy_on_write_tables(module):
     """Forked children share the parent's full pages; each has its own copy of the partial last
     page (copy-on-write) with different new tokens, then its own suffix."""
