@@ -197,13 +197,17 @@ inline void next_block(const Problem& p, const int32_t* table, int64_t h, int64_
 }
 
 // The block's nk K and V rows (at sc.koff) as float32 rows of D in sc.kt and sc.vb, converted
-// or copied: for the tiled path's many rows, contiguous scratch reads faster than float32 rows
-// in place, one head of a token row apart over scattered pages.
+// or copied, and kp[j] / vp[j] pointing at them: for the tiled path's many rows, contiguous
+// scratch reads faster than float32 rows in place, one head of a token row apart over scattered
+// pages.
 template <KV T>
-inline void block_rows(const Problem& p, int nk, int D, Scratch& sc) {
+inline void block_rows(const Problem& p, int nk, int D, Scratch& sc, const float** kp,
+                       const float** vp) {
   for (int j = 0; j < nk; ++j) {
     to_float<T>(p.k_cache + sc.koff[j], &sc.kt[j * D], D);
     to_float<T>(p.v_cache + sc.koff[j], &sc.vb[j * D], D);
+    kp[j] = &sc.kt[j * D];
+    vp[j] = &sc.vb[j * D];
   }
 }
 
@@ -251,10 +255,9 @@ inline vf lane_sums(vf* v) {
 
 // One query row of a few (a decode's query heads of one KV head) over one key block whose K and
 // V rows are float32 rows of D at kp[j] and vp[j] (kp padded to a multiple of VW keys with
-// readable rows): S = scale * q K^T as dot products,
-// VW keys at a time (their lane sums by lane_sums: no transposed copy of K), the online-softmax
-// update of the row's (m, l, out), and out += P V. `valid` keys are visible; D is a multiple of
-// kTile * VW.
+// readable rows): S = scale * q K^T as dot products, VW keys at a time (their lane sums by
+// lane_sums: no transposed copy of K), the online-softmax update of the row's (m, l, out), and
+// out += P V. `valid` keys are visible; D is a multiple of kTile * VW.
 template <int D>
 inline void row_dot(const Problem& p, const float* q, int64_t ri, int valid,
                     const float* const* kp, const float* const* vp) {
@@ -387,11 +390,7 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
   for (int64_t kb = lo; kb < end; kb += kKeyBlock) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - kb));
     next_block(p, table, h, kb, hi, end, sc);
-    block_rows<T>(p, nk, D, sc);
-    for (int j = 0; j < nk; ++j) {
-      kp[j] = &sc.kt[j * D];
-      vp[j] = &sc.vb[j * D];
-    }
+    block_rows<T>(p, nk, D, sc, kp, vp);
     // S^T = scale * K Q^T
     for (int64_t r0 = 0; r0 < rp; r0 += RW) {
       int j0 = 0;
@@ -492,11 +491,7 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
           vp[j] = reinterpret_cast<const float*>(p.v_cache + sc.koff[j]);
         }
       } else {
-        block_rows<T>(p, nk, DT, sc);
-        for (int j = 0; j < nk; ++j) {
-          kp[j] = &sc.kt[j * DT];
-          vp[j] = &sc.vb[j * DT];
-        }
+        block_rows<T>(p, nk, DT, sc, kp, vp);
       }
       for (int j = nk; j < (nk + VW - 1) / VW * VW; ++j) kp[j] = kp[0];
       for (int r = 0; r < nrows; ++r) {
