@@ -10,7 +10,19 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 VENV=.venv
 PY=$VENV/bin/python
+# Every package comes from the lock (pip constraints: exact versions of everything setup.sh
+# installs, transitive dependencies included), so a fresh machine gets what CI tested.
+# RADIXKV_LOCK=none installs the newest versions pyproject.toml's ranges allow instead (what
+# `bash .ci/newest` checks); `bash .ci/newest --relock` regenerates the lock.
+LOCK=${RADIXKV_LOCK:-requirements.lock}
 PIP=("$PY" -m pip install --disable-pip-version-check -q)
+if [ "$LOCK" != none ]; then
+    [ -f "$LOCK" ] || { echo "[setup] no lock file $LOCK" >&2; exit 1; }
+    PIP+=(-c "$LOCK")
+    echo "[setup] installing from $LOCK (sha256 $(sha256sum "$LOCK" | cut -c1-16))"
+else
+    echo "[setup] RADIXKV_LOCK=none: the newest versions pyproject.toml allows, no lock"
+fi
 
 if [ ! -x "$PY" ]; then
     echo "[setup] creating $VENV with $($PYTHON --version)"
@@ -25,10 +37,11 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "${PIP[@]}" torch==2.13.0
 fi
 
-# The package (editable) with its test extras; redone only when pyproject.toml changed. Its
-# dependencies (xgrammar included: it asks only torch>=1.10) keep the torch installed above.
+# The package (editable) with its test extras; redone only when pyproject.toml or the lock
+# changed. Its dependencies (xgrammar included: it asks only torch>=1.10) keep the torch installed
+# above.
 stamp=$VENV/.radixkv-install-stamp
-want=$(sha256sum pyproject.toml | cut -c1-16)
+want=$(cat pyproject.toml "$([ "$LOCK" = none ] && echo /dev/null || echo "$LOCK")" | sha256sum | cut -c1-16)-$LOCK
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import radixkv" 2>/dev/null; then
     echo "[setup] installing radixkv and its test extras"
     "${PIP[@]}" -e ".[test]"

@@ -10,8 +10,7 @@ Hkv, D]``; a token lives at slot ``page * page_size + offset``. See ``docs/desig
 
 Triton is imported on first use of a kernel, not with the package (PEP 562 ``__getattr__``): a
 CPU host never loads it for radixkv, even when something imports this package without using it
-(transformers probes for Hugging Face's ``kernels`` package by importing a top-level
-``kernels``, which from a radixkv checkout's root is this folder).
+(the Triton kernels import triton at module level).
 """
 
 from __future__ import annotations
@@ -19,12 +18,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .reference import decode_attention_ref, extend_attention_ref, store_kvcache_ref
+from radixkv.package_folders import package_path
+
+#: This module is the package ``radixkv.kernels``; its modules live in ``kernels/`` (see
+#: :mod:`radixkv.package_folders`).
+__path__ = package_path(__file__, "kernels")
+
+from radixkv.kernels.reference import (  # noqa: E402 (after __path__)
+    decode_attention_ref,
+    extend_attention_ref,
+    store_kvcache_ref,
+)
 
 if TYPE_CHECKING:
-    from .decode_attention import choose_num_kv_splits, decode_attention
-    from .extend_attention import extend_attention
-    from .store_kv import store_kvcache
+    from radixkv.kernels.decode_attention import choose_num_kv_splits, decode_attention
+    from radixkv.kernels.extend_attention import extend_attention
+    from radixkv.kernels.store_kv import store_kvcache
 
 #: The Triton kernels: exported name -> submodule.
 _TRITON = {

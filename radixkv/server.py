@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from radixkv.package_folders import package_path
+
+#: This module is the package ``radixkv.server``; its modules live in ``server/`` (see
+#: :mod:`radixkv.package_folders`).
+__path__ = package_path(__file__, "server")
+
 __all__ = ["create_app"]
 
 if TYPE_CHECKING:
