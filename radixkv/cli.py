@@ -317,7 +317,20 @@ def _run_info(args: argparse.Namespace) -> int:
     from radixkv.model.platform_info import platform_info
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    info = platform_info(dtype=dtype, head_dim=args.head_dim, device=args.device)
+    head_dim = args.head_dim
+    model: dict[str, object] = {}
+    if args.model:
+        from radixkv.model.arch import UnsupportedModelError
+        from radixkv.model.loader import ModelNotFoundError
+        from radixkv.model.model_info import describe
+
+        try:
+            model = describe(args.model)
+        except (UnsupportedModelError, ModelNotFoundError) as exc:
+            print(f"radixkv info: {exc}", file=sys.stderr)
+            return 2
+        head_dim = int(model["head dim"])  # type: ignore[call-overload]
+    info = model | platform_info(dtype=dtype, head_dim=head_dim, device=args.device)
     if args.json:
         print(json.dumps(info))
         return 0
@@ -336,7 +349,15 @@ def add_info_parser(sub: argparse._SubParsersAction) -> None:
         help="print the host CPU/ISA, torch threads, default dtype and the kernels radixkv picks",
         description="Print the host CPU model and ISA flags, torch version and threads, the "
         "default dtype on this host, and the attention backend and native kernel path an engine "
-        "would use (building the native kernels if they are not built yet).",
+        "would use (building the native kernels if they are not built yet). With MODEL, first "
+        "what radixkv reads of it (architecture, head dim, windows, features), or why it "
+        "refuses it.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a model as `serve --model` takes it: describe it and report for its head dim",
     )
     p.add_argument(
         "--dtype",

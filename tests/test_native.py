@@ -393,7 +393,8 @@ def test_fused_rope_float32(level_module):
 
 
 def test_fused_rope_in_place_matches_apply_rope(level_module):
-    from radixkv.model.llama import ModelConfig, RotaryEmbedding, apply_rope
+    from radixkv.model.llama import ModelConfig, apply_rope
+    from radixkv.model.rope import rotary_for
 
     cfg = ModelConfig(
         vocab_size=8,
@@ -405,7 +406,7 @@ def test_fused_rope_in_place_matches_apply_rope(level_module):
         head_dim=64,
         rope_theta=100000.0,
     )
-    cos, sin = RotaryEmbedding(cfg).lookup(torch.tensor([0, 7, 300, 2000]), torch.float32)
+    cos, sin = rotary_for(cfg).lookup(torch.tensor([0, 7, 300, 2000]), torch.float32)
     qkv = bf16(4, 960, seed=6)
     ref = apply_rope(qkv[:, :768].float().view(4, 12, 64), cos, sin)
     out = qkv.clone()

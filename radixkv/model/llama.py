@@ -1,89 +1,44 @@
-"""Our own Llama-family forward pass over the paged KV pool.
+"""radixkv's decoder: one forward pass for every architecture :mod:`radixkv.model.arch` reads,
+over the paged KV pool.
 
-Supports Llama / SmolLM / Mistral-style / Qwen2 (QKV bias) decoder-only models: RMSNorm, RoPE
-(with ``linear`` and ``llama3`` scaling), grouped-query attention, SwiGLU MLP, tied or untied
-embeddings. Weights come from a transformers model's state dict; Q/K/V are fused into one
-``Linear`` and gate/up into another, so a layer runs four matmuls.
+The layer is Llama's (RMSNorm, RoPE, grouped-query attention, a gated MLP) with the features a
+:class:`~radixkv.model.model_config.ModelConfig` switches on: q/k RMSNorm per head or over the
+projection (Qwen3, Gemma 3, OLMo 2), norms before and/or after each sub-layer (Gemma 3's
+sandwich, OLMo 2's post-norms), GeGLU, biases, a residual multiplier, a softmax scale, per-layer
+sliding windows (:mod:`radixkv.model.attention.window`) and RoPE (global, local, none), partial
+rotary (:mod:`radixkv.model.rope`), scaled embeddings, logit division and soft-capping. Q/K/V are
+fused into one ``Linear`` and gate/up into another, so a layer runs four matmuls.
 
-The attention reads and writes the KV pool through a :class:`~radixkv.model.attention.base.ForwardBatch`,
-so one forward can mix requests that extend (prefill after a cached prefix) and requests that
-decode one token.
+The attention reads and writes the KV pool through a
+:class:`~radixkv.model.attention.base.ForwardBatch`, so one forward can mix requests that extend
+(prefill after a cached prefix) and requests that decode one token.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixkv.model.attention.base import AttentionBackend, ForwardBatch
+from radixkv.model.arch import map_weights, read_config
+from radixkv.model.attention.base import AttentionBackend, ForwardBatch, split_qkv
+from radixkv.model.attention.window import WindowPlan, plan_window, windowed_attention
 from radixkv.model.linear import prepack_linears
+from radixkv.model.model_config import ModelConfig
+from radixkv.model.rope import RotaryEmbedding, apply_rope, rotary_for
 
-__all__ = ["ModelConfig", "LlamaModel", "RMSNorm", "RotaryEmbedding"]
+__all__ = ["ModelConfig", "LlamaModel", "RMSNorm", "RotaryEmbedding", "apply_rope", "model_config"]
+
+#: per forward: RoPE kind -> (cos, sin), None for NoPE layers
+RopeTables = dict[str, "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
-@dataclass
-class ModelConfig:
-    """The architecture numbers our forward pass needs."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    max_position_embeddings: int = 4096
-    eos_token_id: int | list[int] | None = None
-    hidden_act: str = "silu"
-
-    @classmethod
-    def from_hf(cls, config: Any) -> ModelConfig:
-        """Read a transformers config (Llama, Mistral, Qwen2...; transformers 4.x and 5.x)."""
-        model_type = getattr(config, "model_type", "llama")
-        if model_type not in {"llama", "mistral", "qwen2", "smollm3", "granite"} and not hasattr(
-            config, "num_key_value_heads"
-        ):
-            raise ValueError(f"unsupported model_type {model_type!r}")
-        num_heads = int(config.num_attention_heads)
-        hidden = int(config.hidden_size)
-        head_dim = getattr(config, "head_dim", None) or hidden // num_heads
-        rope_params = getattr(config, "rope_parameters", None)
-        rope_scaling = getattr(config, "rope_scaling", None)
-        theta = getattr(config, "rope_theta", None)
-        if isinstance(rope_params, dict):
-            theta = rope_params.get("rope_theta", theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = dict(rope_params)
-        if theta is None:
-            theta = 10000.0
-        attention_bias = bool(getattr(config, "attention_bias", False)) or model_type == "qwen2"
-        return cls(
-            vocab_size=int(config.vocab_size),
-            hidden_size=hidden,
-            intermediate_size=int(config.intermediate_size),
-            num_layers=int(config.num_hidden_layers),
-            num_heads=num_heads,
-            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
-            rope_theta=float(theta),
-            rope_scaling=dict(rope_scaling) if rope_scaling else None,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            max_position_embeddings=int(getattr(config, "max_position_embeddings", 4096)),
-            eos_token_id=getattr(config, "eos_token_id", None),
-            hidden_act=str(getattr(config, "hidden_act", "silu")),
-        )
+def model_config(hf_config: Any) -> ModelConfig:
+    """The :class:`ModelConfig` of a transformers config (:func:`radixkv.model.arch.read_config`:
+    refuses, by name, a ``model_type`` or field radixkv cannot serve exactly)."""
+    return read_config(hf_config)
 
 
 class RMSNorm(nn.Module):
@@ -102,82 +57,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def _rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float32) and the attention scaling for the configured RoPE."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in (None, "default"):
-        return inv_freq, 1.0
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"]), 1.0
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        low_wavelen = old_len / low
-        high_wavelen = old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
-    raise NotImplementedError(f"RoPE scaling type {kind!r} is not supported")
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE tables; :meth:`lookup` returns ``cos``/``sin`` rows for the batch's positions.
-
-    ``sin`` is returned sign-folded (``[-sin, sin]`` halves) so that applying RoPE is
-    ``x * cos + roll(x, D/2) * sin``.
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        inv_freq, self.attention_scaling = _rope_inv_freq(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._cos: torch.Tensor | None = None
-        self._sin: torch.Tensor | None = None
-        self._grow(max(config.max_position_embeddings, 1))
-
-    def _grow(self, n: int) -> None:
-        pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = freqs.shape[-1]
-        sin = emb.sin() * self.attention_scaling
-        sin[:, :half] = -sin[:, :half]
-        self._cos = emb.cos() * self.attention_scaling
-        self._sin = sin
-
-    def lookup(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin [T, 1, D]`` in ``dtype`` for ``positions [T]``."""
-        assert self._cos is not None and self._sin is not None
-        max_pos = int(positions.max()) + 1 if positions.numel() else 0
-        if max_pos > self._cos.shape[0]:
-            self._grow(max(max_pos, 2 * self._cos.shape[0]))
-        if self._cos.device != positions.device:
-            self._cos = self._cos.to(positions.device)
-            self._sin = self._sin.to(positions.device)
-        cos = self._cos.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self._sin.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of ``x [T, H, D]`` with sign-folded ``sin`` (see RotaryEmbedding)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)
+def _norm_or_none(present: bool, dim: int, eps: float) -> RMSNorm | None:
+    return RMSNorm(dim, eps) if present else None
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm decoder layer with fused QKV and gate/up projections."""
+    """One decoder layer with fused QKV and gate/up projections and the config's features."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -187,81 +72,149 @@ class DecoderLayer(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.sm_scale = config.head_dim**-0.5
-        h = config.hidden_size
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.sm_scale = config.scale
+        self.window = config.window(layer_id)
+        self.rope_kind = config.rope_kind(layer_id)
+        self.qk_norm_kind = config.qk_norm
+        self.hidden_act = config.hidden_act
+        self.residual_multiplier = config.residual_multiplier
+        h, eps, layout = config.hidden_size, config.rms_norm_eps, config.norm_layout
+        self.input_layernorm = _norm_or_none(layout in ("pre", "sandwich"), h, eps)
+        self.attn_out_norm = _norm_or_none(layout in ("sandwich", "post"), h, eps)
+        self.post_attention_layernorm = _norm_or_none(layout in ("pre", "sandwich"), h, eps)
+        self.mlp_out_norm = _norm_or_none(layout in ("sandwich", "post"), h, eps)
+        per_head = config.qk_norm == "head"
+        self.q_norm = _norm_or_none(
+            config.qk_norm is not None, self.head_dim if per_head else self.q_size, eps
+        )
+        self.k_norm = _norm_or_none(
+            config.qk_norm is not None, self.head_dim if per_head else self.kv_size, eps
+        )
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+        self.o_proj = nn.Linear(self.q_size, h, bias=config.o_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
         self.intermediate_size = config.intermediate_size
+
+    def norm_qk_(self, qkv: torch.Tensor) -> None:
+        """q/k RMSNorm of the fused projection's rows, in place (before RoPE)."""
+        if self.q_norm is None or self.k_norm is None:
+            return
+        t, qs, ks = qkv.shape[0], self.q_size, self.kv_size
+        q, k = qkv[:, :qs], qkv[:, qs : qs + ks]
+        if self.qk_norm_kind == "head":
+            q.copy_(self.q_norm(q.reshape(t, self.num_heads, -1)).view(t, qs))
+            k.copy_(self.k_norm(k.reshape(t, self.num_kv_heads, -1)).view(t, ks))
+        else:
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).split(self.intermediate_size, dim=-1)
+        if self.hidden_act == "gelu_tanh":
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
+        return self.down_proj(F.silu(gate).mul_(up))
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return x + out
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeTables,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         backend: AttentionBackend,
         meta: Any,
+        windows: dict[int, WindowPlan],
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        qkv = self.qkv_proj(h)
+        self.norm_qk_(qkv)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
-        qk = apply_rope(qk, cos, sin)
+        tables = rope[self.rope_kind]
+        if tables is not None:
+            qk = apply_rope(qk, *tables)
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.sm_scale)
-        x = x + self.o_proj(o.reshape(t, self.q_size))
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return x + self.down_proj(F.silu(gate).mul_(up))
+        plan = windows.get(self.window) if self.window is not None else None
+        if plan is not None:
+            o = windowed_attention(q, k, v, k_cache, v_cache, plan, self.sm_scale)
+        else:
+            o = backend.forward(q, k, v, k_cache, v_cache, meta, self.sm_scale)
+        a = self.o_proj(o.reshape(t, self.q_size))
+        if self.attn_out_norm is not None:
+            a = self.attn_out_norm(a)
+        x = self._residual(x, a)
+        h = self.post_attention_layernorm(x) if self.post_attention_layernorm is not None else x
+        m = self._mlp(h)
+        if self.mlp_out_norm is not None:
+            m = self.mlp_out_norm(m)
+        return self._residual(x, m)
 
     def forward_fused(
         self,
         ops: Any,
         x: torch.Tensor,
         pending: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeTables,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         backend: AttentionBackend,
         meta: Any,
+        windows: dict[int, WindowPlan],
     ) -> torch.Tensor:
         """The same layer through the native fused ops (:mod:`radixkv.model.native`), bf16 or
-        float32 rows.
+        float32 rows; pre-norm layers with SwiGLU only (:meth:`LlamaModel.fused_ops_apply`).
 
         ``x`` is the residual stream, updated in place; ``pending`` is the previous layer's MLP
-        output, not yet added (its add is fused into this layer's input RMSNorm). ``cos``/``sin``
-        are float32 ``[T, D]``. Returns this layer's MLP output, pending for the next.
+        output (times the residual multiplier), not yet added (its add is fused into this
+        layer's input RMSNorm). ``rope`` holds float32 ``[T, D]`` tables ("none": the identity,
+        cos 1 and sin 0). Returns this layer's MLP output, pending for the next.
         """
         t = x.shape[0]
-        eps = self.input_layernorm.eps
-        w_in = self.input_layernorm.weight
+        norm_in = self.input_layernorm
+        assert norm_in is not None and self.post_attention_layernorm is not None
         h = (
-            ops.rms_norm(x, w_in, eps)
+            ops.rms_norm(x, norm_in.weight, norm_in.eps)
             if pending is None
-            else ops.add_rms_norm(x, pending, w_in, eps)
+            else ops.add_rms_norm(x, pending, norm_in.weight, norm_in.eps)
         )
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        o = backend.forward_qkv(
-            ops, self.qkv_proj(h), cos, sin, heads, k_cache, v_cache, meta, self.sm_scale
-        )
+        qkv = self.qkv_proj(h)
+        self.norm_qk_(qkv)
+        tables = rope[self.rope_kind]
+        assert tables is not None
+        plan = windows.get(self.window) if self.window is not None else None
+        if plan is not None:
+            ops.rope_(qkv, tables[0], tables[1], self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k, v = split_qkv(qkv, heads)
+            o = windowed_attention(q, k, v, k_cache, v_cache, plan, self.sm_scale)
+        else:
+            o = backend.forward_qkv(
+                ops, qkv, tables[0], tables[1], heads, k_cache, v_cache, meta, self.sm_scale
+            )
+        a = self.o_proj(o.reshape(t, self.q_size))
+        if self.residual_multiplier != 1.0:
+            a.mul_(self.residual_multiplier)
         post = self.post_attention_layernorm
-        h = ops.add_rms_norm(x, self.o_proj(o.reshape(t, self.q_size)), post.weight, post.eps)
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+        h = ops.add_rms_norm(x, a, post.weight, post.eps)
+        m = self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+        if self.residual_multiplier != 1.0:
+            m.mul_(self.residual_multiplier)
+        return m
 
 
 class LlamaModel(nn.Module):
-    """Decoder-only Llama-family causal LM over a paged KV pool."""
+    """The decoder-only causal LM of every supported architecture, over a paged KV pool."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        if config.hidden_act not in ("silu", "swish"):
+        if config.hidden_act not in ("silu", "swish", "gelu_tanh"):
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
         if config.num_heads % config.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
@@ -272,10 +225,54 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config)
-        # bf16 on the CPU runs norms, RoPE and SiLU through radixkv.model.native's fused ops when built
+        self.rotaries = self._make_rotaries()
+        # CPU: norms, RoPE and SiLU through radixkv.model.native's fused ops when built
         self.use_fused_ops = True
         self.requires_grad_(False)
+
+    def _make_rotaries(self) -> dict[str, RotaryEmbedding]:
+        kinds = {self.config.rope_kind(i) for i in range(self.config.num_layers)} - {"none"}
+        with torch.device("cpu"):
+            return {kind: rotary_for(self.config, kind) for kind in sorted(kinds)}
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The global layers' RoPE tables."""
+        return self.rotaries["global"]
+
+    @property
+    def fused_ops_apply(self) -> bool:
+        """Whether the native fused layer (pre-norms, SwiGLU) computes this architecture."""
+        return self.config.norm_layout == "pre" and self.config.hidden_act in ("silu", "swish")
+
+    @classmethod
+    def from_weights(
+        cls, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str
+    ) -> LlamaModel:
+        """Build from weights in radixkv's layout (:mod:`radixkv.model.arch.common`), every
+        linear prepacked for the host."""
+        with torch.device("meta"):
+            model = cls(config)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, tensor in weights.items():
+            if name not in params:
+                raise KeyError(f"weight {name!r} has no place in radixkv's {config.model_type}")
+            module_name, _, attr = name.rpartition(".")
+            setattr(
+                model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False)
+            )
+        if "lm_head.weight" not in weights:
+            model.lm_head.weight = model.embed_tokens.weight
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:
+            raise KeyError(f"weight {missing[0]!r} missing from the state dict")
+        model.rotaries = model._make_rotaries()
+        for rotary in model.rotaries.values():
+            rotary.to(device)
+        # CPU float32, and bf16 with native bf16: every linear prepacked for oneDNN
+        # (see radixkv.model.linear)
+        prepack_linears(model)
+        return model.eval()
 
     @classmethod
     def from_hf_state_dict(
@@ -285,49 +282,51 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> LlamaModel:
-        """Build from a transformers ``LlamaForCausalLM``-style state dict (fusing QKV, gate/up)."""
-        with torch.device("meta"):
-            model = cls(config)
-        sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        """Build from a transformers state dict of ``config``'s architecture
+        (:func:`radixkv.model.arch.map_weights` fuses QKV and gate/up, and refuses a weight it
+        would drop)."""
+        return cls.from_weights(config, map_weights(config, state_dict, dtype, device), device)
 
-        def take(name: str) -> torch.Tensor:
-            if name not in sd:
-                raise KeyError(f"weight {name!r} missing from the state dict")
-            return sd[name].to(device=device, dtype=dtype)
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, rows: bool) -> RopeTables:
+        """Per RoPE kind, ``cos, sin`` at ``positions``: ``[T, 1, D]`` in ``dtype``, or with
+        ``rows`` float32 ``[T, D]`` contiguous (the fused ops'), where "none" is the identity."""
+        tables: RopeTables = {"none": None}
+        for kind, rotary in self.rotaries.items():
+            cos, sin = rotary.lookup(positions, torch.float32 if rows else dtype)
+            tables[kind] = (
+                (cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()) if rows else (cos, sin)
+            )
+        if rows and any(layer.rope_kind == "none" for layer in self.layers):
+            t, d = positions.shape[0], self.config.head_dim
+            ones = torch.ones(t, d, dtype=torch.float32, device=positions.device)
+            tables["none"] = (ones, torch.zeros_like(ones))
+        return tables
 
-        def param(t: torch.Tensor) -> nn.Parameter:
-            return nn.Parameter(t.contiguous(), requires_grad=False)
+    def _window_plans(self, batch: ForwardBatch) -> dict[int, WindowPlan]:
+        """The step's plan of each layer window that a request's span exceeds."""
+        plans = {}
+        for w in {layer.window for layer in self.layers if layer.window is not None}:
+            plan = plan_window(batch, w)
+            if plan is not None:
+                plans[w] = plan
+        return plans
 
-        model.embed_tokens.weight = param(take("embed_tokens.weight"))
-        for i, layer in enumerate(model.layers):
-            p = f"layers.{i}."
-            a = p + "self_attn."
-            layer.qkv_proj.weight = param(
-                torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"], dim=0)
-            )
-            if config.attention_bias:
-                layer.qkv_proj.bias = param(
-                    torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"], dim=0)
-                )
-            layer.o_proj.weight = param(take(a + "o_proj.weight"))
-            layer.gate_up_proj.weight = param(
-                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
-            )
-            layer.down_proj.weight = param(take(p + "mlp.down_proj.weight"))
-            layer.input_layernorm.weight = param(take(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight = param(
-                take(p + "post_attention_layernorm.weight")
-            )
-        model.norm.weight = param(take("norm.weight"))
-        if config.tie_word_embeddings or "lm_head.weight" not in sd:
-            model.lm_head.weight = model.embed_tokens.weight
-        else:
-            model.lm_head.weight = param(take("lm_head.weight"))
-        model.rotary = RotaryEmbedding(config).to(device)
-        # CPU float32, and bf16 with native bf16: every linear prepacked for oneDNN
-        # (see radixkv.model.linear)
-        prepack_linears(model)
-        return model.eval()
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        scale = self.config.embedding_scale
+        if scale == 1.0:
+            return x
+        if self.config.model_type.startswith("gemma"):  # the scale rounded to the dtype first
+            return x * torch.tensor(scale, dtype=x.dtype, device=x.device)
+        return x * scale
+
+    def _final_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.config.logits_divisor != 1.0:
+            logits = logits / self.config.logits_divisor
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def forward(
         self,
@@ -343,28 +342,31 @@ class LlamaModel(nn.Module):
         float32 copy is exact, so a consumer may make it when it needs one)."""
         dtype = self.embed_tokens.weight.dtype
         meta = backend.prepare(batch, dtype)
+        windows = self._window_plans(batch)
         ops = self._fused_ops(backend)
         if ops is not None:
             logits = self._forward_fused(
-                ops, batch, k_caches, v_caches, backend, meta, return_all_logits
+                ops, batch, k_caches, v_caches, backend, meta, windows, return_all_logits
             )
         else:
-            cos, sin = self.rotary.lookup(batch.positions, dtype)
-            x = self.embed_tokens(batch.input_ids)
+            rope = self._rope_tables(batch.positions, dtype, rows=False)
+            x = self._embed(batch.input_ids)
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, k_caches[i], v_caches[i], backend, meta)
+                x = layer(x, rope, k_caches[i], v_caches[i], backend, meta, windows)
             if not return_all_logits:
                 (x,) = _last_token_rows(batch, x)
             logits = self.lm_head(self.norm(x))
+        logits = self._final_logits(logits)
         return logits.float() if float_logits else logits
 
     def _fused_ops(self, backend: AttentionBackend) -> Any | None:
-        """The native fused ops when this model runs on the CPU and they are built: the attention
-        backend's own native build where it has one (one ISA level per runner). bf16 models use
-        them with every backend; float32 models only with a native attention backend (the plain
-        torch backend, ``RADIXKV_FP32_ATTENTION=plain``, keeps transformers' own op order)."""
+        """The native fused ops when this model runs on the CPU, its layers are pre-norm SwiGLU
+        and the ops are built: the attention backend's own native build where it has one (one
+        ISA level per runner). bf16 models use them with every backend; float32 models only
+        with a native attention backend (the plain torch backend, ``RADIXKV_FP32_ATTENTION=
+        plain``, keeps transformers' own op order)."""
         w = self.embed_tokens.weight
-        if w.device.type != "cpu" or not self.use_fused_ops:
+        if w.device.type != "cpu" or not self.use_fused_ops or not self.fused_ops_apply:
             return None
         module = getattr(backend, "module", None)
         if w.dtype == torch.float32:
@@ -385,15 +387,15 @@ class LlamaModel(nn.Module):
         v_caches: list[torch.Tensor],
         backend: AttentionBackend,
         meta: Any,
+        windows: dict[int, WindowPlan],
         return_all_logits: bool,
     ) -> torch.Tensor:
-        cos, sin = self.rotary.lookup(batch.positions, torch.float32)
-        cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
-        x = self.embed_tokens(batch.input_ids)
+        rope = self._rope_tables(batch.positions, torch.float32, rows=True)
+        x = self._embed(batch.input_ids)
         pending = None
         for i, layer in enumerate(self.layers):
             pending = layer.forward_fused(
-                ops, x, pending, cos, sin, k_caches[i], v_caches[i], backend, meta
+                ops, x, pending, rope, k_caches[i], v_caches[i], backend, meta, windows
             )
         assert pending is not None
         if not return_all_logits:

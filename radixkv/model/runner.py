@@ -25,7 +25,7 @@ from radixkv.model.attention.factory import make_attention_backend
 from radixkv.model.host_cpu import has_native_bf16
 from radixkv.model.kv_pool import KVPool
 from radixkv.model.kv_quant import is_quantized, is_rotated, kv_storage_dtype
-from radixkv.model.llama import LlamaModel, ModelConfig
+from radixkv.model.llama import LlamaModel, model_config
 
 __all__ = [
     "ModelRunner",
@@ -187,7 +187,13 @@ class ModelRunner:
         else:
             hf_config = model
         self.hf_config = hf_config
-        self.config = ModelConfig.from_hf(hf_config)
+        self.config = model_config(hf_config)
+        if self.config.has_windows and (kv_layout == "virtual" or is_quantized(self.kv_dtype)):
+            raise ValueError(
+                f"{self.config.model_type} has sliding-window layers, which radixkv attends over "
+                f"paged pages in the model's dtype: use kv_layout='paged' and "
+                f"kv_cache_dtype='auto' (got {kv_layout!r}, {kv_cache_dtype!r})"
+            )
         self.model = LlamaModel.from_hf_state_dict(self.config, state_dict, self.dtype, self.device)
         self.page_size = page_size
         if num_pages is None:
