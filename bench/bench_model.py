@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import time
 from collections.abc import Callable
 
@@ -99,8 +100,11 @@ def cases_hf(
             if extra > 0:
                 base.crop(-extra)
             nxt = torch.randint(0, cfg.vocab_size, (b, 1), generator=g)
+            # transformers 5.25 renamed the forward's past_key_values to cache
+            params = inspect.signature(hf_model.forward).parameters
+            cache_kw = "cache" if "cache" in params else "past_key_values"
             for _ in range(steps):
-                out = hf_model(nxt, past_key_values=base, use_cache=True)
+                out = hf_model(nxt, use_cache=True, **{cache_kw: base})
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
 
         cases[f"decode{b}"] = (b * steps, step)

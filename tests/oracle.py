@@ -128,7 +128,7 @@ class Oracle:
                 step = model(seq[:, :prefill], use_cache=True)
                 rows = [step.logits[0]]
                 for t in range(prefill, seq.shape[1]):
-                    step = model(seq[:, t : t + 1], past_key_values=step.past_key_values)
+                    step = model(seq[:, t : t + 1], **with_cache(model, step))
                     rows.append(step.logits[0])
                 out = torch.cat(rows)
             self._cache[key] = out.to(torch.float64)
@@ -195,8 +195,21 @@ class Oracle:
         tokens: list[int] = []
         for _ in range(n):
             tokens.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values)
+            out = model(torch.tensor([[tokens[-1]]]), **with_cache(model, out))
         return tokens
+
+
+def with_cache(model: torch.nn.Module, out: object) -> dict[str, object]:
+    """The keyword that passes ``out``'s KV cache to the next forward: ``cache`` from
+    transformers 5.25 (where ``past_key_values`` is deprecated), ``past_key_values`` before."""
+    import inspect
+
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        cache = out.past_key_values  # type: ignore[attr-defined]
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": cache}
+    return {"past_key_values": cache}
 
 
 def onednn_available() -> bool:
