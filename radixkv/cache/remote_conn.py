@@ -63,12 +63,13 @@ def redact_url(url: object) -> str:
     scheme, sep, rest = text.partition("://")
     if not sep:
         return text
+    # the query first: redis://h:6379?password=pw has no path, so its "?" is not after a "/"
+    rest, qmark, params = rest.partition("?")
     netloc, slash, path = rest.partition("/")
     if "@" in netloc:
         netloc = "***@" + netloc.rpartition("@")[2]
     query = ""
-    if "?" in path:  # unix:///sock?password=... and redis://h/0?password=...
-        path, _, params = path.partition("?")
+    if qmark:  # unix:///sock?password=..., redis://h/0?password=..., redis://h:6379?password=...
         query = "?" + "&".join(
             f"{k}=***" if k.lower() in ("password", "username", "user") else f"{k}={v}"
             for k, _, v in (part.partition("=") for part in params.split("&"))
