@@ -70,7 +70,8 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
     from radixkv.model.loader import load_model, load_tokenizer
     from radixkv.model.runner import ModelRunner, default_dtype
 
-    loaded = load_model(model) if isinstance(model, str) else model
+    # a name is streamed into radixkv's layout (no transformers model is built)
+    loaded = load_model(model, hf_model=False) if isinstance(model, str) else model
     if cfg.tokenizer:  # a tokenizer of its own (the loaded model is shared: not mutated)
         loaded = dataclasses.replace(loaded, tokenizer=load_tokenizer(cfg.tokenizer))
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -228,7 +229,7 @@ def engine_fingerprint(
         h.update(text.encode())
     if model is not None:
         try:  # a sample of the weights: tells two random models with one config apart
-            for i, p in enumerate(model.parameters()):
+            for i, p in enumerate(q for q in model.parameters() if not q.is_meta):
                 if i >= 4:
                     break
                 flat = p.detach().reshape(-1)[:4096].to("cpu", torch.float32)
@@ -238,12 +239,20 @@ def engine_fingerprint(
     return h.digest()
 
 
+def _generation_config(loaded: Any) -> Any:
+    """The model's generation config: a LoadedModel's (transformers model or streamed), or a
+    bare transformers model's."""
+    if hasattr(loaded, "generation_config"):
+        return loaded.generation_config
+    return getattr(getattr(loaded, "hf_model", None), "generation_config", None)
+
+
 def _eos_token_ids(loaded: Any) -> set[int]:
     """End-of-sequence ids from the config, the generation config and the tokenizer."""
     ids: set[int] = set()
     sources = [
         getattr(loaded.config, "eos_token_id", None),
-        getattr(getattr(loaded.hf_model, "generation_config", None), "eos_token_id", None),
+        getattr(_generation_config(loaded), "eos_token_id", None),
         getattr(loaded.tokenizer, "eos_token_id", None) if loaded.tokenizer is not None else None,
     ]
     for src in sources:

@@ -66,7 +66,7 @@ def fraction_budget_gb(
     available now, the model being loaded. Raises ``ValueError`` when nothing is left."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        weights = sum(p.numel() for p in loaded.hf_model.parameters()) * dtype.itemsize
+        weights = loaded.num_parameters() * dtype.itemsize
         held = torch.cuda.memory_reserved(device)
         budget = fraction * total - weights - held
         where = (

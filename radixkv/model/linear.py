@@ -183,7 +183,9 @@ class PackedLinear(nn.Module):
     no copy of its own).
     """
 
-    def __init__(self, linear: nn.Linear, min_rows: int = MIN_PACKED_ROWS) -> None:
+    def __init__(
+        self, linear: nn.Linear, min_rows: int = MIN_PACKED_ROWS, release_weight: bool = False
+    ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -208,8 +210,20 @@ class PackedLinear(nn.Module):
         else:
             self.kernel = "onednn"
             self.packed = _onednn_pack(self.weight)
+        if release_weight and self.kernel == "native" and self.amx_packed is None:
+            # the native GEMM reads only the packed copy: the plain one would double the
+            # layer's memory. A meta tensor keeps its shape and dtype for whoever asks.
+            self.weight = nn.Parameter(
+                torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"),
+                requires_grad=False,
+            )
 
     def __deepcopy__(self, memo: dict) -> PackedLinear:
+        if self.weight.is_meta:
+            raise RuntimeError(
+                "this PackedLinear released its plain weight (prepack_linears("
+                "release_weights=True)); build the model again to copy it"
+            )
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
         linear.weight = copy.deepcopy(self.weight, memo)
         linear.bias = copy.deepcopy(self.bias, memo)
@@ -219,6 +233,8 @@ class PackedLinear(nn.Module):
         rows = x.numel() // max(1, x.shape[-1])
         if self.amx_packed is not None and rows >= self.amx_min_rows and x.dtype == torch.bfloat16:
             return self._onednn(x, self.amx_packed)
+        if self._gemm is not None and self.weight.is_meta and x.dtype != self.weight.dtype:
+            return self(x.to(self.weight.dtype)).to(x.dtype)  # only the packed copy is held
         if self._gemm is not None and x.dtype == self.weight.dtype:
             module = _GEMM_MODULES[self._gemm]
             fn = "bf16_gemm_amx" if self.amx_tiles and rows >= AMX_MIN_ROWS else self._gemm_fn
@@ -253,12 +269,27 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def prepack_linears(model: nn.Module, names: tuple[str, ...] | None = None) -> int:
+def prepack_linears(
+    model: nn.Module,
+    names: tuple[str, ...] | None = None,
+    release: tuple[str, ...] = (),
+) -> int:
     """Replace ``nn.Linear`` modules of ``model`` by :class:`PackedLinear`; returns how many.
 
     ``names``: only children with these attribute names (e.g. ``("lm_head",)``); ``None``: all.
+    ``release``: children with these names drop their plain weight where only the packed copy is
+    read (radixkv's native GEMM), unless another module shares it; ``RADIXKV_KEEP_PLAIN_WEIGHTS=1``
+    keeps every one (a benchmark that compares against ``F.linear`` on them).
     Does nothing (returns 0) when :func:`packed_linear_supported` says no for the weights.
     """
+    if os.environ.get("RADIXKV_KEEP_PLAIN_WEIGHTS") == "1":
+        release = ()
+    shared = {
+        id(p)
+        for m in model.modules()
+        if type(m) is not nn.Linear
+        for p in m.parameters(recurse=False)
+    }
     linears = [
         (parent, name, child)
         for parent in model.modules()
@@ -271,5 +302,6 @@ def prepack_linears(model: nn.Module, names: tuple[str, ...] | None = None) -> i
     if not packed_linear_supported(w.dtype, w.device):
         return 0
     for parent, name, child in linears:
-        setattr(parent, name, PackedLinear(child))
+        free = name in release and id(child.weight) not in shared
+        setattr(parent, name, PackedLinear(child, release_weight=free))
     return len(linears)

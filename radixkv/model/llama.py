@@ -250,18 +250,22 @@ class LlamaModel(nn.Module):
         cls, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str
     ) -> LlamaModel:
         """Build from weights in radixkv's layout (:mod:`radixkv.model.arch.common`), every
-        linear prepacked for the host."""
+        linear prepacked for the host. ``weights`` is emptied: each tensor then lives in the
+        model alone, so a projection whose packed copy is all its GEMM reads frees its plain
+        one during the packing, and the load never holds both copies of every layer."""
         with torch.device("meta"):
             model = cls(config)
         params = dict(model.named_parameters(remove_duplicate=False))
-        for name, tensor in weights.items():
+        has_head = "lm_head.weight" in weights
+        for name in list(weights):  # popped: the model holds the only reference (see below)
+            tensor = weights.pop(name)
             if name not in params:
                 raise KeyError(f"weight {name!r} has no place in radixkv's {config.model_type}")
             module_name, _, attr = name.rpartition(".")
             setattr(
                 model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False)
             )
-        if "lm_head.weight" not in weights:
+        if not has_head:
             model.lm_head.weight = model.embed_tokens.weight
         missing = [n for n, p in model.named_parameters() if p.is_meta]
         if missing:
@@ -271,7 +275,9 @@ class LlamaModel(nn.Module):
             rotary.to(device)
         # CPU float32, and bf16 with native bf16: every linear prepacked for oneDNN
         # (see radixkv.model.linear)
-        prepack_linears(model)
+        # the decoder layers' projections keep only their packed copy where that is all the
+        # GEMM reads (the head may be the embedding, and stays)
+        prepack_linears(model, release=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
         return model.eval()
 
     @classmethod

@@ -48,12 +48,29 @@ class ModelNotFoundError(FileNotFoundError):
 
 @dataclass
 class LoadedModel:
-    """A loaded HF causal LM, its tokenizer and config, plus a display name."""
+    """A loaded causal LM: the transformers model (or, streamed, only its checkpoint), its
+    tokenizer and config, plus a display name.
+
+    Either ``hf_model`` is the transformers model (``load_model(..., hf_model=True)``, the
+    default: tests and benchmarks use it as the oracle), or it is None and ``weights`` is the
+    checkpoint read tensor by tensor (:class:`~radixkv.model.checkpoint.SafetensorsCheckpoint`),
+    which the engine streams into radixkv's layout without building the transformers model."""
 
     hf_model: Any
     tokenizer: Any
     config: Any
     name: str
+    weights: Any = None
+    generation: Any = None  # the streamed model's GenerationConfig (hf_model has its own)
+
+    @property
+    def generation_config(self) -> Any:
+        return getattr(self.hf_model, "generation_config", None) or self.generation
+
+    def num_parameters(self) -> int:
+        if self.hf_model is not None:
+            return sum(p.numel() for p in self.hf_model.parameters())
+        return int(self.weights.num_parameters())
 
 
 def smollm2_gguf_path() -> Path:
@@ -123,6 +140,21 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _stream_hf_dir(path: Path, name: str) -> LoadedModel:
+    """A safetensors directory as a streamed :class:`LoadedModel` (config, tokenizer, generation
+    config and the checkpoint; no weight is read yet)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from radixkv.model.checkpoint import SafetensorsCheckpoint
+
+    config = _quiet_from_pretrained(AutoConfig.from_pretrained, str(path))
+    tokenizer = _quiet_from_pretrained(AutoTokenizer.from_pretrained, str(path))
+    generation = None
+    if (path / "generation_config.json").is_file():
+        generation = _quiet_from_pretrained(GenerationConfig.from_pretrained, str(path))
+    return LoadedModel(None, tokenizer, config, name, SafetensorsCheckpoint(path), generation)
+
+
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -162,10 +194,17 @@ def _save_cache(model: Any, tokenizer: Any, target: Path, source: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+def _gguf_cache_target(path: Path) -> Path | None:
+    """The weight cache's directory for GGUF ``path`` (None with RADIXKV_NO_WEIGHT_CACHE)."""
     if os.environ.get("RADIXKV_NO_WEIGHT_CACHE"):
+        return None
+    return cache_dir() / f"{path.stem}-{_fingerprint(path)}"
+
+
+def _load_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    target = _gguf_cache_target(path)
+    if target is None:
         return _load_gguf(path, dtype)
-    target = cache_dir() / f"{path.stem}-{_fingerprint(path)}"
     if (target / "radixkv_source.json").is_file():
         try:
             return _load_hf_dir(target, dtype)
@@ -239,11 +278,44 @@ def load_tokenizer(name_or_path: str) -> Any:
     return _quiet_from_pretrained(AutoTokenizer.from_pretrained, str(path))
 
 
+def _streamed(name: str) -> LoadedModel | None:
+    """``name`` as a streamed model where it resolves to a safetensors directory (a GGUF through
+    the weight cache, made first if needed), else None."""
+    from radixkv.model.checkpoint import has_safetensors
+
+    gguf = smollm2_gguf_path() if name.lower() in _SMOLLM2_ALIASES else None
+    path = Path(name).expanduser()
+    if gguf is None and path.is_file() and path.suffix == ".gguf":
+        gguf = path
+    if gguf is not None:
+        target = _gguf_cache_target(gguf)
+        if target is None:
+            return None
+        if not (target / "radixkv_source.json").is_file():
+            _load_gguf_cached(gguf, torch.float32)  # dequantise once, into the cache
+        display = SMOLLM2_NAME if name.lower() in _SMOLLM2_ALIASES else gguf.stem
+        return _stream_hf_dir(target, display) if has_safetensors(target) else None
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        if not is_hf_id(name):
+            return None
+        path, display = resolve_hf_id(name), name
+    else:
+        display = path.name
+    return _stream_hf_dir(path, display) if has_safetensors(path) else None
+
+
 def load_model(
     name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
     dtype: torch.dtype | str | None = torch.float32,
+    hf_model: bool = True,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from local files only.
+
+    With ``hf_model=False`` (what the engine asks for) a safetensors checkpoint is not built into
+    a transformers model: the result carries the checkpoint, read tensor by tensor when radixkv
+    builds its own layout (``LoadedModel.weights``). A GGUF file is dequantised through
+    transformers on its first load and saved to the weight cache; every load streams from there.
+    Checkpoints without safetensors (``.bin``) always build the transformers model.
 
     Args:
         name_or_path: ``"smollm2"`` (alias ``"SmolLM2-135M-Instruct"``) for the packaged GGUF,
@@ -256,6 +328,10 @@ def load_model(
     """
     torch_dtype = _resolve_dtype(dtype)
     name = str(name_or_path)
+    if not hf_model:
+        streamed = _streamed(name)
+        if streamed is not None:
+            return streamed
     if name.lower() in _SMOLLM2_ALIASES:
         path = smollm2_gguf_path()
         model, tokenizer = _load_gguf_cached(path, torch_dtype)

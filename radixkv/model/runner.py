@@ -180,7 +180,9 @@ class ModelRunner:
         warn_if_emulated_bf16(self.dtype, self.device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        if state_dict is None:
+        if state_dict is None and getattr(model, "weights", None) is not None:
+            hf_config, state_dict = model.config, model.weights  # streamed (loader.py)
+        elif state_dict is None:
             hf_model = getattr(model, "hf_model", model)
             hf_config = getattr(model, "config", None) or hf_model.config
             state_dict = hf_model.state_dict()

@@ -9,6 +9,7 @@ family means a module here and a line in :data:`ARCHITECTURES`, not an edit of t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -47,7 +48,7 @@ def read_config(hf_config: Any) -> ModelConfig:
 
 def map_weights(
     config: ModelConfig,
-    state_dict: dict[str, torch.Tensor],
+    state_dict: Mapping[str, torch.Tensor],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:

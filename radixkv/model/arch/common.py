@@ -13,7 +13,7 @@ load, in float32, as Gemma's RMSNorm computes it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -161,12 +161,13 @@ class WeightTaker:
     def __init__(
         self,
         model_type: str,
-        state_dict: dict[str, torch.Tensor],
+        state_dict: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
         self.model_type = model_type
-        self.sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        self.source = state_dict  # a dict, or a checkpoint read tensor by tensor on access
+        self.sd = {k.removeprefix("model."): k for k in state_dict}  # our name -> its name
         self.dtype = dtype
         self.device = device
         self.taken: set[str] = set()
@@ -184,7 +185,7 @@ class WeightTaker:
                 "the config says the model has it",
             )
         self.taken.add(name)
-        return self.sd[name]
+        return self.source[self.sd[name]]
 
     def take(self, name: str) -> torch.Tensor:
         return self.raw(name).to(device=self.device, dtype=self.dtype)
@@ -263,7 +264,10 @@ def layer_norms(w: WeightTaker, config: ModelConfig, i: int, norm_offset: float 
 
 def finish_model(w: WeightTaker, config: ModelConfig, norm_offset: float = 0.0) -> dict[str, Any]:
     """Embeddings, final norm and head; partial rotary's permutation; the leftover check."""
-    w.put("embed_tokens.weight", w.raw("embed_tokens.weight"))
+    embed = "embed_tokens.weight"
+    if not w.has(embed) and config.tie_word_embeddings and w.has("lm_head.weight"):
+        embed = "lm_head.weight"  # tied weights saved once (safetensors keeps one name)
+    w.put("embed_tokens.weight", w.raw(embed))
     w.norm("norm.weight", "norm.weight", norm_offset)
     if not config.tie_word_embeddings and w.has("lm_head.weight"):
         w.put("lm_head.weight", w.raw("lm_head.weight"))

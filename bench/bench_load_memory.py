@@ -1,0 +1,104 @@
+"""Peak memory of loading a model into radixkv, against the size of its weights.
+
+    .venv/bin/python -m bench.bench_load_memory [--model smollm2] [--tiny gemma3] [--dtype float32]
+
+Each case runs in a fresh process: its resident set after importing torch, transformers and
+radixkv and loading a tiny model the same way (libraries, native kernels and code paths warm) is
+the baseline; then ``ModelRunner(load_model(...))`` builds the model (with a KV pool of
+one page per layer, so the pool does not count) and the process reports its peak resident set
+(``ru_maxrss``). Printed: the weights' bytes in the dtype (parameters, a tied head counted once),
+the load's peak above the baseline, and their ratio; plus the resident set left after the load.
+``--tiny NAME`` saves the largest tiny random model of tests/architectures.py first (a directory
+of safetensors, as a user's checkpoint). The GGUF model is read from radixkv's weight cache (a
+safetensors directory made on its first load), as every load after the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = r"""
+import json, resource, sys
+import torch, transformers  # noqa: F401  (the baseline includes the libraries)
+import radixkv.model.runner as runner_mod
+from radixkv.model.loader import load_model
+
+def rss_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+
+name, dtype, stream = sys.argv[1], getattr(torch, sys.argv[2]), sys.argv[3] == "1"
+# warm up every library, the native kernels and the code path on a tiny model first, so the
+# baseline holds what any load costs whatever its size
+warm = runner_mod.ModelRunner(load_model(sys.argv[4], dtype=dtype, hf_model=not stream),
+                              num_pages=2, page_size=16, dtype=dtype)
+del warm
+import gc; gc.collect()
+base = rss_kib()
+# the baseline's peak so far: the load's peak must be read above it, so reset the high-water mark
+open("/proc/self/clear_refs", "w").write("5")
+loaded = load_model(name, dtype=dtype, hf_model=not stream)
+runner = runner_mod.ModelRunner(loaded, num_pages=2, page_size=16, dtype=dtype)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+hwm = int([l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1])
+params = {id(p): p for p in runner.model.parameters()}
+weights = sum(p.numel() * p.element_size() for p in params.values())
+print(json.dumps({"base_kib": base, "peak_kib": max(hwm, 0), "after_kib": rss_kib(),
+                  "weights_bytes": weights, "maxrss_kib": peak}))
+"""
+
+
+def measure(name: str, dtype: str, stream: bool, warmup: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, name, dtype, "1" if stream else "0", warmup],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tiny", default="gemma3", help="tiny architecture to save and load too")
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    cases = [args.model]
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from architectures import tiny_model
+
+    from bench.tiny_model import byte_level_hf_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as warmup:
+        for name, where in (("llama3", warmup), (args.tiny, tmp)):
+            if name:
+                tiny_model(name).save_pretrained(where)
+                byte_level_hf_tokenizer().save_pretrained(where)
+        if args.tiny:
+            cases.append(tmp)
+        print(
+            f"{'model':<28} {'loader':<10} {'weights MiB':>11} {'peak-base MiB':>13} "
+            f"{'ratio':>6} {'after-base MiB':>14}"
+        )
+        for name in cases:
+            label = name if name == args.model else f"tiny {args.tiny}"
+            for stream in (False, True):
+                r = measure(name, args.dtype, stream, warmup)
+                w = r["weights_bytes"] / 2**20
+                peak = (r["peak_kib"] - r["base_kib"]) / 1024
+                after = (r["after_kib"] - r["base_kib"]) / 1024
+                print(
+                    f"{label:<28} {'streamed' if stream else 'hf model':<10} {w:>11.1f} "
+                    f"{peak:>13.1f} {peak / w:>6.2f} {after:>14.1f}"
+                )
+
+
+if __name__ == "__main__":
+    main()
