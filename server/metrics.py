@@ -109,6 +109,15 @@ class ServerMetrics:
             "radixkv_kv_pages_cached", "KV pages held by the prefix cache.", registry=r
         )
         self.pages_free = Gauge("radixkv_kv_pages_free", "Free KV pages.", registry=r)
+        self.pages_evictable = Gauge(
+            "radixkv_kv_pages_evictable",
+            "Cached KV pages that no running request holds (evicted when a request needs them).",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "radixkv_num_preemptions", "Requests preempted (recomputed later).", registry=r
+        )
+        self._preemptions_seen = 0
         self.kv_bytes_per_token = Gauge(
             "radixkv_kv_bytes_per_token",
             "Bytes of K and V one token takes in the pool over all layers, in its KV dtype "
@@ -181,6 +190,7 @@ class ServerMetrics:
             "pages_used": self.pages_used,
             "pages_cached": self.pages_cached,
             "pages_free": self.pages_free,
+            "pages_evictable": self.pages_evictable,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "hit_rate": self.hit_rate,
         }
@@ -188,6 +198,10 @@ class ServerMetrics:
             value = stats.get(key)
             if isinstance(value, int | float):
                 gauge.set(value)
+        preemptions = stats.get("preemptions_total")
+        if isinstance(preemptions, int) and preemptions > self._preemptions_seen:
+            self.preemptions.inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
         remote = (stats.get("tiers") or {}).get("remote")
         if isinstance(remote, Mapping):
             self.remote_up.set(1 if remote.get("available") else 0)

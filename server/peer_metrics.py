@@ -19,8 +19,10 @@ vLLM / SGLang                           radixkv
 ``vllm:num_requests_running`` /         ``radixkv_num_requests_running`` / ``_waiting``
 ``_waiting``, ``sglang:num_running_reqs``
 / ``sglang:num_queue_reqs``
-``vllm:kv_cache_usage_perc``,           ``radixkv_kv_pages_used / radixkv_kv_pages_total``
-``sglang:token_usage``                  (a fraction, 1 = full)
+``vllm:kv_cache_usage_perc``,           ``(radixkv_kv_pages_used - radixkv_kv_pages_evictable)
+``sglang:token_usage``                  / radixkv_kv_pages_total`` (a fraction, 1 = full;
+                                        cached pages no request holds are free, as in vLLM)
+``vllm:num_preemptions_total``          ``radixkv_num_preemptions_total``
 ``sglang:cache_hit_rate``               ``radixkv_cache_hit_rate``
 ``{vllm,sglang}:time_to_first_token_seconds``, ``:inter_token_latency_seconds``,
 ``:e2e_request_latency_seconds``        the ``radixkv_`` histograms of the same names
@@ -68,15 +70,23 @@ class PeerMetricNames(Collector):
                 ),
             ),
             (m.e2e, ("vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds")),
+            (m.preemptions, ("vllm:num_preemptions",)),
         ]
         for source, names in renames:
             for family in source.collect():
                 for name in names:
                     yield self._renamed(family, name)
         used, total = _value(m.pages_used), _value(m.pages_total)
-        usage = used / total if total else 0.0
+        busy = max(0.0, used - _value(m.pages_evictable))
+        usage = busy / total if total else 0.0
         for name in ("vllm:kv_cache_usage_perc", "sglang:token_usage"):
-            family = Metric(name, "KV pages in use / KV pages in the pool (1 = full).", "gauge")
+            family = Metric(
+                name,
+                "KV pages held by requests / KV pages in the pool (1 = full); cached pages that "
+                "no request holds count as free, as vLLM and SGLang count them "
+                "(radixkv_kv_pages_cached has those).",
+                "gauge",
+            )
             family.add_sample(name, {"model_name": m.model_name}, usage)
             yield family
 

@@ -18,7 +18,7 @@ Sample schema (``version`` 1 of the dashboard API; keys are only ever added)::
       "generated_tokens": int,   # cumulative tokens generated
       "running": int, "waiting": int,
       "tiers": {                 # occupancy in tokens; a tier that is off is absent
-        "device": {"used": int, "cached": int, "capacity": int},
+        "device": {"used": int, "cached": int, "evictable": int, "capacity": int},
         "host": {"used": int, "capacity": int},
         "disk": {"used_bytes": int, "capacity_bytes": int, "files": int},
         "remote": {...}          # the remote store's own counters, when there is one
@@ -60,6 +60,7 @@ def collect_sample(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
         "device": {
             "used": _int(stats.get("pages_used")) * page,
             "cached": _int(stats.get("pages_cached")) * page,
+            "evictable": _int(stats.get("pages_evictable")) * page,
             "capacity": _int(stats.get("pages_total")) * page,
             "kv_dtype": str(stats.get("kv_cache_dtype", "")),
             "bytes_per_token": _int(stats.get("kv_bytes_per_token")),

@@ -24,7 +24,9 @@ def format_stats_line(old: dict[str, Any], new: dict[str, Any]) -> str:
     generated = new.get("generated_tokens", 0) - old.get("generated_tokens", 0)
     device = new.get("tiers", {}).get("device", {})
     capacity = device.get("capacity", 0) or 0
-    used = device.get("used", 0) / capacity if capacity else 0.0
+    # vLLM's meaning: cached pages nothing running holds are free (eviction hands them out)
+    busy = max(0, device.get("used", 0) - device.get("evictable", 0))
+    used = busy / capacity if capacity else 0.0
     held = device.get("cached", 0) / capacity if capacity else 0.0
     hit = f"{cached / prompt:.1%}" if prompt else "-"
     return (

@@ -357,6 +357,9 @@ class FakeEngine:
             "pages_total": self.num_pages,
             "pages_used": used,
             "pages_cached": len(self._cache),
+            "pages_evictable": sum(
+                1 for p in self._cache.values() if not self._locks.get(p) and p not in self._pinned
+            ),
             "pages_free": len(self._free),
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,

@@ -133,7 +133,8 @@ def test_vllm_and_sglang_metric_names(srv: ServerThread) -> None:
         assert value(peer, model_name=MODEL) == value(ours), peer
     assert value("vllm:prefix_cache_hits", model_name=MODEL) > 0
     assert value("vllm:request_success", finished_reason="length", model_name=MODEL) >= 2
-    used = value("radixkv_kv_pages_used") / value("radixkv_kv_pages_total")
+    held = value("radixkv_kv_pages_used") - value("radixkv_kv_pages_evictable")
+    used = held / value("radixkv_kv_pages_total")
     assert value("vllm:kv_cache_usage_perc", model_name=MODEL) == pytest.approx(used)
     assert value("sglang:token_usage", model_name=MODEL) == pytest.approx(used)
     assert fams["vllm:time_to_first_token_seconds"].type == "histogram"
@@ -175,3 +176,34 @@ def test_start_up_warnings_about_keys() -> None:
     closed = key_warnings(KeyArgs(["k1", "k2"], None, False), "0.0.0.0")
     assert len(closed) == 1 and "no --admin-key" in closed[0]
     assert key_warnings(KeyArgs(["k1", "k2"], "adm", True), "0.0.0.0") == []
+
+
+def test_kv_usage_counts_idle_cached_pages_as_free_as_vllm_does(tiny_model) -> None:
+    """An idle server whose pool holds finished, cached prompts reads (near) 0 on
+    vllm:kv_cache_usage_perc (it read 0.98 before: autoscalers keyed on it scaled up forever),
+    while radixkv_kv_pages_cached shows what the cache holds; preemptions are counted under
+    vLLM's name; parsed with Prometheus' own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixkv import Engine
+    from radixkv.server.app import create_app
+
+    engine = Engine(model=tiny_model, dtype="float32", page_size=16, kv_cache_tokens=4096)
+    with ServerThread(create_app(engine)) as server:
+        for i in range(40):  # distinct prompts of ~100 tokens: most of the pool ends up cached
+            body = {"prompt": f"{i:03d} " + "lorem ipsum dolor " * 5, "max_tokens": 2}
+            assert httpx.post(server.base_url + "/v1/completions", json=body).status_code == 200
+        text = httpx.get(server.base_url + "/metrics").text
+        stats = server.app.state.engine_loop.call_sync(lambda e: e.stats())
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(name: str) -> float:
+        return next(s.value for s in fams[name].samples if not s.name.endswith("_created"))
+
+    assert stats["running"] == 0 and stats["pages_cached"] > 0.5 * stats["pages_total"], stats
+    assert value("radixkv_kv_pages_cached") == stats["pages_cached"]
+    assert value("vllm:kv_cache_usage_perc") == pytest.approx(
+        (stats["pages_used"] - stats["pages_evictable"]) / stats["pages_total"]
+    )
+    assert value("vllm:kv_cache_usage_perc") < 0.05
+    assert value("vllm:num_preemptions") == stats["preemptions_total"]

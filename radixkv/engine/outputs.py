@@ -122,6 +122,8 @@ def engine_stats(engine: StatsSource) -> dict[str, Any]:
         "pages_used": alloc.num_used,
         "pages_cached": cached_pages,
         "pages_free": alloc.num_free,
+        # cached pages nothing running holds: free for admission (eviction), as vLLM counts them
+        "pages_evictable": tree.evictable_size // engine.page_size,
         "cache_evictable_tokens": tree.evictable_size,
         "cache_protected_tokens": tree.protected_size,
         "requests_total": c["requests"],
