@@ -8,6 +8,12 @@ the size of the body.
   given, a request whose ``Host`` name (port dropped) is not in it is answered 421 at once. A
   server without API keys allows the loopback names only (:data:`LOOPBACK_HOSTS`) plus what
   ``--allowed-host`` adds; ``"*"`` allows any.
+* **Origin** (against cross-site requests: a page on another site can POST to a loopback server
+  without reading the answer, e.g. ``/flush_cache``): with ``allowed_hosts`` given (a keyless
+  server or router), a request that can change state (any method but GET, HEAD, OPTIONS) and
+  carries an ``Origin`` header (browsers send one on every cross-site and same-site POST) whose
+  host is not an allowed name, or ``Origin: null``, is answered 403. Clients that are not
+  browsers send no ``Origin``; the dashboard's own requests come from an allowed origin.
 * **Body size**: a ``Content-Length`` over ``max_body_bytes`` is answered 413 before a byte of the
   body is read; a body without one (chunked) is read up to the limit and refused past it, so
   no request makes the server buffer or parse more than ``max_body_bytes``.
@@ -27,6 +33,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from .protocol import error_body
 
@@ -47,6 +54,9 @@ DRAIN_FACTOR = 8
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
+#: methods a cross-site page may send without changing anything
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
 
 def host_name(host_header: str) -> str:
     """The name part of a ``Host`` header, lower case, without the port (``[::1]:80`` ->
@@ -60,8 +70,9 @@ def host_name(host_header: str) -> str:
 
 
 class RequestGuard:
-    """ASGI middleware: refuse a disallowed ``Host`` (421) or an oversized body (413) before the
-    app sees the request. ``allowed_hosts`` None: any host."""
+    """ASGI middleware: refuse a disallowed ``Host`` (421), a cross-site state-changing request
+    (403) or an oversized body (413) before the app sees the request. ``allowed_hosts`` None:
+    any host and origin."""
 
     def __init__(
         self,
@@ -92,6 +103,20 @@ class RequestGuard:
                     "host_not_allowed",
                 )
                 return
+            origin = headers.get("origin")
+            if origin is not None and scope.get("method") not in SAFE_METHODS:
+                origin_host = urlsplit(origin.strip()).hostname if origin.strip() != "null" else ""
+                if (origin_host or "").lower() not in self.allowed_hosts:
+                    await _refuse(
+                        send,
+                        403,
+                        f"a {scope.get('method')} from Origin {origin!r} is refused: a server "
+                        "without an API key takes state-changing requests only from "
+                        f"{sorted(self.allowed_hosts)} (cross-site requests); start it with "
+                        "--api-key, or --allowed-host NAME to add a name",
+                        "cross_origin",
+                    )
+                    return
         limit = self.max_body_bytes
         if limit is None or scope.get("method") in ("GET", "HEAD"):
             await self.app(scope, receive, send)

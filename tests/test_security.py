@@ -417,3 +417,28 @@ def test_the_logs_never_hold_a_key(caplog: pytest.LogCaptureFixture) -> None:
     for secret in (ADMIN, *TENANTS):
         leaked = [line for line in lines if secret in line]
         assert not leaked, leaked
+
+
+def test_cross_site_posts_are_refused_without_a_key() -> None:
+    """A page on another site POSTing to a keyless server (or router) on loopback: its browser
+    sends Origin; the request is refused before it flushes anything (it answered 200). Same-
+    origin requests (the dashboard) and clients that send no Origin still work; GETs are not
+    state-changing and stay as they were."""
+    from radixkv.server.router import create_router_app
+
+    def attack(base: str) -> None:
+        for origin in ("https://evil.example", "null", "http://127.0.0.1.evil.example"):
+            r = httpx.post(f"{base}/flush_cache", headers={"Origin": origin})
+            assert r.status_code == 403, (base, origin, r.text)
+            assert r.json()["error"]["code"] == "cross_origin"
+        same = httpx.post(f"{base}/flush_cache", headers={"Origin": base})
+        assert same.status_code == 200, same.text
+        assert httpx.post(f"{base}/flush_cache").status_code == 200
+        r = httpx.get(f"{base}/health", headers={"Origin": "https://evil.example"})
+        assert r.status_code == 200
+
+    with ServerThread(create_app(FakeEngine(), model_name=MODEL)) as srv:
+        attack(srv.base_url)
+        assert complete(srv.base_url, None, "ordinary traffic").status_code == 200
+        with ServerThread(create_router_app([srv.base_url], health_interval=0.2)) as router:
+            attack(router.base_url)
