@@ -103,4 +103,10 @@ def key_warnings(keys: KeyArgs, host: str) -> list[str]:
             "several API keys (or tenants) and no --admin-key: the admin routes (flush, pin, "
             "integrity, the tree, global stats, metrics) are closed to every key"
         )
+    if len(keys.api_keys) > 1 and not keys.salt_from_api_key:
+        out.append(
+            f"{len(keys.api_keys)} API keys share one prefix-cache namespace: each key's "
+            "requests can hit (and time) the others' cached prompts; --salt-from-api-key gives "
+            "every key a namespace of its own"
+        )
     return out

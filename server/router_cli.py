@@ -107,7 +107,7 @@ def serve_router_app(app: object, host: str, port: int, log_level: str) -> None:
 
 def run_router(args: argparse.Namespace) -> int:
     """Build the router app and serve it until interrupted. Returns the exit code."""
-    from radixkv.server.key_flags import keys_from_args
+    from radixkv.server.key_flags import key_warnings, keys_from_args
     from radixkv.server.router import create_router_app
 
     logging.basicConfig(
@@ -125,6 +125,8 @@ def run_router(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the message names the file, never a key
         print(f"radixkv router: {exc}", file=sys.stderr)
         return 2
+    for warning in key_warnings(keys, args.host):
+        logging.getLogger("radixkv.server.router").warning("%s", warning)
     api_keys, admin_key = keys.api_keys, keys.admin_key
     try:
         app = create_router_app(

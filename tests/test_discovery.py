@@ -173,9 +173,13 @@ def test_start_up_warnings_about_keys() -> None:
     assert key_warnings(KeyArgs([], None, False), "127.0.0.1") == []
     assert "without --api-key" in key_warnings(KeyArgs([], None, False), "0.0.0.0")[0]
     assert key_warnings(KeyArgs(["k"], None, False), "0.0.0.0") == []
-    closed = key_warnings(KeyArgs(["k1", "k2"], None, False), "0.0.0.0")
+    closed = key_warnings(KeyArgs(["k1", "k2"], None, True), "0.0.0.0")
     assert len(closed) == 1 and "no --admin-key" in closed[0]
     assert key_warnings(KeyArgs(["k1", "k2"], "adm", True), "0.0.0.0") == []
+    # several keys in one cache namespace: each can hit (and time) the others' prompts
+    (shared,) = key_warnings(KeyArgs(["k1", "k2"], "adm", False), "127.0.0.1")
+    assert "2 API keys share one prefix-cache namespace" in shared
+    assert "--salt-from-api-key" in shared
 
 
 def test_kv_usage_counts_idle_cached_pages_as_free_as_vllm_does(tiny_model) -> None:
