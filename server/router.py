@@ -72,6 +72,7 @@ from prometheus_client import (
 
 from radixkv.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, RequestGuard
 from radixkv.server.protocol import APIError, error_body
+from radixkv.server.redaction import install_access_log_redactor
 from radixkv.server.router_policy import (
     POLICIES,
     ReplicaPrefixIndex,
@@ -228,6 +229,7 @@ def create_router_app(
     # the replicas' guards, before the router reads a body: its size, and (keyless) the Host
     hosts = sorted(LOOPBACK_HOSTS) if ring.open else None
     app.add_middleware(RequestGuard, max_body_bytes=DEFAULT_MAX_BODY_BYTES, allowed_hosts=hosts)
+    install_access_log_redactor()  # a key typed into a query string never reaches the log
     app.state.replicas = states
     app.state.policy = pol
     app.state.metrics = metrics

@@ -442,3 +442,22 @@ def test_cross_site_posts_are_refused_without_a_key() -> None:
         assert complete(srv.base_url, None, "ordinary traffic").status_code == 200
         with ServerThread(create_router_app([srv.base_url], health_interval=0.2)) as router:
             attack(router.base_url)
+
+
+def test_the_router_alone_redacts_keys_in_its_access_log() -> None:
+    """A process that runs only the router (``radixkv router``) put no redactor on uvicorn's
+    access log: ``/dashboard?key=...`` was logged in clear there. In a fresh process, building
+    the router app installs it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging\n"
+        "from radixkv.server.router import create_router_app\n"
+        "from radixkv.server.redaction import QueryKeyRedactor\n"
+        "create_router_app(['http://127.0.0.1:9'], api_keys=['k'])\n"
+        "access = logging.getLogger('uvicorn.access')\n"
+        "assert any(isinstance(f, QueryKeyRedactor) for f in access.filters), access.filters\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
