@@ -26,11 +26,16 @@ one for the dtype). Timings interleave the paths and keep each one's best of
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+# this bench compares radixkv's packed linears with F.linear on the same layers' plain weights,
+# which the model otherwise drops where the native GEMM reads only the packed copy
+os.environ.setdefault("RADIXKV_KEEP_PLAIN_WEIGHTS", "1")
 
 from radixkv.model.linear import native_gemm_module
 from radixkv.model.loader import load_model
