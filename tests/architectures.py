@@ -13,6 +13,15 @@ import torch
 
 #: the byte-level test tokenizer's vocabulary (bench/tiny_model.py: 3 specials + 256 bytes)
 VOCAB = 259
+#: llama3 RoPE scaling, with an original context short enough that the test prompts reach it
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 50000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 #: the sliding window of the windowed architectures: shorter than the test prompts (30-51)
 WINDOW = 20
 
@@ -39,14 +48,7 @@ def llama3() -> Any:
     return LlamaConfig(
         **_common(
             head_dim=32,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 50000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
+            rope_parameters=dict(LLAMA3_ROPE),
         )
     )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from architectures import CONFIGS, WINDOW, tiny_model
+from architectures import CONFIGS, LLAMA3_ROPE, WINDOW, tiny_model
 from kernel_paths import bf16_paths, fp32_paths
 from oracle import BF16, FP32, Oracle
 from test_model import MixedScenario, run_and_judge
@@ -74,16 +74,7 @@ def test_every_feature_is_read(arch):
         "phi3": dict(rotary_dim=60, head_dim=80),
         "smollm3": dict(layer_rope=["global", "none", "global"]),
         "qwen2": dict(attention_bias=True, o_bias=False),
-        "llama3": dict(
-            rope_scaling={
-                "rope_type": "llama3",
-                "rope_theta": 50000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            }
-        ),
+        "llama3": dict(rope_scaling=LLAMA3_ROPE),
     }.get(name, {})
     for field, value in expect.items():
         assert getattr(c, field) == value, (name, field)
