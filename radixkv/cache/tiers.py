@@ -36,7 +36,7 @@ loads it with the disk pages. Redis may drop any page at any time: a missing or 
 the continuation there.
 
 Disk keys are chained page hashes (:func:`~radixkv.cache.disk_store.chain_hashes`) rooted in a
-fingerprint of the model (name, config, a sample of the weights), the KV dtype, the page size and
+fingerprint of the model (name, config, a digest of every weight byte), the KV dtype, the page size and
 the KV layout (``radixkv.engine.assembly.engine_fingerprint``, which also builds the tiers), so a restarted engine on the same directory finds its own prefixes and never uses
 another model's.
 

@@ -106,7 +106,7 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
     tree = RadixTree(allocator, cfg.page_size, eviction_policy=cfg.eviction_policy)
     virtual = getattr(runner, "virtual", None)
     layout = VirtualLayout(virtual) if virtual is not None else None
-    tiers = build_tiers(cfg, loaded.name, runner, tree, allocator)
+    tiers = build_tiers(cfg, loaded.name, runner, tree, allocator, loaded)
     kv = KVManager(
         allocator,
         tree,
@@ -143,9 +143,12 @@ def build_tiers(
     runner: ModelRunner,
     tree: RadixTree,
     allocator: BlockAllocator,
+    loaded: Any = None,
 ) -> TieredCache | None:
     """The host / disk / remote tiers ``cfg`` configures under ``tree`` (None without any):
-    they hook the tree's eviction and insert events and share the runner's KV pool layout."""
+    they hook the tree's eviction and insert events and share the runner's KV pool layout.
+    Tiers that outlive the process (disk, remote) are keyed by a digest of every weight byte of
+    ``loaded`` (:func:`radixkv.model.weights_digest.weights_digest`, cached per model file)."""
     if not (cfg.host_cache_tokens or cfg.disk_cache_dir or cfg.remote_cache_url):
         return None
     from radixkv.cache.disk_store import DiskStore
@@ -160,6 +163,12 @@ def build_tiers(
         if cfg.host_cache_tokens
         else None
     )
+    digest = None
+    if loaded is not None and (cfg.disk_cache_dir or cfg.remote_cache_url):
+        from radixkv.model.loader import cache_dir
+        from radixkv.model.weights_digest import weights_digest
+
+        digest = weights_digest(loaded, cache_dir() / "weight-digests")
     fp = engine_fingerprint(
         model_name,
         kv_pool,
@@ -167,6 +176,7 @@ def build_tiers(
         getattr(runner, "model", None),
         getattr(runner, "hf_config", None),
         compute_dtype=getattr(runner, "dtype", None),
+        weights_digest=digest,
     )
     mac_key = configured_mac_key(cfg.kv_mac_key_file)  # None: the stores' own default
     disk = None
@@ -204,8 +214,10 @@ def engine_fingerprint(
     model: Any = None,
     config: Any = None,
     compute_dtype: torch.dtype | None = None,
+    weights_digest: bytes | None = None,
 ) -> bytes:
-    """sha256 over the model name, its config, a sample of its weights, the KV dtype (for
+    """sha256 over the model name, its config, its weights (``weights_digest``: every byte;
+    without one, a sample of the first tensors), the KV dtype (for
     quantized pages also their format and the model dtype they were computed in), the page size
     and the KV layout: files written under one fingerprint are never read under another."""
     h = hashlib.sha256()
@@ -227,7 +239,9 @@ def engine_fingerprint(
         except Exception:
             text = repr(config)
         h.update(text.encode())
-    if model is not None:
+    if weights_digest is not None:  # every weight byte (radixkv.model.weights_digest)
+        h.update(weights_digest)
+    elif model is not None:
         try:  # a sample of the weights: tells two random models with one config apart
             for i, p in enumerate(q for q in model.parameters() if not q.is_meta):
                 if i >= 4:

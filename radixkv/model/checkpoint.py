@@ -65,6 +65,10 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._where)
 
+    def files(self) -> list[Path]:
+        """The shard files, sorted."""
+        return sorted(set(self._where.values()))
+
     def num_parameters(self) -> int:
         """Elements of every tensor, read from the headers (no tensor is loaded)."""
         from safetensors import safe_open
