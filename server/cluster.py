@@ -376,7 +376,9 @@ def add_cluster_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         default="auto",
         help="the front: sgl-router (PyPI sglang-router) as a child process, or radixkv's "
         "router in this process; auto (the default) takes sgl-router (as good or better on "
-        "bench_router: hit rate, TTFT, throughput) unless the replicas have several API keys "
+        "bench_router: hit rate, TTFT, throughput) when the replicas take exactly one API key, "
+        "radixkv's router otherwise: keyless (sgl-router has no Host check, so a keyless one is "
+        "open to DNS rebinding; --router sglang is refused without a key), or several API keys "
         "or tenants (--salt-from-api-key), which only radixkv's router checks and keeps apart",
     )
     p.add_argument(
@@ -429,13 +431,18 @@ def router_keys(serve_args: Sequence[str]) -> dict[str, Any]:
 
 def choose_router(choice: str, keys: dict[str, Any]) -> str:
     """``auto``: sgl-router (bench_router: as good or better than radixkv's on hit rate, TTFT
-    and throughput at 2 and 4 replicas), unless the replicas take several API keys or tenants
-    (``--salt-from-api-key``): sgl-router checks one key and its prefix tree is shared by all
-    callers, radixkv's router checks every key and keeps each tenant's prompts apart."""
+    and throughput at 2 and 4 replicas) when the replicas take exactly one API key and no
+    tenants; radixkv's router otherwise. Keyless, because sgl-router has no ``Host`` check and
+    forwards with a loopback ``Host``: a web page whose name resolves to 127.0.0.1 (DNS
+    rebinding) would read completions (and ``cached_tokens``, an oracle for the operator's
+    prompts) and register its own worker with ``POST /workers``; radixkv's router refuses a
+    non-loopback ``Host`` (421) and a cross-site POST (403) as the replicas do. With several keys
+    or tenants (``--salt-from-api-key``), because sgl-router checks one key and its prefix tree
+    is shared by all callers."""
     if choice != "auto":
         return choice
-    tenants = len(keys["api_keys"]) > 1 or bool(keys["salt_from_api_key"])
-    return "radixkv" if tenants else "sglang"
+    one_key = len(keys["api_keys"]) == 1 and not keys["salt_from_api_key"]
+    return "sglang" if one_key else "radixkv"
 
 
 def run_cluster(args: argparse.Namespace) -> int:

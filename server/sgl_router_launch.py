@@ -179,17 +179,27 @@ class SglRouter:
         self.stop()
 
 
-def sgl_router_key(keys: dict[str, Any]) -> str | None:
-    """The one API key sgl-router can take from :func:`~radixkv.server.cluster.router_keys`'s
-    ``keys`` (None without keys). Raises ``ValueError`` for several keys: sgl-router checks a
-    single ``--api-key``, so the others' holders would get 401s from it."""
+def sgl_router_key(keys: dict[str, Any]) -> str:
+    """The one API key sgl-router takes from :func:`~radixkv.server.cluster.router_keys`'s
+    ``keys``. Raises ``ValueError`` without a key (sgl-router has no ``Host`` check and forwards
+    with a loopback ``Host``, so a keyless sgl-router on loopback serves any web page whose name
+    resolves to 127.0.0.1: DNS rebinding; with a key, such a page gets 401 on every path) and for
+    several keys (sgl-router checks a single ``--api-key``, so the others' holders would get
+    401s from it)."""
     api_keys = keys["api_keys"]
+    if not api_keys:
+        raise ValueError(
+            "--router sglang needs an API key (--api-key or --api-key-file after --): "
+            "sgl-router has no Host check, so a keyless one is open to DNS rebinding (a web "
+            "page whose name resolves to 127.0.0.1 could read completions and register its own "
+            "worker); without a key use --router radixkv, which refuses a non-loopback Host"
+        )
     if len(api_keys) > 1:
         raise ValueError(
             f"--router sglang takes one API key and the replicas take {len(api_keys)}: "
             "sgl-router checks a single key (use --router radixkv for several keys or tenants)"
         )
-    return api_keys[0] if api_keys else None
+    return str(api_keys[0])
 
 
 def serve_sgl_router(urls: Sequence[str], port: int, policy: str, keys: dict[str, Any], args: Any):

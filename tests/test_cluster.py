@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -27,8 +28,8 @@ PROMPT = (
 )
 
 
-def _complete(base: str, model: str) -> dict:
-    r = httpx.post(
+def _complete(base: str, model: str, http: Any = httpx) -> dict:
+    r = http.post(
         base + "/v1/completions",
         json={"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0},
         timeout=120,
@@ -90,9 +91,28 @@ def test_cluster_command_shares_prefixes_and_stops_on_ctrl_c(tmp_path) -> None:
         assert via["choices"][0]["text"] == a["choices"][0]["text"]
         for url in replicas:  # each replica runs on its own CPU set
             assert httpx.get(url + "/health").status_code == 200
+        # keyless, so the front is radixkv's router (issue 59: a keyless sgl-router served a
+        # page that DNS rebinding pointed at 127.0.0.1, and took its POST /workers)
+        _assert_refuses_dns_rebinding(base, model)
     finally:
         _ctrl_c(proc, 120)
     _assert_all_down(proc, [base, *replicas], tmp_path)
+
+
+def _assert_refuses_dns_rebinding(base: str, model: str) -> None:
+    """A web page whose name resolves to 127.0.0.1 (``Host: rebind.attacker.example``) reads no
+    completion and registers no worker; a cross-site POST is refused; a local client is served."""
+    rebound = {"Host": "rebind.attacker.example"}
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 2}
+    r = httpx.post(base + "/v1/completions", json=body, headers=rebound, timeout=30)
+    assert r.status_code == 421 and "cached_tokens" not in r.text, r.text
+    worker = {"url": "http://rebind.attacker.example:80"}
+    for path in ("/workers", "/add_worker"):
+        r = httpx.post(base + path, json=worker, headers=rebound, timeout=30)
+        assert r.status_code == 421, (path, r.status_code, r.text)
+    evil = {"Origin": "https://evil.example"}
+    assert httpx.post(base + "/flush_cache", headers=evil, timeout=30).status_code == 403
+    assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
 
 
 def _ctrl_c(proc: subprocess.Popen, timeout: float) -> None:
@@ -367,7 +387,8 @@ def test_sgl_router_gets_the_key_in_its_environment_never_on_its_command_line(
     assert got == [["--port", "9100", "--api-key", "sk-secret-1"]]
     assert sgl.API_KEY_ENV not in os.environ
 
-    assert sgl.sgl_router_key({"api_keys": []}) is None
+    with pytest.raises(ValueError, match="DNS rebinding"):
+        sgl.sgl_router_key({"api_keys": []})
     assert sgl.sgl_router_key({"api_keys": ["a"]}) == "a"
     keys = tmp_path / "keys.txt"
     keys.write_text("key-a\nkey-b\n")
@@ -419,11 +440,16 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
     # tokens in 1-2 s, and a stream the victim held had finished before the kill)
     model_dir = _tiny_model_dir(tmp_path / "tiny", context=16384)
     port = free_port_run(3)  # the router's, then the two replicas'
+    key = "sk-cluster-sgl-0123456789"
+    key_file = tmp_path / "key.txt"
+    key_file.write_text(key + "\n")
+    http = httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=30)
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixkv", "cluster", "--router", "sglang", "--replicas", "2"]
         + ["--port", str(port), "--model", model_dir]
         + ["--policy", "round_robin", "--log-dir", str(tmp_path / "logs")]
-        + ["--log-level", "warning", "--", "--dtype", "float32", "--attention-backend", "torch"],
+        + ["--log-level", "warning", "--", "--dtype", "float32", "--attention-backend", "torch"]
+        + ["--api-key-file", str(key_file)],  # sgl-router runs only with a key (issue 59)
         start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -433,7 +459,7 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"radixkv cluster exited: {_log_tails(tmp_path / 'logs')}"
             try:
-                ready = httpx.get(base + "/readiness", timeout=2).json()
+                ready = http.get(base + "/readiness", timeout=2).json()
                 if ready.get("healthy_workers") == 2:
                     break
             except (httpx.HTTPError, ValueError):
@@ -441,9 +467,19 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
             time.sleep(0.5)
         else:
             pytest.fail("the cluster with sgl-router did not come up")
-        model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-        via = _complete(base, model)
-        direct = _complete(replicas[0], model)
+        # a page that DNS rebinding pointed at 127.0.0.1 has no key: no completion (no
+        # cached_tokens oracle), no worker registered
+        model = http.get(base + "/v1/models").json()["data"][0]["id"]
+        rebound = {"Host": "rebind.attacker.example"}
+        for method, path, body in (
+            ("POST", "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2}),
+            ("POST", "/workers", {"url": "http://rebind.attacker.example:80"}),
+        ):  # (sgl-router answers /v1/models, the served name, from its registry without a key)
+            r = httpx.request(method, base + path, json=body, headers=rebound, timeout=30)
+            assert r.status_code == 401, (path, r.status_code, r.text)
+        assert len(http.get(base + "/workers").json()["workers"]) == 2
+        via = _complete(base, model, http)
+        direct = _complete(replicas[0], model, http)
         assert via["choices"][0]["text"] == direct["choices"][0]["text"]
         assert via["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
 
@@ -460,10 +496,10 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
             body |= {"ignore_eos": True, "temperature": 0.0, "stream": stream}
             try:
                 if not stream:
-                    r = httpx.post(base + "/v1/completions", json=body, timeout=90)
+                    r = http.post(base + "/v1/completions", json=body, timeout=90)
                     outcomes[name] = (f"status {r.status_code}", time.monotonic())
                     return
-                with httpx.stream("POST", base + "/v1/completions", json=body, timeout=90) as r:
+                with http.stream("POST", base + "/v1/completions", json=body, timeout=90) as r:
                     streaming[name].set()  # the replica answered: it holds this stream
                     rest = list(r.iter_lines())
                 if "data: [DONE]" not in rest:
@@ -485,7 +521,7 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         def load() -> list[int]:
             loads = []
             for u in replicas:
-                stats = httpx.get(u + "/cache/stats").json()
+                stats = http.get(u + "/cache/stats").json()
                 loads.append(int(stats["running"]) + int(stats.get("waiting", 0)))
             return loads
 
@@ -553,7 +589,7 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
             if n.startswith("whole")
         ), kinds
         for i in range(6):  # later requests go to the surviving replica (retried or routed)
-            r = httpx.post(
+            r = http.post(
                 base + "/v1/completions",
                 json={"model": model, "prompt": f"after the kill {i}", "max_tokens": 4},
                 timeout=60,
@@ -566,7 +602,7 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
         def ask(i: int) -> None:
             body = {"model": model, "prompt": f"while Redis dies {i} " * 8, "max_tokens": 24}
             try:
-                r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+                r = http.post(base + "/v1/completions", json=body, timeout=60)
                 if r.status_code != 200:
                     failures.append(f"{i}: {r.status_code} {r.text[:200]}")
             except httpx.HTTPError as exc:
@@ -595,12 +631,31 @@ def test_cluster_with_sgl_router_serves_and_survives_a_killed_replica(tmp_path: 
     assert (tmp_path / "logs" / "router.log").is_file()
 
 
-def test_auto_picks_sgl_router_unless_there_are_tenants() -> None:
+def test_auto_picks_sgl_router_for_exactly_one_key() -> None:
     from radixkv.server.cluster import choose_router, router_keys
 
-    assert choose_router("auto", router_keys([])) == "sglang"
+    assert choose_router("auto", router_keys([])) == "radixkv"  # keyless: the Host guard
     assert choose_router("auto", router_keys(["--api-key", "k1"])) == "sglang"
     assert choose_router("auto", router_keys(["--api-key", "k1", "--api-key", "k2"])) == "radixkv"
     salted = router_keys(["--api-key", "k1", "--salt-from-api-key"])
     assert choose_router("auto", salted) == "radixkv"
     assert choose_router("radixkv", router_keys([])) == "radixkv"
+
+
+def test_a_keyless_cluster_never_starts_sgl_router(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 59: ``radixkv cluster --router sglang`` without a key (sgl-router has no Host check,
+    so it would serve a DNS-rebinding page) is refused before anything starts, saying why."""
+    import argparse
+
+    from radixkv.server import cluster as cluster_mod
+
+    parser = argparse.ArgumentParser()
+    cluster_mod.add_cluster_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["cluster", "--router", "sglang", "--", "--dtype", "float32"])
+    started: list = []
+    monkeypatch.setattr(cluster_mod.Cluster, "start", lambda self: started.append(self))
+    assert cluster_mod.run_cluster(args) == 2 and not started
+    err = capsys.readouterr().err
+    assert "needs an API key" in err and "DNS rebinding" in err and "--router radixkv" in err
