@@ -140,6 +140,10 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine_loop.start(asyncio.get_running_loop())
         history.start(sample)
+        if trust_request_chat_template:  # its processes start now, beside the engine's
+            from radixkv.engine.template_sandbox import TemplateSandbox
+
+            ctx.template_sandbox = TemplateSandbox()
         if prefaulter is not None:
             prefaulter.start()
         try:
@@ -148,6 +152,8 @@ def create_app(
             if prefaulter is not None:
                 await asyncio.to_thread(prefaulter.stop)
             await history.stop()
+            if ctx.template_sandbox is not None:
+                ctx.template_sandbox.close()
             await asyncio.to_thread(engine_loop.stop)
             # graceful shutdown (uvicorn's lifespan end: SIGTERM, SIGINT): make the disk tier
             # durable, in bounded time; never while a step may still be running

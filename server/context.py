@@ -50,6 +50,9 @@ class ServerContext:
     keyed: bool = False
     #: chat requests may bring their own ``chat_template`` (``--trust-request-chat-template``)
     trust_request_chat_template: bool = False
+    #: where those templates render (:class:`~radixkv.engine.template_sandbox.TemplateSandbox`,
+    #: started with the app when they are trusted)
+    template_sandbox: Any = None
 
     def check_model(self, name: str | None) -> None:
         """A request's ``model``: None (the served model) or one of ``accepted_names``."""
@@ -64,15 +67,24 @@ class ServerContext:
 
     def template_options(self, body: Any) -> dict[str, Any]:
         """A chat body's template options (``ChatTemplateFields``); its own ``chat_template``
-        is a 400 unless the server trusts request templates."""
-        if body.chat_template is not None and not self.trust_request_chat_template:
+        is a 400 unless the server trusts request templates, and renders in the template
+        sandbox, bounded in time and memory, one render in flight per key (issue 59)."""
+        options = dict(body.template_options())
+        if body.chat_template is None:
+            return options
+        if not self.trust_request_chat_template:
             raise APIError(
                 400,
                 "a chat_template in the request is refused: this server was not started with "
                 "--trust-request-chat-template",
                 param="chat_template",
             )
-        return dict(body.template_options())
+        if self.template_sandbox is None:
+            raise APIError(503, "the chat template sandbox is not running", type="server_error")
+        caller = REQUEST_CALLER.get()
+        options["sandbox"] = self.template_sandbox
+        options["sandbox_key"] = caller.key_id if self.keyed and caller is not None else None
+        return options
 
     async def submit(
         self,

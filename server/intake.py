@@ -6,13 +6,15 @@ field)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from radixkv.engine.chat_template import render_chat
+from radixkv.engine.chat_template import encode_rendered, render_chat_text
+from radixkv.engine.template_sandbox import TemplateBusyError, TemplateLimitError
 
 from .protocol import APIError
 
@@ -21,12 +23,14 @@ __all__ = [
     "apply_chat_template",
     "chat_token_ids",
     "check_prompt_not_empty",
+    "conversation_chars",
     "check_text_length",
     "make_sampling_params",
     "named_field",
     "new_id",
     "prompt_token_ids",
     "now",
+    "render_text",
     "resolve_max_tokens",
     "tokenize_text",
     "usage_dict",
@@ -83,11 +87,24 @@ def tokenize_text(engine: Any, text: str) -> list[int]:
 def apply_chat_template(
     tokenizer: Any, messages: list[dict[str, Any]], **options: Any
 ) -> list[int]:
-    """Token ids of the rendered conversation (:func:`radixkv.engine.chat_template.render_chat`,
-    the engine's own path, with its ``options``); a model without a template or a template
-    error is a 400."""
+    """Token ids of the rendered conversation (:func:`render_chat_text` with ``options``, then
+    :func:`encode_rendered`: the engine's own path); a model without a template or a template
+    error is a 400, a template past its sandbox's bounds a 400, a sandbox with no slot a 429
+    (this key's) or 503 (every process's)."""
+    return encode_rendered(tokenizer, render_text(tokenizer, messages, **options))
+
+
+def render_text(tokenizer: Any, messages: list[dict[str, Any]], **options: Any) -> str:
+    """:func:`~radixkv.engine.chat_template.render_chat_text`, its errors as HTTP errors (see
+    :func:`apply_chat_template`)."""
     try:
-        return render_chat(tokenizer, messages, **options)
+        return render_chat_text(tokenizer, messages, **options)
+    except TemplateBusyError as exc:
+        code = "key_limit" if exc.status == 429 else "template_busy"
+        kind = "rate_limit_error" if exc.status == 429 else "server_error"
+        raise APIError(exc.status, str(exc), type=kind, param="chat_template", code=code) from exc
+    except TemplateLimitError as exc:
+        raise APIError(400, str(exc), param="chat_template", code="template_limit") from exc
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from exc
 
@@ -124,15 +141,27 @@ async def prompt_token_ids(
     return await asyncio.to_thread(tokenize_text, engine, prompt)
 
 
+def conversation_chars(messages: list[dict[str, Any]], extra: Any = None) -> int:
+    """Characters of everything a chat template may render: every field of every message
+    (``content``, ``tool_calls``, ``name``, extra fields) and ``extra`` (the template's keyword
+    arguments), as JSON."""
+    return len(json.dumps([messages, extra], ensure_ascii=False, default=str))
+
+
 async def chat_token_ids(engine: Any, messages: list[dict[str, Any]], **options: Any) -> list[int]:
-    """The conversation's token ids as the chat endpoint renders it (:func:`apply_chat_template`,
-    off the event loop), after the length check of its text (:func:`check_text_length`).
-    ``options``: ``render_chat``'s; the template defaults to the engine's ``chat_template``
-    (``--chat-template``), else the model's."""
-    check_text_length(engine, sum(len(str(m.get("content") or "")) for m in messages), "messages")
+    """The conversation's token ids as the chat endpoint renders it: the length check of all it
+    holds (:func:`conversation_chars`, :func:`check_text_length`), the template rendered off the
+    event loop and off the tokenizer lock (:func:`render_text`; a request's own template in the
+    sandbox ``options`` names), the length check of the rendered text, then the text tokenized.
+    ``options``: ``render_chat_text``'s; the template defaults to the engine's
+    ``chat_template`` (``--chat-template``), else the model's."""
+    extra = options.get("chat_template_kwargs")
+    check_text_length(engine, conversation_chars(messages, extra), "messages")
     tokenizer = getattr(engine, "tokenizer", None)
     options.setdefault("chat_template", getattr(engine, "chat_template", None))
-    return await asyncio.to_thread(apply_chat_template, tokenizer, messages, **options)
+    text = await asyncio.to_thread(render_text, tokenizer, messages, **options)
+    check_text_length(engine, len(text), "messages")  # the template may have multiplied it
+    return await asyncio.to_thread(encode_rendered, tokenizer, text)
 
 
 def make_sampling_params(kwargs: dict[str, Any]) -> Any:

@@ -288,12 +288,61 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing() -> None:
                 "/v1/chat/completions",
                 {"model": MODEL, "messages": [{"role": "user", "content": huge}]},
             ),
+            *(
+                ("/v1/chat/completions", {"model": MODEL, "messages": m})
+                for m in _long_fields(huge)
+            ),
+            (
+                "/v1/chat/completions",
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "chat_template_kwargs": {"x": huge},
+                },
+            ),  # fmt: skip
         ):
             r = httpx.post(f"{base}{path}", json=body, timeout=30)
             assert r.status_code == 400, (path, r.text)
             assert r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert not any(n >= len(huge) for n in calls), "the long text reached the tokenizer"
         assert complete(base, None, "short and fine").status_code == 200
+
+
+def _long_fields(huge: str) -> list[list[dict[str, Any]]]:
+    """Conversations whose ``content`` is short and whose other fields, rendered by templates
+    as well, are not (issue 59: only ``content`` was counted, and 7 MiB of ``tool_calls`` per
+    request stalled the engine)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": huge}}
+    return [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}],
+        [{"role": "user", "content": "hi", "name": huge[:60000]}],
+        [{"role": "user", "content": "hi", "extra_field": huge}],
+    ]
+
+
+def test_a_template_that_multiplies_its_text_is_refused_before_tokenizing() -> None:
+    """A trusted request template renders short messages into text too long for the context: the
+    rendered text is refused (400) before it reaches the tokenizer."""
+    engine = FakeEngine(max_model_len=64)
+    calls: list[int] = []
+    encode = engine.tokenizer.encode
+
+    def counting_encode(text: str, *a: Any, **kw: Any) -> Any:
+        calls.append(len(text))
+        return encode(text, *a, **kw)
+
+    engine.tokenizer.encode = counting_encode  # type: ignore[method-assign]
+    app = create_app(engine, model_name=MODEL, trust_request_chat_template=True)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "word "}], "max_tokens": 2}
+    with ServerThread(app) as srv:
+        url = f"{srv.base_url}/v1/chat/completions"
+        r = httpx.post(url, json={**body, "chat_template": "{{ messages[0].content * 1000 }}"},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert not any(n >= 5000 for n in calls), "the rendered text reached the tokenizer"
+        r = httpx.post(url, json={**body, "chat_template": "{{ messages[0].content * 3 }}"},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
 
 
 # ------------------------------------------------------------------------------------ queue
@@ -318,7 +367,10 @@ def test_one_key_cannot_fill_the_waiting_queue() -> None:
                     await asyncio.sleep(0.01)
                 third = await http.post(url, json=body, headers=bearer(TENANTS[0]))
                 other = asyncio.create_task(http.post(url, json=body, headers=bearer(TENANTS[1])))
-                await asyncio.sleep(0.2)
+                deadline = time.monotonic() + 10  # the other key's request is queued, not refused
+                while app.state.engine_loop.num_pending < 3 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert app.state.engine_loop.num_pending == 3 and not other.done()
                 engine.paused = False
                 return list(await asyncio.gather(*mine)), third, await other
 

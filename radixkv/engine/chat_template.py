@@ -13,10 +13,18 @@ model's) and ``chat_template_kwargs`` (extra variables for the template, e.g.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
-__all__ = ["RESERVED_TEMPLATE_KWARGS", "load_chat_template", "render_chat"]
+from radixkv.engine.template_sandbox import TemplateBusyError
+
+__all__ = [
+    "RESERVED_TEMPLATE_KWARGS",
+    "encode_rendered",
+    "load_chat_template",
+    "render_chat",
+    "render_chat_text",
+]
 
 #: Names ``chat_template_kwargs`` may not set: they are ``apply_chat_template``'s own arguments.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -55,7 +63,7 @@ def load_chat_template(value: str) -> str:
     )
 
 
-def render_chat(
+def render_chat_text(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     *,
@@ -63,16 +71,25 @@ def render_chat(
     continue_final_message: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> list[int]:
-    """Token ids of ``messages`` rendered by ``tokenizer``'s chat template (or ``chat_template``,
-    Jinja text), ending in the assistant's generation prompt unless told otherwise (see the
-    module docstring). Raises ``ValueError`` when there is no template, the options clash, or
-    the template rejects the messages.
+    sandbox: Any = None,
+    sandbox_key: Hashable = None,
+) -> str:
+    """The text of ``messages`` rendered by ``tokenizer``'s chat template (or ``chat_template``,
+    Jinja text), as transformers' ``apply_chat_template(..., tokenize=False)`` renders it, ending
+    in the assistant's generation prompt unless told otherwise (see the module docstring).
 
-    transformers may return a plain list, a nested list (batch of one), a tensor, or (since
-    v5) a ``BatchEncoding``/dict holding ``input_ids``; all are flattened to ``list[int]``.
-    """
-    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+    It reads only the tokenizer's Python attributes (its template, its special tokens), never its
+    Rust backend, so it takes no tokenizer lock: the engine thread decodes while a conversation
+    renders. With ``sandbox`` (a :class:`~radixkv.engine.template_sandbox.TemplateSandbox`), the
+    template renders there, bounded in time and memory, one of ``sandbox_key``'s renders (for a
+    template the request brought); else in this thread.
+
+    Raises ``ValueError`` when there is no template, the options clash, or the template rejects
+    the messages (:class:`~radixkv.engine.template_sandbox.TemplateLimitError` when it passed a
+    sandbox bound); :class:`~radixkv.engine.template_sandbox.TemplateBusyError` when the sandbox
+    has no slot for ``sandbox_key``."""
+    inner = getattr(tokenizer, "wrapped", tokenizer)  # a LockedTokenizer's tokenizer
+    if inner is None or not (chat_template or getattr(inner, "chat_template", None)):
         raise ValueError("this model has no chat template: send a prompt as text or token ids")
     if add_generation_prompt and continue_final_message:
         raise ValueError(
@@ -83,19 +100,73 @@ def render_chat(
     clash = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
-    options: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "tokenize": True}
-    if continue_final_message:
-        options["continue_final_message"] = True
-    if chat_template:
-        options["chat_template"] = chat_template
+    # a transformers tokenizer (else one of its own kind, with an apply_chat_template)
+    hf = hasattr(inner, "get_chat_template") and hasattr(inner, "special_tokens_map")
     try:
-        out: Any = tokenizer.apply_chat_template(messages, **options, **extra)
+        template = inner.get_chat_template(chat_template) if hf else chat_template
+        # kwargs overwrite special tokens if both are present (as apply_chat_template does)
+        template_kwargs = {**inner.special_tokens_map, **extra} if hf else extra
+        if sandbox is not None:
+            return str(
+                sandbox.render(
+                    chat_template=template,
+                    messages=messages,
+                    template_kwargs=template_kwargs,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    key=sandbox_key,
+                )
+            )
+        if not hf:
+            options: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
+            if continue_final_message:
+                options["continue_final_message"] = True
+            if chat_template:
+                options["chat_template"] = chat_template
+            return str(inner.apply_chat_template(messages, tokenize=False, **options, **extra))
+        from transformers.utils.chat_template_utils import (
+            _normalize_chat_messages,
+            render_jinja_template,
+        )
+
+        rendered, _ = render_jinja_template(
+            conversations=[_normalize_chat_messages(messages)],
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **template_kwargs,
+        )
+    except (ValueError, TemplateBusyError):
+        raise
     except Exception as exc:  # a template error is the caller's messages' fault
         raise ValueError(f"cannot apply the chat template: {exc}") from exc
-    if isinstance(out, Mapping) or (hasattr(out, "keys") and hasattr(out, "__getitem__")):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], list | tuple):
-        out = out[0]
-    return [int(t) for t in out]
+    return str(rendered[0])
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered by ``tokenizer``'s chat template: the text of
+    :func:`render_chat_text` encoded without added special tokens (the template writes them),
+    which is what transformers' ``apply_chat_template(..., tokenize=True)`` returns. Raises
+    ``ValueError`` as :func:`render_chat_text` does."""
+    text = render_chat_text(
+        tokenizer,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    return encode_rendered(tokenizer, text)
+
+
+def encode_rendered(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a rendered conversation: ``encode(text, add_special_tokens=False)``."""
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]

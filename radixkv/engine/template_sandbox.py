@@ -1,0 +1,362 @@
+"""Chat templates a request brings (``--trust-request-chat-template``), rendered in worker
+processes whose time and memory are bounded and whose work is stopped at the bound.
+
+A Jinja template is a program: ``{% for i in range(100000) %}`` nested twice, or ``{{ "a" *
+10**9 }}``, runs as long or takes as much memory as it likes, and Jinja's sandbox bounds neither.
+Rendered in the server's process it holds the GIL (and, before issue 59, the tokenizer lock the
+engine thread decodes under); a timeout on the wait would leave the work running. So a request's
+own template is rendered here instead:
+
+* **Processes.** :class:`TemplateSandbox` keeps ``workers`` child processes (``python -m
+  radixkv.engine.template_sandbox``: transformers' own ``render_jinja_template``, the renderer
+  ``apply_chat_template`` uses, and nothing of the engine), each serving one render at a time
+  over its stdin/stdout as JSON lines.
+* **Time.** A render not answered within ``timeout`` s has its process SIGKILLed (the work
+  stops), a fresh one is started in its place, and the caller gets :class:`TemplateLimitError`.
+* **Memory.** Each child sets ``RLIMIT_AS`` to its size after start-up plus ``memory_bytes``: a
+  template that allocates past it gets a ``MemoryError`` (answered as :class:`TemplateLimitError`;
+  the child then exits and is replaced).
+* **Output.** Rendered text over ``max_chars`` characters is refused in the child, before it is
+  sent back (:class:`TemplateLimitError`).
+* **Queueing.** One key has at most ``per_key`` renders in flight (more: :class:`TemplateBusyError`
+  with status 429); a render waits at most ``timeout`` s for a free process (then 503), so the
+  queue in front of the pool is bounded in time and one key holds at most ``per_key`` of its
+  processes.
+
+The server's own template (the model's or ``--chat-template``) is the operator's and renders in
+the calling thread (:func:`radixkv.engine.chat_template.render_chat_text`).
+
+Invariants: every process in the pool is idle or serving exactly one render; a process that timed
+out, died or broke the protocol is never reused; ``check_integrity`` holds between calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+__all__ = ["TemplateBusyError", "TemplateLimitError", "TemplateSandbox"]
+
+#: a render's default time bound, seconds
+DEFAULT_TIMEOUT = 2.0
+#: a render's default memory bound beyond the child's start-up size, bytes
+DEFAULT_MEMORY_BYTES = 256 << 20
+#: seconds a child may take to start (import its renderer) before its first render
+START_TIMEOUT = 60.0
+
+
+class TemplateLimitError(ValueError):
+    """A request's chat template ran past a bound (time, memory, output size) and was stopped."""
+
+
+class TemplateBusyError(RuntimeError):
+    """No render slot: this key has its renders in flight (``status`` 429) or every process
+    stayed busy for the whole wait (503)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Worker:
+    """One child process and its pipes."""
+
+    def __init__(self, memory_bytes: int) -> None:
+        env = dict(os.environ, RADIXKV_TEMPLATE_MEMORY_BYTES=str(memory_bytes))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "radixkv.engine.template_sandbox"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # a Ctrl-C in the server's terminal is the server's to handle
+        )
+        self.buffer = b""
+        self.ready = False  # the child has imported its renderer and set its memory bound
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()  # type: ignore[union-attr]
+
+    def ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+        """Send ``request``; its answer, or None when ``timeout`` s passed first (counted from
+        the child's readiness: its start-up, up to :data:`START_TIMEOUT` s, is not the
+        template's). Raises ``OSError`` or ``ValueError`` when the child died or broke the
+        protocol."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if not self.ready:
+            if self._line(time.monotonic() + START_TIMEOUT) != {"ready": 1}:
+                raise OSError("the template process did not start")
+            self.ready = True
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._line(time.monotonic() + timeout)
+
+    def _line(self, deadline: float) -> dict[str, Any] | None:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise OSError("the template process exited")
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        answer = json.loads(line)
+        if not isinstance(answer, dict):
+            raise ValueError("the template process answered out of protocol")
+        return answer
+
+
+class TemplateSandbox:
+    """Renders request-supplied chat templates in bounded worker processes (see the module
+    docstring).
+
+    Args:
+        workers: child processes (each renders one template at a time).
+        timeout: seconds a render may run (and may wait for a free process).
+        memory_bytes: memory a render may take beyond the child's start-up size.
+        max_chars: rendered text longer than this is refused in the child.
+        per_key: renders one key may have in flight.
+    """
+
+    def __init__(
+        self,
+        workers: int = 2,
+        timeout: float = DEFAULT_TIMEOUT,
+        memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        max_chars: int = 1 << 22,
+        per_key: int = 1,
+    ) -> None:
+        if workers < 1 or per_key < 1 or timeout <= 0 or memory_bytes <= 0 or max_chars <= 0:
+            raise ValueError("workers, per_key, timeout, memory_bytes and max_chars must be > 0")
+        self.timeout = float(timeout)
+        self.memory_bytes = int(memory_bytes)
+        self.max_chars = int(max_chars)
+        self.per_key = int(per_key)
+        self.num_workers = int(workers)
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_flight: dict[Hashable, int] = {}
+        self._busy: set[_Worker] = set()
+        self._closed = False
+        self.killed = 0  #: processes stopped at a bound (time, memory) or for a broken protocol
+        for _ in range(workers):  # started now: their import (~1 s) overlaps the server's start
+            self._idle.put(_Worker(self.memory_bytes))
+
+    def render(
+        self,
+        *,
+        chat_template: str,
+        messages: list[dict[str, Any]],
+        template_kwargs: Mapping[str, Any],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        key: Hashable = None,
+    ) -> str:
+        """``chat_template`` rendered over ``messages`` (transformers' ``render_jinja_template``
+        with ``template_kwargs``) in a child process. Raises :class:`TemplateBusyError` when
+        ``key`` has ``per_key`` renders in flight or no process frees up within ``timeout``,
+        :class:`TemplateLimitError` when the render passes a bound (its process is killed), and
+        ``ValueError`` when the template fails."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the template sandbox is closed")
+            if self._in_flight.get(key, 0) >= self.per_key:
+                raise TemplateBusyError(
+                    f"this key already has {self.per_key} request chat template(s) rendering; "
+                    "retry when they have finished",
+                    429,
+                )
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        try:
+            return self._render(
+                {
+                    "chat_template": chat_template,
+                    "messages": messages,
+                    "template_kwargs": dict(template_kwargs),
+                    "add_generation_prompt": add_generation_prompt,
+                    "continue_final_message": continue_final_message,
+                    "max_chars": self.max_chars,
+                }
+            )
+        finally:
+            with self._lock:
+                left = self._in_flight[key] - 1
+                if left:
+                    self._in_flight[key] = left
+                else:
+                    del self._in_flight[key]
+
+    def _render(self, request: dict[str, Any]) -> str:
+        try:
+            worker = self._idle.get(timeout=self.timeout)
+        except queue.Empty:
+            raise TemplateBusyError(
+                f"every chat template process stayed busy for {self.timeout:g} s; retry later", 503
+            ) from None
+        with self._lock:
+            self._busy.add(worker)
+        keep = False
+        try:
+            if not worker.alive():  # died while idle (e.g. killed from outside): start another
+                worker.kill()
+                worker = _Worker(self.memory_bytes)
+            try:
+                answer = worker.ask(request, self.timeout)
+            except (OSError, ValueError) as exc:
+                raise TemplateLimitError(
+                    f"the chat template's process ended while rendering ({exc}); a template "
+                    f"may use {self.memory_bytes >> 20} MiB"
+                ) from exc
+            if answer is None:
+                raise TemplateLimitError(
+                    f"the chat template ran past {self.timeout:g} s and was stopped"
+                )
+            if answer.get("limit"):
+                raise TemplateLimitError(str(answer["error"]))
+            keep = worker.alive() and not answer.get("exit")
+            if "error" in answer:
+                raise ValueError(str(answer["error"]))
+            return str(answer["text"])
+        finally:
+            with self._lock:
+                self._busy.discard(worker)
+                closed = self._closed
+            if not keep:
+                self.killed += 1
+                worker.kill()
+            if closed:
+                worker.kill()
+            else:
+                self._idle.put(worker if keep else _Worker(self.memory_bytes))
+
+    def pids(self) -> list[int]:
+        """The pids of the pool's processes (idle and busy)."""
+        with self._lock:
+            busy = list(self._busy)
+        idle = self._drain()
+        for w in idle:
+            self._idle.put(w)
+        return sorted(w.pid for w in idle + busy)
+
+    def _drain(self) -> list[_Worker]:
+        out = []
+        while True:
+            try:
+                out.append(self._idle.get_nowait())
+            except queue.Empty:
+                return out
+
+    def check_integrity(self) -> None:
+        """Raises ``AssertionError`` unless every in-flight count is positive and at most
+        ``per_key``, and no process is both idle and busy."""
+        with self._lock:
+            assert all(0 < n <= self.per_key for n in self._in_flight.values()), self._in_flight
+            busy = set(self._busy)
+        idle = self._drain()
+        try:
+            assert not busy.intersection(idle), "a process is both idle and busy"
+            assert len(idle) + len(busy) <= self.num_workers, (len(idle), len(busy))
+        finally:
+            for w in idle:
+                self._idle.put(w)
+
+    def close(self) -> None:
+        """Kill every process (busy ones when their render returns); idempotent."""
+        with self._lock:
+            self._closed = True
+        for w in self._drain():
+            w.kill()
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+def _set_memory_limit(extra: int) -> None:
+    import resource
+
+    with open("/proc/self/statm") as fh:
+        size = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra, size + extra))
+
+
+def _answer(request: dict[str, Any]) -> dict[str, Any]:
+    from transformers.utils.chat_template_utils import (
+        _normalize_chat_messages,
+        render_jinja_template,
+    )
+
+    try:
+        rendered, _ = render_jinja_template(
+            conversations=[_normalize_chat_messages(request["messages"])],
+            chat_template=request["chat_template"],
+            add_generation_prompt=request["add_generation_prompt"],
+            continue_final_message=request["continue_final_message"],
+            **request["template_kwargs"],
+        )
+        text = rendered[0]
+    except MemoryError:
+        return {"error": "the chat template ran out of its memory and was stopped", "limit": 1,
+                "exit": 1}  # fmt: skip
+    except Exception as exc:  # the template's (or its messages') fault, as transformers says
+        return {"error": f"cannot apply the chat template: {exc}"}
+    if len(text) > request["max_chars"]:
+        return {
+            "error": f"the chat template rendered {len(text)} characters, over the "
+            f"{request['max_chars']} a render may return",
+            "limit": 1,
+        }
+    return {"text": text}
+
+
+def main() -> None:
+    """The child: import the renderer, bound its memory, answer JSON lines until stdin ends."""
+    import transformers.utils.chat_template_utils  # noqa: F401  (before the memory bound)
+
+    _set_memory_limit(int(os.environ.get("RADIXKV_TEMPLATE_MEMORY_BYTES", DEFAULT_MEMORY_BYTES)))
+    out = sys.stdout.buffer
+    out.write(b'{"ready": 1}\n')
+    out.flush()
+    for line in sys.stdin.buffer:
+        try:
+            answer = _answer(json.loads(line))
+        except MemoryError:
+            answer = {"error": "the chat template ran out of its memory", "limit": 1, "exit": 1}
+        try:
+            data = json.dumps(answer).encode() + b"\n"
+        except MemoryError:
+            data = b'{"error": "the rendered text did not fit the memory bound", "limit": 1}\n'
+            answer = {"exit": 1}
+        out.write(data)
+        out.flush()
+        if answer.get("exit"):
+            return
+
+
+if __name__ == "__main__":
+    main()
