@@ -32,18 +32,12 @@ out, died or broke the protocol is never reused; ``check_integrity`` holds betwe
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import queue
-import select
-import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Hashable, Mapping
 from typing import Any
+
+from radixkv.engine.bounded_child import OUT_OF_MEMORY, BoundedChild, serve
 
 __all__ = ["TemplateBusyError", "TemplateLimitError", "TemplateSandbox"]
 
@@ -51,8 +45,6 @@ __all__ = ["TemplateBusyError", "TemplateLimitError", "TemplateSandbox"]
 DEFAULT_TIMEOUT = 2.0
 #: a render's default memory bound beyond the child's start-up size, bytes
 DEFAULT_MEMORY_BYTES = 256 << 20
-#: seconds a child may take to start (import its renderer) before its first render
-START_TIMEOUT = 60.0
 
 
 class TemplateLimitError(ValueError):
@@ -68,68 +60,8 @@ class TemplateBusyError(RuntimeError):
         self.status = status
 
 
-class _Worker:
-    """One child process and its pipes."""
-
-    def __init__(self, memory_bytes: int) -> None:
-        env = dict(os.environ, RADIXKV_TEMPLATE_MEMORY_BYTES=str(memory_bytes))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.engine.template_sandbox"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,  # a Ctrl-C in the server's terminal is the server's to handle
-        )
-        self.buffer = b""
-        self.ready = False  # the child has imported its renderer and set its memory bound
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                pipe.close()  # type: ignore[union-attr]
-
-    def ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
-        """Send ``request``; its answer, or None when ``timeout`` s passed first (counted from
-        the child's readiness: its start-up, up to :data:`START_TIMEOUT` s, is not the
-        template's). Raises ``OSError`` or ``ValueError`` when the child died or broke the
-        protocol."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        if not self.ready:
-            if self._line(time.monotonic() + START_TIMEOUT) != {"ready": 1}:
-                raise OSError("the template process did not start")
-            self.ready = True
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
-        return self._line(time.monotonic() + timeout)
-
-    def _line(self, deadline: float) -> dict[str, Any] | None:
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                raise OSError("the template process exited")
-            self.buffer += chunk
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        answer = json.loads(line)
-        if not isinstance(answer, dict):
-            raise ValueError("the template process answered out of protocol")
-        return answer
+def _worker(memory_bytes: int) -> BoundedChild:
+    return BoundedChild("radixkv.engine.template_sandbox", {}, memory_bytes)
 
 
 class TemplateSandbox:
@@ -159,14 +91,14 @@ class TemplateSandbox:
         self.max_chars = int(max_chars)
         self.per_key = int(per_key)
         self.num_workers = int(workers)
-        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[BoundedChild] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_flight: dict[Hashable, int] = {}
-        self._busy: set[_Worker] = set()
+        self._busy: set[BoundedChild] = set()
         self._closed = False
         self.killed = 0  #: processes stopped at a bound (time, memory) or for a broken protocol
         for _ in range(workers):  # started now: their import (~1 s) overlaps the server's start
-            self._idle.put(_Worker(self.memory_bytes))
+            self._idle.put(_worker(self.memory_bytes))
 
     def render(
         self,
@@ -225,7 +157,7 @@ class TemplateSandbox:
         try:
             if not worker.alive():  # died while idle (e.g. killed from outside): start another
                 worker.kill()
-                worker = _Worker(self.memory_bytes)
+                worker = _worker(self.memory_bytes)
             try:
                 answer = worker.ask(request, self.timeout)
             except (OSError, ValueError) as exc:
@@ -253,7 +185,7 @@ class TemplateSandbox:
             if closed:
                 worker.kill()
             else:
-                self._idle.put(worker if keep else _Worker(self.memory_bytes))
+                self._idle.put(worker if keep else _worker(self.memory_bytes))
 
     def pids(self) -> list[int]:
         """The pids of the pool's processes (idle and busy)."""
@@ -264,7 +196,7 @@ class TemplateSandbox:
             self._idle.put(w)
         return sorted(w.pid for w in idle + busy)
 
-    def _drain(self) -> list[_Worker]:
+    def _drain(self) -> list[BoundedChild]:
         out = []
         while True:
             try:
@@ -297,14 +229,6 @@ class TemplateSandbox:
 # ----------------------------------------------------------------------------- the child
 
 
-def _set_memory_limit(extra: int) -> None:
-    import resource
-
-    with open("/proc/self/statm") as fh:
-        size = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (size + extra, size + extra))
-
-
 def _answer(request: dict[str, Any]) -> dict[str, Any]:
     from transformers.utils.chat_template_utils import (
         _normalize_chat_messages,
@@ -321,8 +245,7 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
         )
         text = rendered[0]
     except MemoryError:
-        return {"error": "the chat template ran out of its memory and was stopped", "limit": 1,
-                "exit": 1}  # fmt: skip
+        return {**OUT_OF_MEMORY, "error": "the chat template ran out of its memory and was stopped"}
     except Exception as exc:  # the template's (or its messages') fault, as transformers says
         return {"error": f"cannot apply the chat template: {exc}"}
     if len(text) > request["max_chars"]:
@@ -334,29 +257,9 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
     return {"text": text}
 
 
-def main() -> None:
-    """The child: import the renderer, bound its memory, answer JSON lines until stdin ends."""
+def _setup(init: dict[str, Any]) -> None:
     import transformers.utils.chat_template_utils  # noqa: F401  (before the memory bound)
-
-    _set_memory_limit(int(os.environ.get("RADIXKV_TEMPLATE_MEMORY_BYTES", DEFAULT_MEMORY_BYTES)))
-    out = sys.stdout.buffer
-    out.write(b'{"ready": 1}\n')
-    out.flush()
-    for line in sys.stdin.buffer:
-        try:
-            answer = _answer(json.loads(line))
-        except MemoryError:
-            answer = {"error": "the chat template ran out of its memory", "limit": 1, "exit": 1}
-        try:
-            data = json.dumps(answer).encode() + b"\n"
-        except MemoryError:
-            data = b'{"error": "the rendered text did not fit the memory bound", "limit": 1}\n'
-            answer = {"exit": 1}
-        out.write(data)
-        out.flush()
-        if answer.get("exit"):
-            return
 
 
 if __name__ == "__main__":
-    main()
+    serve(_answer, _setup)
