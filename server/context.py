@@ -65,6 +65,12 @@ class ServerContext:
                 code="model_not_found",
             )
 
+    def owner(self) -> str | None:
+        """The calling key's id, for per-key bounds (None on a keyless server: one trust
+        domain)."""
+        caller = REQUEST_CALLER.get()
+        return caller.key_id if self.keyed and caller is not None else None
+
     def template_options(self, body: Any) -> dict[str, Any]:
         """A chat body's template options (``ChatTemplateFields``); its own ``chat_template``
         is a 400 unless the server trusts request templates, and renders in the template
@@ -81,9 +87,8 @@ class ServerContext:
             )
         if self.template_sandbox is None:
             raise APIError(503, "the chat template sandbox is not running", type="server_error")
-        caller = REQUEST_CALLER.get()
         options["sandbox"] = self.template_sandbox
-        options["sandbox_key"] = caller.key_id if self.keyed and caller is not None else None
+        options["sandbox_key"] = self.owner()
         return options
 
     async def submit(
@@ -95,8 +100,7 @@ class ServerContext:
         arrival: float,
     ) -> RequestStream:
         salt = effective_salt(salt)  # with tenants (salt_from_api_key): the caller's namespace
-        caller = REQUEST_CALLER.get()
-        owner = caller.key_id if self.keyed and caller is not None else None
+        owner = self.owner()
         try:
             return await self.engine_loop.add_request(
                 request_id, prompt, params, salt=salt, arrival=arrival, owner=owner

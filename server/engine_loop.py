@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from radixkv.engine.structured import CompileQueueFullError
 from radixkv.model.omp_threads import release_omp_workers
 
 from .metrics import ServerMetrics
@@ -367,9 +368,12 @@ class EngineLoop:
     ) -> None:
         rid = stream.request_id
         try:
-            self.engine.add_request(rid, prompt, params, salt=salt)
+            self.engine.add_request(rid, prompt, params, salt=salt, owner=owner)
         except ValueError as exc:
             self._resolve(accepted, exc=exc)
+            return
+        except CompileQueueFullError as exc:  # this key's grammar compiles: a 429
+            self._resolve(accepted, exc=OwnerLimitError(str(exc)))
             return
         except Exception as exc:
             why = internal_error(f"engine.add_request({rid}) failed: {exc!r}")  # + traceback

@@ -57,7 +57,7 @@ def native_routes(ctx: ServerContext) -> APIRouter:
                 )
             kwargs["prompt_logprobs"] = body.top_logprobs_num
         params = make_sampling_params(kwargs | structured_kwargs(sp))
-        await compile_constraint(engine, params)
+        await compile_constraint(engine, params, ctx.owner())
         token_str, with_text = ctx.token_str, body.return_text_in_logprobs
         top = body.top_logprobs_num
         prompt_ids = ids if body.return_logprob and start >= 0 else None

@@ -72,7 +72,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             )
             | structured_kwargs(body)
         )
-        await compile_constraint(engine, params)
+        await compile_constraint(engine, params, ctx.owner())
         rid = new_id("cmpl")
         stream = await submit(rid, ids, params, body.cache_salt, arrival)
         want_logprobs, top = body.logprobs is not None, body.logprobs or 0
@@ -199,7 +199,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             )
             | structured_kwargs(body, ("tools", tools.spec) if tools else None)
         )
-        await compile_constraint(engine, params)
+        await compile_constraint(engine, params, ctx.owner())
         rid = new_id("chatcmpl")
         stream = await submit(rid, prompt_ids, params, body.cache_salt, arrival)
 

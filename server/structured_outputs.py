@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from radixkv.engine.structured import StructuredOutputs
+from radixkv.engine.structured import CompileQueueFullError, StructuredOutputs
 
 from .protocol import APIError
 
@@ -72,23 +72,32 @@ def structured_kwargs(body: Any, extra: tuple[str, StructuredOutputs] | None = N
     return {"structured_outputs": spec}
 
 
-async def compile_constraint(engine: Any, params: Any) -> None:
+async def compile_constraint(engine: Any, params: Any, owner: str | None = None) -> None:
     """Compile ``params.structured_outputs`` (if any) on the engine's grammar workers and wait
     for it here, off the engine thread: a 400 naming the problem when it does not compile or
-    takes longer than the engine's bound. The engine then finds it in its compile cache."""
+    takes longer than the engine's bound (the compile is stopped there), a 429 when ``owner``
+    (the caller's key) already has its compiles in flight. The engine then finds it in its
+    compile cache."""
     spec = getattr(params, "structured_outputs", None)
     if spec is None:
         return
     grammars = getattr(engine, "grammars", None)
     if grammars is None:
         raise APIError(400, "this engine does not support structured outputs")
+    from radixkv.engine.grammar import WAIT_FACTOR
+
     try:
-        future = grammars.pool.submit(spec)
-        # shielded: a timeout or a client gone must not cancel the cached compile
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), grammars.timeout_s)
+        future = grammars.pool.submit(spec, owner)
+        # shielded: a client gone must not cancel the cached compile. The compile stops itself
+        # at timeout_s (its process is killed); the wait's bound is the backstop for one queued
+        # behind other keys' compiles or a compiler process starting
+        waited = asyncio.wrap_future(future)
+        await asyncio.wait_for(asyncio.shield(waited), grammars.timeout_s * WAIT_FACTOR)
+    except CompileQueueFullError as exc:
+        raise APIError(429, str(exc), type="rate_limit_error", code="key_limit") from exc
     except asyncio.TimeoutError as exc:
         from radixkv.engine.grammar import timeout_message
 
-        raise APIError(400, timeout_message(spec, grammars.timeout_s)) from exc
+        raise APIError(400, timeout_message(spec, grammars.timeout_s * WAIT_FACTOR)) from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc

@@ -126,7 +126,12 @@ class FakeEngine:
         return list(prompt)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: Any = None, salt: str | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: Any = None,
+        salt: str | None = None,
+        owner: str | None = None,
     ) -> None:
         """Validate and queue a request (``ValueError`` says what to fix)."""
         validate = getattr(params, "validate", None)

@@ -92,9 +92,11 @@ def test_salt_from_api_key_over_http(tmp_path: Path) -> None:
     seen: list[str | None] = []
     add = engine.add_request
 
-    def recording_add(rid: str, prompt: Any, params: Any = None, salt: Any = None) -> None:
+    def recording_add(
+        rid: str, prompt: Any, params: Any = None, salt: Any = None, owner: Any = None
+    ) -> None:
         seen.append(salt)
-        add(rid, prompt, params, salt=salt)
+        add(rid, prompt, params, salt=salt, owner=owner)
 
     engine.add_request = recording_add  # records the salts the server hands the engine
     keys = ["key-alpha", "key-beta"]

@@ -125,8 +125,11 @@ class Engine:
         prompt: Prompt,
         params: SamplingParams | BeamSearchParams | None = None,
         salt: str | None = None,
+        owner: str | None = None,
     ) -> None:
-        """Validate and queue a request; raises ``ValueError`` saying what to fix."""
+        """Validate and queue a request; raises ``ValueError`` saying what to fix.
+        ``owner``: the caller's key (per-key bounds: grammar compiles in flight, raising
+        :class:`~radixkv.engine.grammar.CompileQueueFullError` past them)."""
         if isinstance(params, BeamSearchParams):
             params = params.to_sampling_params()
         params = params or SamplingParams()
@@ -156,7 +159,7 @@ class Engine:
         if salt is not None and not isinstance(salt, str):
             raise ValueError("salt must be a string")
         check_fits_beside_pins(self, ids, total, salt)
-        grammar = self.grammars.start(params)  # compiles off this thread; waits unscheduled
+        grammar = self.grammars.start(params, owner)  # compiles off this thread, unscheduled
         seq = Sequence(
             request_id=request_id,
             index=0,

@@ -23,7 +23,13 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_CHOICES", "MAX_JSON_WHITESPACE", "MAX_SPEC_CHARS", "StructuredOutputs"]
+__all__ = [
+    "MAX_CHOICES",
+    "MAX_JSON_WHITESPACE",
+    "MAX_SPEC_CHARS",
+    "CompileQueueFullError",
+    "StructuredOutputs",
+]
 
 #: Longest constraint text accepted (schema JSON, regex, grammar, all choices together).
 MAX_SPEC_CHARS = 65536
@@ -113,3 +119,8 @@ class StructuredOutputs:
         """A short description for error messages: the kind and the start of its text."""
         kind, text, _ = self.key()
         return f"{kind} {text[:80]!r}" + ("..." if len(text) > 80 else "")
+
+
+class CompileQueueFullError(RuntimeError):
+    """A key already has its constraints' compiles queued or running (answered 429 over HTTP;
+    :class:`~radixkv.engine.grammar.GrammarCompilerPool`)."""
