@@ -14,7 +14,8 @@
   page size, KV pool size, version.
 
 ``model`` is optional in the tokenizer bodies; when given it must be a served name (404
-otherwise). Text is bounded before tokenizing (:func:`.intake.check_text_length`).
+otherwise). Text is bounded before tokenizing (:func:`.intake.check_text_length`), ids before
+decoding (a context's worth at most).
 """
 
 from __future__ import annotations
@@ -119,6 +120,16 @@ def info_routes(ctx: ServerContext) -> APIRouter:
         tok = tokenizer()
         if any(t < 0 for t in body.tokens):
             raise APIError(400, "tokens must be token ids (>= 0)", param="tokens")
+        # a decode holds the tokenizer lock the engine thread needs: no more than a context
+        limit = int(getattr(engine, "max_model_len", 0) or 0)
+        if limit and len(body.tokens) > limit:
+            raise APIError(
+                400,
+                f"tokens holds {len(body.tokens)} ids; this model's context holds {limit} and "
+                "no more are decoded at once (send them in parts)",
+                param="tokens",
+                code="context_length_exceeded",
+            )
         try:
             text = await asyncio.to_thread(tok.decode, body.tokens)
         except (OverflowError, ValueError, TypeError, IndexError) as exc:

@@ -308,6 +308,27 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing() -> None:
         assert complete(base, None, "short and fine").status_code == 200
 
 
+def test_detokenize_decodes_a_context_at_most() -> None:
+    """``/detokenize`` took up to 1,048,576 ids and decoded them under the tokenizer lock the
+    engine thread needs; now a context's worth at most (more: 400, before the lock)."""
+    engine = FakeEngine(max_model_len=64)
+    calls: list[int] = []
+    decode = engine.tokenizer.decode
+
+    def counting_decode(ids: Any, *a: Any, **kw: Any) -> Any:
+        calls.append(len(ids))
+        return decode(ids, *a, **kw)
+
+    engine.tokenizer.decode = counting_decode  # type: ignore[method-assign]
+    with ServerThread(create_app(engine, model_name=MODEL)) as srv:
+        url = f"{srv.base_url}/detokenize"
+        r = httpx.post(url, json={"tokens": [72] * 1_000_000}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+        assert not calls, "the ids reached the tokenizer"
+        r = httpx.post(url, json={"tokens": [72] * 64}, timeout=30)
+        assert r.status_code == 200 and calls == [64], r.text
+
+
 def _long_fields(huge: str) -> list[list[dict[str, Any]]]:
     """Conversations whose ``content`` is short and whose other fields, rendered by templates
     as well, are not (issue 59: only ``content`` was counted, and 7 MiB of ``tool_calls`` per
