@@ -122,11 +122,13 @@ def burst(groups: int, per_group: int, shared: int, own: int, seed: int) -> list
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
 
 
-def _run(engine: Engine, prompts: list[list[int]], check: bool = True) -> dict:
-    """Every request of ``prompts`` at once; per request its tokens, logprobs and the step of its
-    first token."""
+def _run(
+    engine: Engine, prompts: list[list[int]], check: bool = True, salts: list | None = None
+) -> dict:
+    """Every request of ``prompts`` at once (request i with ``salts[i % len(salts)]``); per
+    request its tokens, logprobs and the step of its first token."""
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, GREEDY)
+        engine.add_request(f"r{i}", p, GREEDY, salt=salts[i % len(salts)] if salts else None)
     got: dict[str, dict] = {}
     step = 0
     while engine.has_unfinished():
@@ -176,6 +178,23 @@ def test_a_burst_on_new_system_prompts_gets_first_tokens_a_step_sooner(tiny_mode
 
     alone = make_engine(tiny_model, kv_layout=kv_layout, enable_prefix_cache=False)
     _same_outputs(got, _run(alone, prompts))
+
+
+def test_two_salts_in_one_step_never_borrow_each_others_prefix(tiny_model):
+    """One system prompt sent under two salts (two tenants), interleaved, all in one step: each
+    salt's first request computes the prefix and only its own salt's siblings borrow it, so the
+    prefix is computed once per salt and nothing crosses (issue 59: the scheduler's salt checks
+    had no test with two salts in a step). Outputs are those of an engine sharing nothing."""
+    prompts = burst(groups=1, per_group=8, shared=32, own=5, seed=6)
+    salts = ["tenant-a", "tenant-b"]
+    engine = make_engine(tiny_model, chunked_prefill_tokens=4096)
+    got = _run(engine, prompts, salts=salts)
+    assert all(rec["first"] == 1 for rec in got.values())
+    # the prefix twice (once a salt), 8 suffixes, then 5 decode steps of 8
+    assert engine.counters["forward_tokens"] == 2 * 32 + 8 * 5 + 8 * 5
+    assert engine.scheduler.num_borrowed_tokens == 2 * 3 * 32  # 3 siblings a salt
+    engine.check_integrity()
+    _same_outputs(got, _run(make_engine(tiny_model, enable_prefix_cache=False), prompts))
 
 
 def test_without_lpm_borrowing_still_computes_each_prefix_once(tiny_model):

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -126,8 +127,18 @@ def test_sgl_router_launched_by_radixkv_checks_the_key_it_never_shows() -> None:
 
     key = "sk-sgl-launch-test-0123456789"
     app = create_app(build_tiny_engine(), model_name=SERVED, api_key=key)
+    reached: list[str] = []  # the paths that reached the replica (so we know who refused)
+
+    async def recording(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            reached.append(scope["path"])
+        await app(scope, receive, send)
+
     body = {"model": SERVED, "prompt": "The quick brown fox", "max_tokens": 3}
-    with ServerThread(app) as srv, SglRouter([srv.base_url], _free_port(), api_key=key) as rt:
+    with (
+        ServerThread(recording) as srv,
+        SglRouter([srv.base_url], _free_port(), api_key=key) as rt,
+    ):
         assert rt.proc is not None
         cmdline = Path(f"/proc/{rt.proc.pid}/cmdline").read_bytes()
         assert key.encode() not in cmdline and key not in " ".join(rt.command)
@@ -135,9 +146,12 @@ def test_sgl_router_launched_by_radixkv_checks_the_key_it_never_shows() -> None:
         assert httpx.post(url, json=body, timeout=30).status_code == 401
         bad = {"Authorization": "Bearer sk-wrong"}
         assert httpx.post(url, json=body, headers=bad, timeout=30).status_code == 401
+        # sgl-router itself refused both: neither reached the replica
+        assert "/v1/completions" not in reached, reached
         good = {"Authorization": f"Bearer {key}"}
         r = httpx.post(url, json=body, headers=good, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
+        assert reached.count("/v1/completions") == 1, reached
         pid = rt.proc.pid
     assert rt.proc is None and not Path(f"/proc/{pid}").exists()  # stopped with its context
