@@ -267,16 +267,22 @@ def test_dns_rebinding_host_is_refused_without_a_key() -> None:
 # ------------------------------------------------------------------------------------ text
 
 
+def _count_lengths(tokenizer: Any, method: str) -> list[int]:
+    """Wrap ``tokenizer.method`` to record the length of each first argument it is given."""
+    calls: list[int] = []
+    wrapped = getattr(tokenizer, method)
+
+    def counting(arg: Any, *a: Any, **kw: Any) -> Any:
+        calls.append(len(arg))
+        return wrapped(arg, *a, **kw)
+
+    setattr(tokenizer, method, counting)
+    return calls
+
+
 def test_text_too_long_for_the_context_is_refused_before_tokenizing() -> None:
     engine = FakeEngine(max_model_len=64)
-    calls: list[int] = []
-    encode = engine.tokenizer.encode
-
-    def counting_encode(text: str, *a: Any, **kw: Any) -> Any:
-        calls.append(len(text))
-        return encode(text, *a, **kw)
-
-    engine.tokenizer.encode = counting_encode  # type: ignore[method-assign]
+    calls = _count_lengths(engine.tokenizer, "encode")
     app = create_app(engine, model_name=MODEL)
     huge = "word " * (64 * 40 // 5 + 10)  # over 32 characters a token of context
     with ServerThread(app) as srv:
@@ -312,14 +318,7 @@ def test_detokenize_decodes_a_context_at_most() -> None:
     """``/detokenize`` took up to 1,048,576 ids and decoded them under the tokenizer lock the
     engine thread needs; now a context's worth at most (more: 400, before the lock)."""
     engine = FakeEngine(max_model_len=64)
-    calls: list[int] = []
-    decode = engine.tokenizer.decode
-
-    def counting_decode(ids: Any, *a: Any, **kw: Any) -> Any:
-        calls.append(len(ids))
-        return decode(ids, *a, **kw)
-
-    engine.tokenizer.decode = counting_decode  # type: ignore[method-assign]
+    calls = _count_lengths(engine.tokenizer, "decode")
     with ServerThread(create_app(engine, model_name=MODEL)) as srv:
         url = f"{srv.base_url}/detokenize"
         r = httpx.post(url, json={"tokens": [72] * 1_000_000}, timeout=60)
@@ -345,14 +344,7 @@ def test_a_template_that_multiplies_its_text_is_refused_before_tokenizing() -> N
     """A trusted request template renders short messages into text too long for the context: the
     rendered text is refused (400) before it reaches the tokenizer."""
     engine = FakeEngine(max_model_len=64)
-    calls: list[int] = []
-    encode = engine.tokenizer.encode
-
-    def counting_encode(text: str, *a: Any, **kw: Any) -> Any:
-        calls.append(len(text))
-        return encode(text, *a, **kw)
-
-    engine.tokenizer.encode = counting_encode  # type: ignore[method-assign]
+    calls = _count_lengths(engine.tokenizer, "encode")
     app = create_app(engine, model_name=MODEL, trust_request_chat_template=True)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "word "}], "max_tokens": 2}
     with ServerThread(app) as srv:

@@ -143,28 +143,12 @@ def render_chat_text(
     return str(rendered[0])
 
 
-def render_chat(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    *,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    chat_template: str | None = None,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], **options: Any) -> list[int]:
     """Token ids of ``messages`` rendered by ``tokenizer``'s chat template: the text of
-    :func:`render_chat_text` encoded without added special tokens (the template writes them),
-    which is what transformers' ``apply_chat_template(..., tokenize=True)`` returns. Raises
-    ``ValueError`` as :func:`render_chat_text` does."""
-    text = render_chat_text(
-        tokenizer,
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        chat_template=chat_template,
-        chat_template_kwargs=chat_template_kwargs,
-    )
-    return encode_rendered(tokenizer, text)
+    :func:`render_chat_text` (``options`` are its keywords) encoded without added special tokens
+    (the template writes them), which is what transformers' ``apply_chat_template(...,
+    tokenize=True)`` returns. Raises as :func:`render_chat_text` does."""
+    return encode_rendered(tokenizer, render_chat_text(tokenizer, messages, **options))
 
 
 def encode_rendered(tokenizer: Any, text: str) -> list[int]:
