@@ -120,16 +120,11 @@ class Engine:
         return list(prompt)
 
     def add_request(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams | BeamSearchParams | None = None,
-        salt: str | None = None,
-        owner: str | None = None,
-    ) -> None:
-        """Validate and queue a request; raises ``ValueError`` saying what to fix.
-        ``owner``: the caller's key (per-key bounds: grammar compiles in flight, raising
-        :class:`~radixkv.engine.grammar.CompileQueueFullError` past them)."""
+        self, request_id: str, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None,
+        salt: str | None = None, owner: str | None = None,
+    ) -> None:  # fmt: skip
+        """Validate and queue a request; raises ``ValueError`` saying what to fix. ``owner``:
+        the caller's key, for per-key bounds (``CompileQueueFullError`` past them)."""
         if isinstance(params, BeamSearchParams):
             params = params.to_sampling_params()
         params = params or SamplingParams()
