@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,23 +143,29 @@ class ServerContext:
         return result
 
     async def guarded_stream(
-        self, stream: RequestStream, body: Callable[[], AsyncIterator[str]]
+        self,
+        streams: RequestStream | Sequence[RequestStream],
+        body: Callable[[], AsyncIterator[str]],
     ) -> AsyncIterator[str]:
-        """Run a streaming body; on disconnect or error the engine request is aborted."""
+        """Run a streaming body over one engine request or several (a completions request's
+        prompts); on disconnect or error they are aborted."""
+        streams = [streams] if isinstance(streams, RequestStream) else list(streams)
         completed = False
         try:
             async for chunk in body():
                 yield chunk
             completed = True
         except EngineRequestError as exc:
-            completed = True  # the loop already dropped it from the engine
+            # the loop already dropped the failed request; others of the batch are aborted
+            completed = len(streams) == 1
             yield sse(error_body(exc.message, type="server_error", code=exc.status_code))
             yield SSE_DONE
         finally:
-            if completed:
-                self.engine_loop.release(stream.request_id)
-            else:
-                self.engine_loop.abort(stream.request_id)
+            for stream in streams:
+                if completed:
+                    self.engine_loop.release(stream.request_id)
+                else:
+                    self.engine_loop.abort(stream.request_id)
 
     def token_str(self, token_id: int) -> str:
         tokenizer = getattr(self.engine, "tokenizer", None)

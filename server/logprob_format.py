@@ -58,7 +58,10 @@ def completion_logprobs(
         "tokens": tokens,
         "token_logprobs": [own_logprob(t, e) for t, e in zip(token_ids, padded)],
         "top_logprobs": [
-            {_text(t, lp, token_str): float(lp.logprob) for t, lp in top_k(e, k)} for e in padded
+            None
+            if e is None  # a position without logprobs (an echoed prompt's first token)
+            else {_text(t, lp, token_str): float(lp.logprob) for t, lp in top_k(e, k)}
+            for e in padded
         ],
         "text_offset": offsets,
     }

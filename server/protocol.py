@@ -41,6 +41,8 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 """Largest top-logprobs count accepted (OpenAI's own limit)."""
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: Most choices (prompts x n) one completions request may ask for.
+MAX_PROMPTS = 256
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
 DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
 """SGLang's default ``max_new_tokens`` for ``/generate``."""
@@ -274,6 +276,7 @@ class CompletionRequest(SamplingFields, OpenAIAccepted, SGLangAccepted, Structur
 
     model: str | None = None  # optional, as in vLLM: the served model
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: the prompt alone, with echo (vLLM)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -285,26 +288,27 @@ class CompletionRequest(SamplingFields, OpenAIAccepted, SGLangAccepted, Structur
     def _no_beam_stream(cls, value: bool, info: ValidationInfo) -> bool:
         return _check_beam_stream(value, info.data.get("use_beam_search", False))
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError("echo=true with logprobs is not supported (use prompt_logprobs)")
-        return value
-
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of the request (batched prompts are refused)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one (a string or token ids), or several (a list of strings or
+        of token-id lists), at most :data:`MAX_PROMPTS`; a 400 for ``max_tokens: 0`` without
+        ``echo`` (nothing to answer)."""
+        if self.max_tokens == 0 and (not self.echo or self.use_beam_search):
+            raise APIError(
+                400,
+                "max_tokens may be 0 only with echo=true (the prompt alone), without beam search",
+                param="max_tokens",
+            )
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
+            if len(prompt) * self.n > MAX_PROMPTS:
                 raise APIError(
                     400,
-                    f"batched prompts are not supported: got {len(prompt)} prompts, "
-                    "send one prompt per request",
+                    f"{len(prompt)} prompts x n={self.n} choices is over the {MAX_PROMPTS} "
+                    "choices one request may ask for; split the batch",
                     param="prompt",
                 )
-            return prompt[0]  # type: ignore[return-value]
-        return prompt  # type: ignore[return-value]
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
 
 class ChatMessage(BaseModel):

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from .completion_batch import echo_logprobs, merged, summed_usage
 from .context import ServerContext
 from .intake import (
     chat_token_ids,
@@ -56,49 +57,74 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         check_model(body.model)
-        prompt = body.single_prompt()
-        ids = await prompt_token_ids(engine, prompt)  # the request's one tokenization
-        check_prompt_not_empty(ids)
-        prompt_len = len(ids)
-        max_tokens = resolve_max_tokens(
-            prompt_len,
-            body.max_tokens,
-            engine.max_model_len,
-            default=DEFAULT_COMPLETION_MAX_TOKENS,
-        )
-        params = make_sampling_params(
-            body.engine_kwargs(
+        prompts = body.prompts()
+        zero = body.max_tokens == 0  # with echo: the prompt alone (completion_batch)
+        want_logprobs, top = body.logprobs is not None, body.logprobs or 0
+        echo_lp = body.echo and want_logprobs
+        plans: list[tuple[list[int], Any]] = []
+        for prompt in prompts:
+            ids = await prompt_token_ids(engine, prompt)  # the prompt's one tokenization
+            check_prompt_not_empty(ids)
+            max_tokens = resolve_max_tokens(
+                len(ids),
+                1 if zero else body.max_tokens,
+                engine.max_model_len,
+                default=DEFAULT_COMPLETION_MAX_TOKENS,
+            )
+            kwargs = body.engine_kwargs(
                 max_tokens=max_tokens, default_temperature=1.0, logprobs=body.logprobs
             )
-            | structured_kwargs(body)
-        )
-        await compile_constraint(engine, params, ctx.owner())
+            if echo_lp:  # the prompt's logprobs too, with the same top-k
+                kwargs["prompt_logprobs"] = max(kwargs["prompt_logprobs"] or 0, top)
+            plans.append((ids, make_sampling_params(kwargs | structured_kwargs(body))))
+        await compile_constraint(engine, plans[0][1], ctx.owner())  # one constraint for all
         rid = new_id("cmpl")
-        stream = await submit(rid, ids, params, body.cache_salt, arrival)
-        want_logprobs, top = body.logprobs is not None, body.logprobs or 0
-        prompt_ids = ids if body.prompt_logprobs is not None else None
-        echoed = ""  # echo: the prompt's text before each choice's
+        streams: list[Any] = []
+        try:
+            for p, (ids, params) in enumerate(plans):
+                sub = rid if len(plans) == 1 else f"{rid}-{p}"
+                streams.append(await submit(sub, ids, params, body.cache_salt, arrival))
+        except BaseException:
+            for st in streams:
+                ctx.engine_loop.abort(st.request_id)
+            raise
+        n = body.n
+        echoed = [""] * len(plans)  # echo: each prompt's text before its choices'
         if body.echo:
-            echoed = prompt if isinstance(prompt, str) else await echo_text(ids)
+            for p, prompt in enumerate(prompts):
+                echoed[p] = prompt if isinstance(prompt, str) else await echo_text(plans[p][0])
+
+        def choice_logprobs(p: int, result: Collected, ids: list[int], lps: list[Any]) -> Any:
+            if echo_lp:
+                return echo_logprobs(plans[p][0], result.prompt_logprobs, ids, lps, top, token_str)
+            return completion_logprobs(ids, lps, top, token_str, 0) if want_logprobs else None
 
         if not body.stream:
-            result = await collect(request, stream, body.n)
+            tasks = [asyncio.ensure_future(collect(request, st, n)) for st in streams]
+            try:
+                results = list(await asyncio.gather(*tasks))
+            except BaseException:
+                for t in tasks:  # each aborts its engine request when cancelled
+                    t.cancel()
+                raise
             choices = []
-            for i, seq in enumerate(result.seqs):
-                choice = {
-                    "index": i,
-                    "text": echoed + seq.text,
-                    "logprobs": completion_logprobs(seq.token_ids, seq.logprobs, top, token_str, 0)
-                    if want_logprobs
-                    else None,
-                    "finish_reason": seq.finish_reason,
-                    "stop_reason": seq.stop_reason,
-                }
-                if prompt_ids is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs(
-                        result, prompt_ids, body.prompt_logprobs or 0
+            for p, result in enumerate(results):
+                for i, seq in enumerate(result.seqs):
+                    ids, lps, text = (
+                        ([], [], "") if zero else (seq.token_ids, seq.logprobs, seq.text)
                     )
-                choices.append(choice)
+                    choice = {
+                        "index": p * n + i,
+                        "text": echoed[p] + text,
+                        "logprobs": choice_logprobs(p, result, ids, lps),
+                        "finish_reason": "length" if zero else seq.finish_reason,
+                        "stop_reason": None if zero else seq.stop_reason,
+                    }
+                    if body.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = prompt_logprobs(
+                            result, plans[p][0], body.prompt_logprobs
+                        )
+                    choices.append(choice)
             return JSONResponse(
                 {
                     "id": rid,
@@ -106,62 +132,78 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                     "created": now(),
                     "model": served_name,
                     "choices": choices,
-                    "usage": result.usage(),
+                    "usage": summed_usage(results, completion=not zero),
                 }
             )
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         created_at = now()
 
-        def text_chunk(index: int, text: str) -> dict[str, Any]:
-            return {
+        def text_chunk(
+            index: int, text: str, logprobs: Any = None, finish: Any = None, stop: Any = None
+        ) -> dict[str, Any]:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None or stop is not None:
+                choice["stop_reason"] = stop
+            chunk: dict[str, Any] = {
                 "id": rid,
                 "object": "text_completion",
                 "created": created_at,
                 "model": served_name,
-                "choices": [
-                    {"index": index, "text": text, "logprobs": None, "finish_reason": None}
-                ],
+                "choices": [choice],
             }
+            if include_usage:
+                chunk["usage"] = None
+            return chunk
 
         async def body_iter() -> AsyncIterator[str]:
-            result = Collected(seqs=[Seq() for _ in range(body.n)])
-            for index in range(body.n) if echoed else ():
-                yield sse(
-                    {**text_chunk(index, echoed), **({"usage": None} if include_usage else {})}
-                )
-            async for out in stream.outputs():
-                seq = result.seqs[int(getattr(out, "index", 0) or 0)]
-                offset = len(seq.text)
+            results = [Collected(seqs=[Seq() for _ in range(n)]) for _ in plans]
+            # the echo goes first; with logprobs once the prompt's logprobs are known (they come
+            # with its first output)
+            echo_due = set(range(len(plans))) if body.echo else set()
+            if not echo_lp:
+                for p in sorted(echo_due):
+                    for i in range(n):
+                        yield sse(text_chunk(p * n + i, echoed[p]))
+                echo_due.clear()
+            async for p, out in merged([st.outputs() for st in streams]):
+                result = results[p]
+                local = int(getattr(out, "index", 0) or 0)
+                seq = result.seqs[local]
+                offset = len(echoed[p]) + len(seq.text) if echo_lp else len(seq.text)
                 result.add(out)
+                if p in echo_due:
+                    echo_due.discard(p)
+                    for i in range(n):
+                        lp = echo_logprobs(plans[p][0], result.prompt_logprobs, [], [], top,
+                                           token_str)  # fmt: skip
+                        yield sse(text_chunk(p * n + i, echoed[p], lp))
+                if zero:  # the one token run is not the answer
+                    if out.finished:
+                        yield sse(text_chunk(p * n + local, "", None, "length"))
+                    continue
                 if not (out.new_text or out.finished or out.new_token_ids):
                     continue
-                chunk: dict[str, Any] = {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created_at,
-                    "model": served_name,
-                    "choices": [
-                        {
-                            "index": int(getattr(out, "index", 0) or 0),
-                            "text": out.new_text or "",
-                            "logprobs": completion_logprobs(
-                                list(out.new_token_ids or ()),
-                                list(out.logprobs or ()),
-                                top,
-                                token_str,
-                                offset,
-                            )
-                            if want_logprobs
-                            else None,
-                            "finish_reason": out.finish_reason if out.finished else None,
-                            "stop_reason": getattr(out, "stop_reason", None),
-                        }
-                    ],
-                }
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
+                lp = (
+                    completion_logprobs(
+                        list(out.new_token_ids or ()),
+                        list(out.logprobs or ()),
+                        top,
+                        token_str,
+                        offset,
+                    )  # fmt: skip
+                    if want_logprobs
+                    else None
+                )
+                yield sse(
+                    text_chunk(
+                        p * n + local,
+                        out.new_text or "",
+                        lp,
+                        out.finish_reason if out.finished else None,
+                        getattr(out, "stop_reason", None),
+                    )
+                )
             if include_usage:
                 yield sse(
                     {
@@ -170,12 +212,12 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                         "created": created_at,
                         "model": served_name,
                         "choices": [],
-                        "usage": result.usage(),
+                        "usage": summed_usage(results, completion=not zero),
                     }
                 )
             yield SSE_DONE
 
-        return SSEResponse(guarded_stream(stream, body_iter))
+        return SSEResponse(guarded_stream(streams, body_iter))
 
     # ---------------------------------------------------------------- OpenAI: chat
 

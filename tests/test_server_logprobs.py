@@ -100,6 +100,107 @@ def test_completion_top_and_prompt_logprobs(client: openai.OpenAI, server: Serve
         assert any(e["rank"] == 1 for e in prompt_lps[i].values())
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_vllm_does(
+    client: openai.OpenAI, server: ServerThread
+) -> None:
+    """What evaluation harnesses send (issue 58): ``echo: true, logprobs: k`` with ``max_tokens``
+    0 (the prompt alone) or more. The choice's logprobs cover the prompt's tokens (the first
+    ``null``, as vLLM gives it), each the engine's prompt logprob (checked against transformers'
+    float64 forward in tests/test_engine.py), then the output's."""
+    name = str(server.app.state.model_name)
+    ids = server.app.state.engine.tokenize(PROMPT)
+    want = offline(server, PROMPT, max_tokens=3, temperature=0.0, prompt_logprobs=2, logprobs=2)
+    token = server.app.state.engine.tokenizer.decode
+    for max_tokens in (0, 3):
+        out = client.completions.create(
+            model=name, prompt=PROMPT, max_tokens=max_tokens, temperature=0, echo=True,
+            logprobs=2,
+        )  # fmt: skip
+        choice = out.choices[0]
+        lp = choice.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert lp.tokens is not None and lp.text_offset is not None
+        n_out = len(want.outputs[0].token_ids) if max_tokens else 0
+        assert len(lp.tokens) == len(ids) + n_out
+        assert lp.tokens[: len(ids)] == [token([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, len(ids)):
+            assert lp.token_logprobs[i] == pytest.approx(
+                want.prompt_logprobs[i][ids[i]].logprob, abs=1e-4
+            )
+            assert len(lp.top_logprobs[i]) == 2
+        for j, tok in enumerate(want.outputs[0].token_ids[:n_out]):
+            got = lp.token_logprobs[len(ids) + j]
+            assert got == pytest.approx(want.outputs[0].logprobs[j][tok].logprob, abs=1e-4)
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        if max_tokens == 0:
+            assert choice.text == PROMPT and choice.finish_reason == "length"
+            assert out.usage is not None and out.usage.completion_tokens == 0
+        else:
+            assert choice.text == PROMPT + want.outputs[0].text
+        # streamed: the echo (with the prompt's logprobs) first, then the output
+        chunks = list(
+            client.completions.create(
+                model=name,
+                prompt=PROMPT,
+                max_tokens=max_tokens,
+                temperature=0,
+                echo=True,
+                logprobs=2,
+                stream=True,
+            )  # fmt: skip
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+        streamed = [x for c in chunks if c.choices and c.choices[0].logprobs
+                    for x in c.choices[0].logprobs.token_logprobs or []]  # fmt: skip
+        assert streamed[0] is None
+        assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    with pytest.raises(openai.BadRequestError, match="max_tokens may be 0 only with echo"):
+        client.completions.create(model=name, prompt=PROMPT, max_tokens=0)
+
+
+def test_batched_prompts_answer_as_separate_requests(
+    client: openai.OpenAI, server: ServerThread
+) -> None:
+    """``prompt`` as a list of strings or of token-id lists (issue 58): one choice per prompt x
+    n in OpenAI's order (prompt p's i-th is index p*n+i), each what the prompt alone answers,
+    usage summed; streamed too; the prompts share the cache as separate requests do."""
+    name = str(server.app.state.model_name)
+    engine = server.app.state.engine
+    shared = "You are a careful assistant. Answer in one short sentence. " * 6
+    prompts = [shared + q for q in ("Who wrote Hamlet?", "What is two plus two?", "Name a color.")]
+    greedy = {"model": name, "max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    alone = [client.completions.create(prompt=p, **greedy) for p in prompts]
+    server.app.state.engine_loop.call_sync(lambda e: e.flush_cache(), 60)
+    for batch in (prompts, [engine.tokenize(p) for p in prompts]):
+        out = client.completions.create(prompt=batch, n=2, **greedy)
+        assert [c.index for c in out.choices] == list(range(6))
+        for c in out.choices:
+            assert c.text == alone[c.index // 2].choices[0].text, c.index
+        assert out.usage is not None
+        assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # type: ignore[union-attr]
+        assert out.usage.completion_tokens == 6 * 4
+        server.app.state.engine_loop.call_sync(lambda e: e.flush_cache(), 60)
+    # the prompts share their common prefix within the one request, as separate requests do
+    out = client.completions.create(prompt=prompts, **greedy)
+    details = out.usage.prompt_tokens_details  # type: ignore[union-attr]
+    assert details is not None and details.cached_tokens is not None
+    assert details.cached_tokens >= len(engine.tokenize(shared)) - 64, details
+    chunks = list(
+        client.completions.create(
+            prompt=prompts, n=2, stream=True, stream_options={"include_usage": True}, **greedy
+        )
+    )
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert texts == {i: alone[i // 2].choices[0].text for i in range(6)}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6 * 4
+    with pytest.raises(openai.BadRequestError, match="choices one request may ask for"):
+        client.completions.create(prompt=["x"] * 200, n=2, **greedy)
+
+
 def test_generate_logprobs_in_sglang_shapes(server: ServerThread) -> None:
     body = {
         "text": PROMPT,
