@@ -73,6 +73,7 @@ def create_app(
     log_stats_interval: float | None = 10.0,
     trust_request_chat_template: bool = False,
     prefault_kv: bool = False,
+    log_requests: bool = False,
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
     docs/security.md for what each guard protects).
@@ -99,11 +100,14 @@ def create_app(
     ``log_stats_interval``: seconds between stats lines in the log while busy (None: none;
     :mod:`.stats_log`).
     ``trust_request_chat_template``: chat requests may carry their own ``chat_template`` (Jinja
-    rendered in transformers' sandbox; off by default, as vLLM).
+    rendered in a bounded child process, :mod:`radixkv.engine.template_sandbox`; off by
+    default, as vLLM).
     ``prefault_kv``: commit the KV pool's memory in a background thread while the engine is
     idle (:class:`radixkv.model.prefault.Prefaulter`), so a burst's first writes do not fault
     (off by default: it holds the whole pool's memory, which several servers on one host may
     not have).
+    ``log_requests``: one INFO line per finished request: id, finish reasons, token counts,
+    TTFT and end to end time, the key's id (never the text; off by default, as vLLM).
     """
     if dashboard_text not in DASHBOARD_TEXT:
         raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
@@ -120,6 +124,7 @@ def create_app(
         metrics=metrics,
         max_waiting=max_waiting,
         max_waiting_per_owner=max_waiting_per_key,
+        log_requests=log_requests,
     )
     created = now()
     history = StatsHistory()

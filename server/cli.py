@@ -13,6 +13,7 @@ import logging
 import sys
 
 from radixkv.server.engine_flags import ENGINE_FLAGS, add_engine_flags, engine_kwargs
+from radixkv.server.vllm_flags import add_vllm_flags, apply_vllm_flags
 
 __all__ = ["ENGINE_FLAGS", "add_serve_parser", "engine_kwargs", "resolve_model", "run_serve"]
 
@@ -125,6 +126,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     add_engine_flags(p)
     p.add_argument("--log-level", default="info", help="uvicorn/log level (default info)")
+    add_vllm_flags(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -163,6 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixkv.server.routes_admin import PinPolicy
 
     try:
+        vllm_lines = apply_vllm_flags(args)  # a refused vLLM flag stops here, saying why
         model, served_names = resolve_model(args)
         keys = keys_from_args(args)
         pins = PinPolicy(
@@ -173,6 +176,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
+    for line in vllm_lines:
+        logger.info("vLLM flag %s", line)
     for warning in key_warnings(keys, args.host):
         logger.warning("%s", warning)
     knobs = engine_kwargs(args)
@@ -203,6 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
             log_stats_interval=args.log_stats_interval or None,
             trust_request_chat_template=args.trust_request_chat_template,
             prefault_kv=args.prefault_kv,
+            log_requests=getattr(args, "log_requests", False),
         )
     except ValueError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
@@ -215,8 +221,21 @@ def run_serve(args: argparse.Namespace) -> int:
         args.port,
         getattr(engine, "max_model_len", "?"),
     )
+    if getattr(args, "fastapi_docs", True) is False:  # vLLM's --disable-fastapi-docs
+        docs = {"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+        app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", "") not in docs]
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=(getattr(args, "uvicorn_log_level", None) or args.log_level).lower(),
+            access_log=getattr(args, "access_log", True),
+            root_path=getattr(args, "root_path", None) or "",
+            ssl_keyfile=getattr(args, "ssl_keyfile", None),
+            ssl_certfile=getattr(args, "ssl_certfile", None),
+            ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
+        )
     finally:
         engine.close()  # idempotent: the lifespan end (SIGTERM, SIGINT) closed it already
     return 0

@@ -29,7 +29,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from radixkv.engine.structured import CompileQueueFullError
@@ -37,6 +36,7 @@ from radixkv.model.omp_threads import release_omp_workers
 
 from .metrics import ServerMetrics
 from .redaction import internal_error
+from .request_log import TrackedRequest, log_finished
 from .request_stream import (
     EngineRequestError,
     OwnerLimitError,
@@ -60,20 +60,6 @@ T = TypeVar("T")
 _STEP_ERROR_BACKOFF_S = 0.05
 
 
-@dataclass
-class _Tracked:
-    """Engine-thread bookkeeping of one in-flight request."""
-
-    stream: RequestStream
-    n: int
-    arrival: float
-    owner: str | None = None
-    first_token_at: float | None = None
-    last_token_at: dict[int, float] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-    prompt_recorded: bool = False
-
-
 class EngineLoop:
     """Runs an engine on a dedicated thread and bridges it to an asyncio event loop.
 
@@ -89,8 +75,11 @@ class EngineLoop:
         metrics: ServerMetrics | None = None,
         max_waiting: int | None = None,
         max_waiting_per_owner: int | None = None,
+        log_requests: bool = False,
     ) -> None:
         self.engine = engine
+        #: one INFO line per finished request (ids, token counts, latencies; never its text)
+        self.log_requests = log_requests
         self.metrics = metrics or ServerMetrics()
         self.max_waiting = max_waiting
         self.max_waiting_per_owner = max_waiting_per_owner
@@ -100,7 +89,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Engine-thread only.
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
         # Event-loop-thread only: accepted requests that have produced no output yet.
         self._not_started: set[str] = set()
         self._streams: dict[str, RequestStream] = {}
@@ -379,7 +368,7 @@ class EngineLoop:
             why = internal_error(f"engine.add_request({rid}) failed: {exc!r}")  # + traceback
             self._resolve(accepted, exc=EngineRequestError(500, why))
             return
-        self._tracked[rid] = _Tracked(
+        self._tracked[rid] = TrackedRequest(
             stream=stream, n=stream.n, arrival=stream.arrival, owner=owner
         )
         if owner is not None:
@@ -434,6 +423,8 @@ class EngineLoop:
             new_tokens = len(out.new_token_ids or ())
             if not tracked.prompt_recorded:
                 tracked.prompt_recorded = True
+                tracked.prompt_tokens = int(out.prompt_tokens or 0)
+                tracked.cached_tokens = int(out.cached_tokens or 0)
                 m.record_prompt(
                     int(out.prompt_tokens or 0),
                     int(out.cached_tokens or 0),
@@ -444,6 +435,7 @@ class EngineLoop:
                     usage["prompt_tokens"] += int(out.prompt_tokens or 0)
                     usage["cached_tokens"] += int(out.cached_tokens or 0)
             if new_tokens:
+                tracked.generated += new_tokens
                 m.record_generated(new_tokens)
                 if tracked.owner is not None:
                     self._usage[tracked.owner]["completion_tokens"] += new_tokens
@@ -456,10 +448,13 @@ class EngineLoop:
                 tracked.last_token_at[index] = now
             if out.finished:
                 tracked.finished.add(index)
+                tracked.reasons.append(str(out.finish_reason or "stop"))
                 m.requests.labels(finish_reason=str(out.finish_reason or "stop")).inc()
                 if len(tracked.finished) >= tracked.n:
                     del self._tracked[out.request_id]
                     m.e2e.observe(now - tracked.arrival)
+                    if self.log_requests:
+                        log_finished(out.request_id, tracked, now)
             batch.append((tracked.stream, out))
         if batch:
             self._call_in_loop(lambda: self._deliver(batch))

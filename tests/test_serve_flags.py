@@ -242,3 +242,134 @@ def test_the_pool_is_touched_on_first_use_not_at_start(tiny_model: Any) -> None:
     grown = rss_bytes() - before
     assert engine.kv_capacity_tokens * 512 >= 1 << 30  # 512 B a token in fp32
     assert grown < 256 << 20, f"creating a 1 GiB pool made {grown >> 20} MiB resident"
+
+
+# ------------------------------------------------------------------ vLLM's flags (issue 58)
+
+#: A vLLM launch command as its users write them (flags from vLLM's docs and common
+#: deployment guides), with the model as the positional argument.
+VLLM_LAUNCH = (
+    "Qwen/Qwen3-0.6B --host 127.0.0.1 --port 8011 --served-model-name qwen --dtype auto "
+    "--max-model-len 4096 --gpu-memory-utilization 0.5 --max-num-seqs 64 "
+    "--max-num-batched-tokens 2048 --enable-chunked-prefill --enable-prefix-caching "
+    "--disable-log-requests --uvicorn-log-level warning --trust-remote-code "
+    "--tensor-parallel-size 1 --pipeline-parallel-size 1 --data-parallel-size 1 --seed 0 "
+    "--enforce-eager --swap-space 4 --block-size 16 --kv-cache-dtype auto --download-dir /tmp/hf "
+    "--enable-prompt-tokens-details --disable-log-stats --max-logprobs 20 --load-format auto "
+    "--tokenizer-mode auto --distributed-executor-backend mp --disable-custom-all-reduce "
+    "--generation-config auto --scheduling-policy fcfs --max-num-partial-prefills 1 "
+    "--compilation-config 0 --max-seq-len-to-capture 8192 --disable-frontend-multiprocessing "
+    "--enable-server-load-tracking --response-role assistant --api-server-count 1 "
+    "--chat-template-content-format auto --guided-decoding-backend xgrammar --task generate "
+    "--preemption-mode recompute --calculate-kv-scales --disable-uvicorn-access-log "
+    "--root-path /v --max-log-len 100 --model-impl auto --num-scheduler-steps 1 "
+    "--max-parallel-loading-workers 2 --enable-log-requests --no-enable-chunked-prefill"
+)
+
+
+def test_a_vllm_launch_command_parses_and_each_flag_says_what_it_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from radixkv.server.vllm_flags import apply_vllm_flags
+
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    args = parse(*VLLM_LAUNCH.split())
+    lines = apply_vllm_flags(args)
+    given = {f for f in VLLM_LAUNCH.split() if f.startswith("--")}
+    from radixkv.server.vllm_flags import VLLM_FLAGS
+
+    ours = {spelling for f in VLLM_FLAGS for spelling in f.flags}
+    assert len(lines) == len(given & ours)  # one line for each vLLM flag given
+    assert all(": " in line for line in lines)
+    # the ones that do something here did it
+    assert args.uvicorn_log_level == "warning" and args.root_path == "/v"
+    assert args.access_log is False and args.log_stats_interval == 0.0
+    assert args.log_requests is True and args.schedule_policy == "fcfs"
+    import os
+
+    assert os.environ["HF_HUB_CACHE"] == "/tmp/hf"
+    # and radixkv's own flags of the same name landed in the engine's config
+    knobs = engine_kwargs(args)
+    assert knobs["max_running_requests"] == 64 and knobs["page_size"] == 16
+    assert knobs["max_model_len"] == 4096 and knobs["chunked_prefill_tokens"] == 2048
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--tensor-parallel-size", "2"], "radixkv cluster --replicas"),
+        (["-tp", "4"], "runs one device"),
+        (["--enable-lora"], "LoRA"),
+        (["--speculative-config", "{}"], "speculative"),
+        (["--enable-auto-tool-choice"], "tool-call parser"),
+        (["--tool-call-parser", "hermes"], "tool-call parser"),
+        (["--reasoning-parser", "qwen3"], "reasoning parser"),
+        (["--allowed-origins", '["*"]'], "CORS"),
+        (["--quantization", "awq"], "dequantized"),
+        (["--scheduling-policy", "priority"], "priorities"),
+        (["--revision", "main"], "hf download"),
+    ],
+)
+def test_a_vllm_flag_radixkv_cannot_honour_is_refused_saying_why(argv: list[str], why: str) -> None:
+    from radixkv.server.vllm_flags import apply_vllm_flags
+
+    with pytest.raises(ValueError, match=why) as exc:
+        apply_vllm_flags(parse(*argv))
+    assert argv[0] in str(exc.value) or "--tensor-parallel-size" in str(exc.value)
+
+
+def test_radixkv_serve_exits_2_on_a_refused_flag_before_loading() -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "radixkv", "serve", "--model", "smollm2", "-tp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--tensor-parallel-size 2: radixkv runs one device" in r.stderr
+
+
+def test_every_vllm_flag_in_the_table_parses() -> None:
+    from radixkv.server.vllm_flags import VLLM_FLAGS, apply_vllm_flags
+
+    for flag in VLLM_FLAGS:
+        for spelling in flag.flags:
+            argv = [spelling, "1"] if flag.takes_value else [spelling]
+            args = parse(*argv)
+            try:
+                lines = apply_vllm_flags(args)
+            except ValueError as exc:
+                assert str(exc).startswith(flag.flags[0]), exc
+            else:
+                assert len(lines) == 1 and lines[0].startswith(flag.flags[0]), lines
+
+
+def test_the_request_log_line_is_off_by_default_and_never_holds_the_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's ``--enable-log-requests`` (``create_app(log_requests=True)``): one line per
+    finished request with its counts and latencies; off by default; never the prompt."""
+    import logging
+
+    import httpx
+    from fake_engine import ServerThread
+    from test_server import build_tiny_engine
+
+    from radixkv.server.app import create_app
+
+    body = {"prompt": "a secret prompt", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    for enabled in (False, True):
+        caplog.clear()
+        with (
+            caplog.at_level(logging.INFO, logger="radixkv.server.engine_loop"),
+            ServerThread(create_app(build_tiny_engine(), log_requests=enabled)) as srv,
+        ):
+            r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200
+        lines = [m for m in caplog.messages if "finished (" in m]
+        assert len(lines) == int(enabled), lines
+        assert all("secret" not in m for m in caplog.messages)
+    assert "finished (length): prompt 15 tokens (0 cached), 3 generated, TTFT" in lines[0]

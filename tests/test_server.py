@@ -799,8 +799,13 @@ def test_run_serve_wires_its_flags_into_the_engine_and_the_app(
 
     checked: list[str] = []
 
-    def serve(app: Any, host: str, port: int, log_level: str) -> None:
+    def serve(app: Any, host: str, port: int, log_level: str, **options: Any) -> None:
         assert (host, port) == ("127.0.0.1", 9123)
+        # no vLLM flag given: uvicorn's own defaults (vllm_flags sets these when asked)
+        assert options == {
+            "access_log": True, "root_path": "", "ssl_keyfile": None, "ssl_certfile": None,
+            "ssl_ca_certs": None,
+        }  # fmt: skip
         auth = {"Authorization": "Bearer key-from-file"}
         with ServerThread(app) as srv:
             assert httpx.get(f"{srv.base_url}/v1/models", timeout=10).status_code == 401
