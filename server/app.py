@@ -40,6 +40,7 @@ from .guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, RequestGuard
 from .intake import now
 from .metrics import ServerMetrics
 from .protocol import APIError, error_body
+from .reasoning import REASONING_PARSERS
 from .redaction import install_access_log_redactor, internal_error
 from .request_id import RequestIdMiddleware
 from .routes_admin import PinPolicy, admin_routes
@@ -74,6 +75,7 @@ def create_app(
     trust_request_chat_template: bool = False,
     prefault_kv: bool = False,
     log_requests: bool = False,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
     docs/security.md for what each guard protects).
@@ -106,11 +108,17 @@ def create_app(
     idle (:class:`radixkv.model.prefault.Prefaulter`), so a burst's first writes do not fault
     (off by default: it holds the whole pool's memory, which several servers on one host may
     not have).
+    ``reasoning_parser``: ``qwen3`` or ``deepseek_r1`` (:mod:`.reasoning`): chat answers carry
+    the model's ``<think>`` block as ``reasoning_content``, whole and streamed.
     ``log_requests``: one INFO line per finished request: id, finish reasons, token counts,
     TTFT and end to end time, the key's id (never the text; off by default, as vLLM).
     """
     if dashboard_text not in DASHBOARD_TEXT:
         raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"unknown reasoning parser {reasoning_parser!r}: {', '.join(REASONING_PARSERS)}"
+        )
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     keyring = KeyRing(api_keys, admin_key, tenants=salt_from_api_key)
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
@@ -240,6 +248,7 @@ def create_app(
         history=history,
         keyed=not keyring.open,
         trust_request_chat_template=trust_request_chat_template,
+        reasoning=REASONING_PARSERS.get(reasoning_parser or ""),
     )
     for router in (
         native_routes(ctx),

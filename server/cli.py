@@ -209,6 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
             trust_request_chat_template=args.trust_request_chat_template,
             prefault_kv=args.prefault_kv,
             log_requests=getattr(args, "log_requests", False),
+            reasoning_parser=getattr(args, "reasoning_parser", None),
         )
     except ValueError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)

@@ -53,6 +53,8 @@ class ServerContext:
     #: where those templates render (:class:`~radixkv.engine.template_sandbox.TemplateSandbox`,
     #: started with the app when they are trusted)
     template_sandbox: Any = None
+    #: the reasoning parser (``--reasoning-parser``; :mod:`.reasoning`), or None
+    reasoning: Any = None
 
     def check_model(self, name: str | None) -> None:
         """A request's ``model``: None (the served model) or one of ``accepted_names``."""

@@ -110,8 +110,10 @@ class SGLangAccepted(BaseModel):
     """SGLang's extension fields that sgl-router (and SGLang's clients) add to every OpenAI request,
     taken at the values that ask for nothing radixkv does not do: ``no_stop_trim`` false (stop
     strings are trimmed, as here), ``return_hidden_states`` false, and ``separate_reasoning`` /
-    ``stream_reasoning`` (no reasoning parser is configured, so, as in SGLang then, the text is
-    left as it is). ``no_stop_trim`` or ``return_hidden_states`` true is a 400 naming the field."""
+    ``stream_reasoning``: with a reasoning parser (``--reasoning-parser``), ``separate_reasoning``
+    false leaves the text as it is (default: separated, :mod:`.reasoning`); without one the
+    text is always left as it is, as in SGLang. ``no_stop_trim`` or ``return_hidden_states``
+    true is a 400 naming the field."""
 
     no_stop_trim: Literal[False] | None = None
     return_hidden_states: Literal[False] | None = None

@@ -28,6 +28,7 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from .reasoning import ReasoningStream, split_reasoning
 from .streaming import SSE_DONE, Collected, Seq, SSEResponse, sse
 from .structured_outputs import compile_constraint, structured_kwargs
 from .tool_calls import ToolCallStream, tool_plan
@@ -244,16 +245,24 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         await compile_constraint(engine, params, ctx.owner())
         rid = new_id("chatcmpl")
         stream = await submit(rid, prompt_ids, params, body.cache_salt, arrival)
+        # the model's <think> block as reasoning_content (--reasoning-parser; a request's
+        # separate_reasoning false keeps it in the content, as SGLang)
+        reasoner = ctx.reasoning if body.separate_reasoning is not False else None
 
         if not body.stream:
             result = await collect(request, stream, body.n)
             choices = []
             for i, seq in enumerate(result.seqs):
-                message, finish = (
-                    tools.message(seq.text, seq.finish_reason)
-                    if tools
-                    else ({"role": "assistant", "content": seq.text}, seq.finish_reason)
+                thought, text = (
+                    split_reasoning(reasoner, seq.text) if reasoner else (None, seq.text)
                 )
+                message, finish = (
+                    tools.message(text or "", seq.finish_reason)
+                    if tools
+                    else ({"role": "assistant", "content": text}, seq.finish_reason)
+                )
+                if reasoner:
+                    message["reasoning_content"] = thought
                 choices.append(
                     {
                         "index": i,
@@ -305,13 +314,22 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                 result.seqs[i].sent_role = True
                 yield chunk(i, {"role": "assistant", "content": ""}, None, None)
             tool_stream = ToolCallStream(tools) if tools else None
+            thinking = [ReasoningStream(reasoner) for _ in range(body.n)] if reasoner else None
             async for out in stream.outputs():
                 index = int(getattr(out, "index", 0) or 0)
                 result.add(out)
+                text = out.new_text or ""
+                if thinking is not None:  # the <think> block's deltas go as reasoning_content
+                    thought, text = thinking[index].feed(text)
+                    if out.finished:
+                        rest = thinking[index].finish()
+                        thought, text = thought + rest[0], text + rest[1]
+                    if thought:
+                        yield chunk(index, {"reasoning_content": thought}, None, None)
                 if tool_stream is not None:  # tool-call deltas instead of content
                     stop = getattr(out, "stop_reason", None)
                     for delta, end in tool_stream.deltas(
-                        index, out.new_text or "", out.finished, out.finish_reason
+                        index, text, out.finished, out.finish_reason
                     ):
                         yield chunk(index, delta, end, None, stop)
                     continue
@@ -322,8 +340,8 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                     if body.logprobs and out.new_token_ids
                     else None
                 )
-                if out.new_text or lp is not None:
-                    yield chunk(index, {"content": out.new_text or ""}, None, lp)
+                if text or lp is not None:
+                    yield chunk(index, {"content": text}, None, lp)
                 if out.finished:
                     yield chunk(
                         index, {}, out.finish_reason, None, getattr(out, "stop_reason", None)

@@ -9,12 +9,13 @@ Each flag has one of three dispositions, said at start (:func:`apply_vllm_flags`
 
 * **done**: it does here what it does in vLLM (``--enable-log-requests``,
   ``--uvicorn-log-level``, ``--disable-log-stats``, ``--ssl-keyfile`` / ``--ssl-certfile``, ``--root-path``, ``--disable-uvicorn-access-log``,
-  ``--download-dir``, ``--hf-token``, ``--scheduling-policy fcfs``); an INFO line names it.
+  ``--download-dir``, ``--hf-token``, ``--scheduling-policy fcfs``, ``--reasoning-parser qwen3``
+  or ``deepseek_r1``); an INFO line names it.
 * **no-op**: what it asks for is what radixkv always does, or means nothing on this engine
   (``--enable-chunked-prefill``: always on; ``--trust-remote-code``: radixkv runs no model
   code; ``--tensor-parallel-size 1``; ``--enforce-eager``; ...); an INFO line says why.
 * **refused**: it asks for what radixkv cannot do (``--tensor-parallel-size 2``, LoRA,
-  speculative decoding, a tool-call or reasoning parser, CORS): ``radixkv serve`` exits 2
+  speculative decoding, a tool-call parser, CORS): ``radixkv serve`` exits 2
   naming the flag and the reason, before loading anything.
 """
 
@@ -91,6 +92,15 @@ def _scheduling(value: Any, args: argparse.Namespace) -> str:
         args.schedule_policy = "fcfs"
         return "radixkv's --schedule-policy fcfs (its default, lpm, serves cache hits first)"
     raise ValueError(f"{value!r}: radixkv has no request priorities (fcfs, or its own lpm)")
+
+
+def _reasoning(value: Any, args: argparse.Namespace) -> str:
+    from .reasoning import REASONING_PARSERS
+
+    if value not in REASONING_PARSERS:
+        raise ValueError(f"radixkv's reasoning parsers are {', '.join(REASONING_PARSERS)}")
+    args.reasoning_parser = value
+    return "chat answers carry the <think> block as reasoning_content, whole and streamed"
 
 
 _PARALLEL = "run several replicas with `radixkv cluster --replicas N` instead"
@@ -185,10 +195,11 @@ VLLM_FLAGS: list[VllmFlag] = [
     VllmFlag(("--enable-auto-tool-choice",), False, _refuse(_NO_TOOLS)),
     VllmFlag(("--tool-call-parser",), True, _refuse(_NO_TOOLS)),
     VllmFlag(("--tool-parser-plugin",), True, _refuse(_NO_TOOLS)),
+    VllmFlag(("--reasoning-parser",), True, _reasoning),
     VllmFlag(
-        ("--reasoning-parser", "--enable-reasoning"),
-        True,
-        _refuse("radixkv has no reasoning parser yet (issue 58): <think> blocks stay in content"),
+        ("--enable-reasoning",),
+        False,
+        _noop("reasoning is separated when --reasoning-parser names a parser"),
     ),
     VllmFlag(
         ("--guided-decoding-backend",),

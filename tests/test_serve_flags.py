@@ -303,7 +303,7 @@ def test_a_vllm_launch_command_parses_and_each_flag_says_what_it_does(
         (["--speculative-config", "{}"], "speculative"),
         (["--enable-auto-tool-choice"], "tool-call parser"),
         (["--tool-call-parser", "hermes"], "tool-call parser"),
-        (["--reasoning-parser", "qwen3"], "reasoning parser"),
+        (["--reasoning-parser", "granite"], "reasoning parsers are qwen3, deepseek_r1"),
         (["--allowed-origins", '["*"]'], "CORS"),
         (["--quantization", "awq"], "dequantized"),
         (["--scheduling-policy", "priority"], "priorities"),
