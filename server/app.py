@@ -53,6 +53,7 @@ from .stats_history import StatsHistory, collect_sample
 from .stats_log import StatsLine
 from .streaming import ClientDisconnected
 from .tenancy import REQUEST_CALLER, REQUEST_TENANT_SALT, KeyRing
+from .tool_calls import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_WAITING = 1024
 
@@ -76,6 +77,7 @@ def create_app(
     prefault_kv: bool = False,
     log_requests: bool = False,
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
     docs/security.md for what each guard protects).
@@ -110,11 +112,18 @@ def create_app(
     not have).
     ``reasoning_parser``: ``qwen3`` or ``deepseek_r1`` (:mod:`.reasoning`): chat answers carry
     the model's ``<think>`` block as ``reasoning_content``, whole and streamed.
+    ``tool_call_parser``: ``hermes`` (:mod:`.tool_calls`): ``tool_choice: "auto"`` answers
+    with the model's ``<tool_call>`` blocks as ``tool_calls`` (vLLM's
+    ``--enable-auto-tool-choice --tool-call-parser``); None: "auto" is a 400.
     ``log_requests``: one INFO line per finished request: id, finish reasons, token counts,
     TTFT and end to end time, the key's id (never the text; off by default, as vLLM).
     """
     if dashboard_text not in DASHBOARD_TEXT:
         raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"unknown tool-call parser {tool_call_parser!r}: {', '.join(TOOL_CALL_PARSERS)}"
+        )
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(
             f"unknown reasoning parser {reasoning_parser!r}: {', '.join(REASONING_PARSERS)}"
@@ -249,6 +258,7 @@ def create_app(
         keyed=not keyring.open,
         trust_request_chat_template=trust_request_chat_template,
         reasoning=REASONING_PARSERS.get(reasoning_parser or ""),
+        tool_parser=tool_call_parser,
     )
     for router in (
         native_routes(ctx),

@@ -210,6 +210,7 @@ def run_serve(args: argparse.Namespace) -> int:
             prefault_kv=args.prefault_kv,
             log_requests=getattr(args, "log_requests", False),
             reasoning_parser=getattr(args, "reasoning_parser", None),
+            tool_call_parser=getattr(args, "tool_call_parser", None),
         )
     except ValueError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)

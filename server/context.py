@@ -55,6 +55,8 @@ class ServerContext:
     template_sandbox: Any = None
     #: the reasoning parser (``--reasoning-parser``; :mod:`.reasoning`), or None
     reasoning: Any = None
+    #: the tool-call parser of ``tool_choice: "auto"`` (``--tool-call-parser``), or None
+    tool_parser: str | None = None
 
     def check_model(self, name: str | None) -> None:
         """A request's ``model``: None (the served model) or one of ``accepted_names``."""

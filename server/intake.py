@@ -144,7 +144,7 @@ async def prompt_token_ids(
 def conversation_chars(messages: list[dict[str, Any]], extra: Any = None) -> int:
     """Characters of everything a chat template may render: every field of every message
     (``content``, ``tool_calls``, ``name``, extra fields) and ``extra`` (the template's keyword
-    arguments), as JSON."""
+    arguments, the tools), as JSON."""
     return len(json.dumps([messages, extra], ensure_ascii=False, default=str))
 
 
@@ -155,7 +155,7 @@ async def chat_token_ids(engine: Any, messages: list[dict[str, Any]], **options:
     sandbox ``options`` names), the length check of the rendered text, then the text tokenized.
     ``options``: ``render_chat_text``'s; the template defaults to the engine's
     ``chat_template`` (``--chat-template``), else the model's."""
-    extra = options.get("chat_template_kwargs")
+    extra = [options.get("chat_template_kwargs"), options.get("tools")]
     check_text_length(engine, conversation_chars(messages, extra), "messages")
     tokenizer = getattr(engine, "tokenizer", None)
     options.setdefault("chat_template", getattr(engine, "chat_template", None))

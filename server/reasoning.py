@@ -21,7 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningStream", "split_reasoning"]
+__all__ = [
+    "REASONING_PARSERS",
+    "ReasoningParser",
+    "ReasoningStream",
+    "partial_suffix",
+    "split_reasoning",
+]
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class ReasoningStream:
             marker = self.parser.start if self.state == "before" else self.parser.end
             at = text.find(marker)
             if at < 0:
-                keep = _partial_suffix(text, marker)
+                keep = partial_suffix(text, marker)
                 out, self._held = text[: len(text) - keep], text[len(text) - keep :]
                 (content if self.state == "before" else reasoning).append(out)
                 break
@@ -88,7 +94,7 @@ class ReasoningStream:
         return (held, "") if self.state == "reasoning" else ("", held)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

@@ -227,20 +227,23 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
         arrival = time.monotonic()
         check_model(body.model)
         messages = [m.template_dict() for m in body.messages]
-        prompt_ids = await chat_token_ids(engine, messages, **ctx.template_options(body))
+        tools = tool_plan(body, ctx.tool_parser)
+        options = ctx.template_options(body)
+        if body.tools and body.tool_choice != "none":  # the template shows them (as vLLM)
+            options["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        prompt_ids = await chat_token_ids(engine, messages, **options)
         check_prompt_not_empty(prompt_ids, "messages")
         max_tokens = resolve_max_tokens(
             len(prompt_ids), body.requested_max_tokens(), engine.max_model_len, default=None
         )
         top = body.top_logprobs or 0
-        tools = tool_plan(body)
         params = make_sampling_params(
             body.engine_kwargs(
                 max_tokens=max_tokens,
                 default_temperature=1.0,
                 logprobs=top if body.logprobs else None,
             )
-            | structured_kwargs(body, ("tools", tools.spec) if tools else None)
+            | structured_kwargs(body, ("tools", tools.spec) if tools and tools.spec else None)
         )
         await compile_constraint(engine, params, ctx.owner())
         rid = new_id("chatcmpl")

@@ -10,12 +10,13 @@ Each flag has one of three dispositions, said at start (:func:`apply_vllm_flags`
 * **done**: it does here what it does in vLLM (``--enable-log-requests``,
   ``--uvicorn-log-level``, ``--disable-log-stats``, ``--ssl-keyfile`` / ``--ssl-certfile``, ``--root-path``, ``--disable-uvicorn-access-log``,
   ``--download-dir``, ``--hf-token``, ``--scheduling-policy fcfs``, ``--reasoning-parser qwen3``
-  or ``deepseek_r1``); an INFO line names it.
+  or ``deepseek_r1``, ``--enable-auto-tool-choice --tool-call-parser hermes``); an INFO line
+  names it.
 * **no-op**: what it asks for is what radixkv always does, or means nothing on this engine
   (``--enable-chunked-prefill``: always on; ``--trust-remote-code``: radixkv runs no model
   code; ``--tensor-parallel-size 1``; ``--enforce-eager``; ...); an INFO line says why.
 * **refused**: it asks for what radixkv cannot do (``--tensor-parallel-size 2``, LoRA,
-  speculative decoding, a tool-call parser, CORS): ``radixkv serve`` exits 2
+  speculative decoding, a tool-call parser but ``hermes``, CORS): ``radixkv serve`` exits 2
   naming the flag and the reason, before loading anything.
 """
 
@@ -105,10 +106,23 @@ def _reasoning(value: Any, args: argparse.Namespace) -> str:
 
 _PARALLEL = "run several replicas with `radixkv cluster --replicas N` instead"
 _NO_LORA = "radixkv serves one model's weights, without LoRA adapters"
-_NO_TOOLS = (
-    'radixkv has no tool-call parser yet (issue 58): tool_choice "required" or a named '
-    "function constrain the output to the tool's schema without one"
-)
+_AUTO = 'tool_choice "auto" parses the model\'s tool calls (with --tool-call-parser)'
+
+
+def _tool_parser(value: Any, args: argparse.Namespace) -> str:
+    from .tool_calls import TOOL_CALL_PARSERS
+
+    if value not in TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"radixkv's tool-call parsers are {', '.join(TOOL_CALL_PARSERS)} (<tool_call> "
+            'blocks: Qwen, Hermes); tool_choice "required" or a named function constrain the '
+            "output to the tools' schemas without one"
+        )
+    if getattr(args, "vllm_enable_auto_tool_choice", None) is None:
+        raise ValueError("it goes with --enable-auto-tool-choice, as in vLLM")
+    args.tool_call_parser = value
+    return 'tool_choice "auto": the model\'s <tool_call> blocks become tool_calls'
+
 
 VLLM_FLAGS: list[VllmFlag] = [
     # logging and the HTTP front
@@ -192,9 +206,9 @@ VLLM_FLAGS: list[VllmFlag] = [
     VllmFlag(("--max-log-len",), True, _noop("radixkv logs no prompt")),
     VllmFlag(("--otlp-traces-endpoint",), True, _refuse("radixkv exports no OpenTelemetry traces")),
     # tools and reasoning (issue 58)
-    VllmFlag(("--enable-auto-tool-choice",), False, _refuse(_NO_TOOLS)),
-    VllmFlag(("--tool-call-parser",), True, _refuse(_NO_TOOLS)),
-    VllmFlag(("--tool-parser-plugin",), True, _refuse(_NO_TOOLS)),
+    VllmFlag(("--enable-auto-tool-choice",), False, _set("auto_tool_choice", True, _AUTO)),
+    VllmFlag(("--tool-call-parser",), True, _tool_parser),
+    VllmFlag(("--tool-parser-plugin",), True, _refuse("radixkv loads no parser plugins")),
     VllmFlag(("--reasoning-parser",), True, _reasoning),
     VllmFlag(
         ("--enable-reasoning",),

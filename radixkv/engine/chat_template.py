@@ -71,12 +71,14 @@ def render_chat_text(
     continue_final_message: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
     sandbox: Any = None,
     sandbox_key: Hashable = None,
 ) -> str:
     """The text of ``messages`` rendered by ``tokenizer``'s chat template (or ``chat_template``,
     Jinja text), as transformers' ``apply_chat_template(..., tokenize=False)`` renders it, ending
-    in the assistant's generation prompt unless told otherwise (see the module docstring).
+    in the assistant's generation prompt unless told otherwise (see the module docstring);
+    ``tools`` (OpenAI's ``tools``, JSON schemas) are the template's ``tools``.
 
     It reads only the tokenizer's Python attributes (its template, its special tokens), never its
     Rust backend, so it takes no tokenizer lock: the engine thread decodes while a conversation
@@ -103,7 +105,7 @@ def render_chat_text(
     # a transformers tokenizer (else one of its own kind, with an apply_chat_template)
     hf = hasattr(inner, "get_chat_template") and hasattr(inner, "special_tokens_map")
     try:
-        template = inner.get_chat_template(chat_template) if hf else chat_template
+        template = inner.get_chat_template(chat_template, tools) if hf else chat_template
         # kwargs overwrite special tokens if both are present (as apply_chat_template does)
         template_kwargs = {**inner.special_tokens_map, **extra} if hf else extra
         if sandbox is not None:
@@ -114,6 +116,7 @@ def render_chat_text(
                     template_kwargs=template_kwargs,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    tools=tools,
                     key=sandbox_key,
                 )
             )
@@ -123,6 +126,8 @@ def render_chat_text(
                 options["continue_final_message"] = True
             if chat_template:
                 options["chat_template"] = chat_template
+            if tools:
+                options["tools"] = tools
             return str(inner.apply_chat_template(messages, tokenize=False, **options, **extra))
         from transformers.utils.chat_template_utils import (
             _normalize_chat_messages,
@@ -131,6 +136,7 @@ def render_chat_text(
 
         rendered, _ = render_jinja_template(
             conversations=[_normalize_chat_messages(messages)],
+            tools=tools,
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

@@ -108,6 +108,7 @@ class TemplateSandbox:
         template_kwargs: Mapping[str, Any],
         add_generation_prompt: bool,
         continue_final_message: bool,
+        tools: list[dict[str, Any]] | None = None,
         key: Hashable = None,
     ) -> str:
         """``chat_template`` rendered over ``messages`` (transformers' ``render_jinja_template``
@@ -133,6 +134,7 @@ class TemplateSandbox:
                     "template_kwargs": dict(template_kwargs),
                     "add_generation_prompt": add_generation_prompt,
                     "continue_final_message": continue_final_message,
+                    "tools": tools,
                     "max_chars": self.max_chars,
                 }
             )
@@ -238,6 +240,7 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
     try:
         rendered, _ = render_jinja_template(
             conversations=[_normalize_chat_messages(request["messages"])],
+            tools=request.get("tools"),
             chat_template=request["chat_template"],
             add_generation_prompt=request["add_generation_prompt"],
             continue_final_message=request["continue_final_message"],
