@@ -112,8 +112,8 @@ def create_app(
     not have).
     ``reasoning_parser``: ``qwen3`` or ``deepseek_r1`` (:mod:`.reasoning`): chat answers carry
     the model's ``<think>`` block as ``reasoning_content``, whole and streamed.
-    ``tool_call_parser``: ``hermes`` (:mod:`.tool_calls`): ``tool_choice: "auto"`` answers
-    with the model's ``<tool_call>`` blocks as ``tool_calls`` (vLLM's
+    ``tool_call_parser``: ``hermes``, ``llama3_json`` or ``mistral`` (:mod:`.tool_parsers`):
+    ``tool_choice: "auto"`` answers with the calls the model writes as ``tool_calls`` (vLLM's
     ``--enable-auto-tool-choice --tool-call-parser``); None: "auto" is a 400.
     ``log_requests``: one INFO line per finished request: id, finish reasons, token counts,
     TTFT and end to end time, the key's id (never the text; off by default, as vLLM).

@@ -9,9 +9,9 @@
   with arguments matching its schema;
 * ``"none"`` (or no ``tools``): tools are ignored, the answer is text;
 * ``"auto"`` (OpenAI's default when ``tools`` is given): with ``--enable-auto-tool-choice
-  --tool-call-parser hermes`` (vLLM's flags), the model answers as it likes and its
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes' and Qwen's
-  format) become ``tool_calls``, the text around them ``content``; nothing is constrained.
+  --tool-call-parser NAME`` (vLLM's flags; :mod:`.tool_parsers`: ``hermes``, ``llama3_json``,
+  ``mistral``), the model answers as it likes and the calls it writes in its own format become
+  ``tool_calls``, the text around them ``content``; nothing is constrained.
   Without those flags it is a 400 naming them. The tools are the chat template's ``tools``
   for every choice but ``"none"`` (the template shows them to the model, as vLLM does).
 
@@ -20,7 +20,7 @@ string, ``content`` null) with ``finish_reason: "tool_calls"``. An output cut sh
 does not parse: it is returned as text with its own finish reason. Streaming: a named call's
 arguments stream as they are generated (the first delta carries the call's id and name); a
 ``required`` list is sent whole in the final deltas, once it parses; with ``auto`` the content
-streams until a ``<tool_call>`` starts, and the calls are sent whole at the end.
+streams as far as it cannot be part of a call, and the calls are sent whole at the end.
 """
 
 from __future__ import annotations
@@ -33,37 +33,11 @@ from typing import Any
 from radixkv.engine.structured import StructuredOutputs
 
 from .protocol import APIError
-from .reasoning import partial_suffix
+from .tool_parsers import TOOL_CALL_PARSERS, ToolCallParser
 
-__all__ = ["TOOL_CALL_PARSERS", "ToolCallStream", "ToolPlan", "hermes_calls", "tool_plan"]
+__all__ = ["TOOL_CALL_PARSERS", "ToolCallStream", "ToolPlan", "tool_plan"]
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-#: ``--tool-call-parser`` names radixkv implements (vLLM's names)
-TOOL_CALL_PARSERS = ("hermes",)
-
-
-def hermes_calls(text: str) -> tuple[list[tuple[str, Any]], str] | None:
-    """The ``(name, arguments)`` of every ``<tool_call>{json}</tool_call>`` block of ``text``
-    and the text around them; None when there is no block or one does not parse (an unclosed
-    last block, as when ``length`` cut it, does not parse)."""
-    calls: list[tuple[str, Any]] = []
-    rest: list[str] = []
-    while (at := text.find(_OPEN)) >= 0:
-        rest.append(text[:at])
-        end = text.find(_CLOSE, at)
-        if end < 0:
-            return None
-        try:
-            value = json.loads(text[at + len(_OPEN) : end])
-        except ValueError:
-            return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None
-        calls.append((value["name"], value.get("arguments", {})))
-        text = text[end + len(_CLOSE) :]
-    rest.append(text)
-    return (calls, "".join(rest).strip()) if calls else None
 
 
 def _call_id() -> str:
@@ -77,12 +51,12 @@ class ToolPlan:
 
     named: str | None
     spec: StructuredOutputs | None  # None: "auto", nothing constrained
-    auto: bool = False
+    auto: ToolCallParser | None = None  # "auto": the model's format
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """OpenAI ``tool_calls`` of a finished output, or None when ``text`` does not parse."""
-        if self.auto:
-            found = hermes_calls(text)
+        if self.auto is not None:
+            found = self.auto.parse(text)
             if found is None:
                 return None
             return [self._call(n, json.dumps(a, ensure_ascii=False)) for n, a in found[0]]
@@ -117,7 +91,7 @@ class ToolPlan:
         calls = self.calls(text) if finish_reason == "stop" else None
         if calls is None:
             return {"role": "assistant", "content": text}, finish_reason
-        content = (hermes_calls(text) or ([], ""))[1] or None if self.auto else None
+        content = (self.auto.parse(text) or ([], ""))[1] or None if self.auto else None
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
@@ -134,13 +108,13 @@ def tool_plan(body: Any, parser: str | None = None) -> ToolPlan | None:
     if choice == "none":
         return None
     if (choice is None or choice == "auto") and parser is not None:
-        return ToolPlan(None, None, auto=True)
+        return ToolPlan(None, None, auto=TOOL_CALL_PARSERS[parser])
     if choice is None or choice == "auto":
         raise APIError(
             400,
             'tool_choice "auto" needs a tool-call parser: this server was started without '
-            "--enable-auto-tool-choice --tool-call-parser hermes (for models whose template "
-            'writes <tool_call> blocks: Qwen, Hermes). Use tool_choice "required" or name a '
+            "--enable-auto-tool-choice --tool-call-parser NAME (hermes: Qwen, Hermes; "
+            'llama3_json: Llama 3.1+; mistral). Use tool_choice "required" or name a '
             'function ({"type": "function", "function": {"name": ...}}); "none" ignores the '
             "tools.",
             param="tool_choice",
@@ -192,8 +166,8 @@ class ToolCallStream:
         """``(delta, finish_reason or None)`` chunks for choice ``index`` after one output."""
         text = self.texts.get(index, "") + new_text
         self.texts[index] = text
-        if self.plan.auto:
-            return self._auto(index, text, finished, finish_reason)
+        if self.plan.auto is not None:
+            return self._auto(self.plan.auto, index, text, finished, finish_reason)
         out: list[tuple[dict[str, Any], str | None]] = []
         if self.plan.named is not None and new_text:
             call: dict[str, Any] = {"index": 0, "function": {"arguments": new_text}}
@@ -215,17 +189,19 @@ class ToolCallStream:
         return [*out, ({}, "tool_calls")]
 
     def _auto(
-        self, index: int, text: str, finished: bool, finish_reason: str | None
+        self,
+        parser: ToolCallParser,
+        index: int,
+        text: str,
+        finished: bool,
+        finish_reason: str | None,
     ) -> list[tuple[dict[str, Any], str | None]]:
-        """``auto``: content up to the first ``<tool_call>`` (a suffix that may start one held
-        back), the calls whole at the end."""
+        """``auto``: content as far as it cannot be part of a call (``parser.hold``), the calls
+        whole at the end."""
         sent = self.sent.get(index, 0)
-        at = text.find(_OPEN)
-        if at < 0:  # hold back a suffix that may be the marker's start
-            at = len(text) - partial_suffix(text, _OPEN)
         out: list[tuple[dict[str, Any], str | None]] = []
         calls = self.plan.calls(text) if finished and finish_reason == "stop" else None
-        upto = len(text) if finished and calls is None else at
+        upto = len(text) if finished and calls is None else max(sent, parser.hold(text))
         if upto > sent:
             out.append(({"content": text[sent:upto]}, None))
             self.sent[index] = upto
@@ -233,7 +209,7 @@ class ToolCallStream:
             return out
         if calls is None:
             return [*out, ({}, finish_reason)]
-        after = (hermes_calls(text[upto:]) or ([], ""))[1]  # outside the blocks, after them
+        after = (parser.parse(text[upto:]) or ([], ""))[1]  # content after the calls
         if after:
             out.append(({"content": after}, None))
         listed = [{"index": i, **c} for i, c in enumerate(calls)]

@@ -10,13 +10,13 @@ Each flag has one of three dispositions, said at start (:func:`apply_vllm_flags`
 * **done**: it does here what it does in vLLM (``--enable-log-requests``,
   ``--uvicorn-log-level``, ``--disable-log-stats``, ``--ssl-keyfile`` / ``--ssl-certfile``, ``--root-path``, ``--disable-uvicorn-access-log``,
   ``--download-dir``, ``--hf-token``, ``--scheduling-policy fcfs``, ``--reasoning-parser qwen3``
-  or ``deepseek_r1``, ``--enable-auto-tool-choice --tool-call-parser hermes``); an INFO line
+  or ``deepseek_r1``, ``--enable-auto-tool-choice --tool-call-parser hermes|llama3_json|mistral``); an INFO line
   names it.
 * **no-op**: what it asks for is what radixkv always does, or means nothing on this engine
   (``--enable-chunked-prefill``: always on; ``--trust-remote-code``: radixkv runs no model
   code; ``--tensor-parallel-size 1``; ``--enforce-eager``; ...); an INFO line says why.
 * **refused**: it asks for what radixkv cannot do (``--tensor-parallel-size 2``, LoRA,
-  speculative decoding, a tool-call parser but ``hermes``, CORS): ``radixkv serve`` exits 2
+  speculative decoding, another tool-call parser, CORS): ``radixkv serve`` exits 2
   naming the flag and the reason, before loading anything.
 """
 
@@ -114,14 +114,14 @@ def _tool_parser(value: Any, args: argparse.Namespace) -> str:
 
     if value not in TOOL_CALL_PARSERS:
         raise ValueError(
-            f"radixkv's tool-call parsers are {', '.join(TOOL_CALL_PARSERS)} (<tool_call> "
-            'blocks: Qwen, Hermes); tool_choice "required" or a named function constrain the '
-            "output to the tools' schemas without one"
+            f"radixkv's tool-call parsers are {', '.join(TOOL_CALL_PARSERS)}; tool_choice "
+            '"required" or a named function constrain the output to the tools\' schemas '
+            "without one"
         )
     if getattr(args, "vllm_enable_auto_tool_choice", None) is None:
         raise ValueError("it goes with --enable-auto-tool-choice, as in vLLM")
     args.tool_call_parser = value
-    return 'tool_choice "auto": the model\'s <tool_call> blocks become tool_calls'
+    return 'tool_choice "auto": the tool calls the model writes become tool_calls'
 
 
 VLLM_FLAGS: list[VllmFlag] = [

@@ -301,7 +301,7 @@ def test_a_vllm_launch_command_parses_and_each_flag_says_what_it_does(
         (["-tp", "4"], "runs one device"),
         (["--enable-lora"], "LoRA"),
         (["--speculative-config", "{}"], "speculative"),
-        (["--tool-call-parser", "mistral", "--enable-auto-tool-choice"], "parsers are hermes"),
+        (["--tool-call-parser", "pythonic", "--enable-auto-tool-choice"], "parsers are hermes"),
         (["--tool-call-parser", "hermes"], "goes with --enable-auto-tool-choice"),
         (["--reasoning-parser", "granite"], "reasoning parsers are qwen3, deepseek_r1"),
         (["--allowed-origins", '["*"]'], "CORS"),

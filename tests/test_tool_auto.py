@@ -14,26 +14,74 @@ from fake_engine import FakeEngine, ServerThread
 
 from radixkv.engine.chat_template import render_chat_text
 from radixkv.server.app import create_app
-from radixkv.server.tool_calls import hermes_calls
+from radixkv.server.tool_calls import ToolCallStream, ToolPlan
+from radixkv.server.tool_parsers import TOOL_CALL_PARSERS
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
-def test_hermes_blocks_parse_and_the_text_around_them_is_content() -> None:
-    assert hermes_calls(f"Let me check.\n{CALL}") == (
-        [("get_weather", {"city": "Paris"})],
-        "Let me check.",
-    )
-    assert hermes_calls(CALL + CALL)[0] == [("get_weather", {"city": "Paris"})] * 2  # type: ignore[index]
-    for bad in (
-        "no calls",
-        CALL[:-3],
-        "<tool_call>not json</tool_call>",
-        "<tool_call>[]</tool_call>",
-    ):
-        assert hermes_calls(bad) is None
+PARIS = ("get_weather", {"city": "Paris"})
+#: per parser: (answer, its calls, its content)
+FORMATS = {
+    "hermes": [
+        (f"Let me check.\n{CALL}", [PARIS], "Let me check."),
+        (CALL + CALL, [PARIS, PARIS], ""),
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [PARIS], ""),
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+         '{"name": "get_weather", "arguments": {"city": "Paris"}}', [PARIS, PARIS], ""),
+    ],
+    "mistral": [
+        ('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+         [PARIS], "Sure."),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]'
+         '{"city": "Paris"}', [PARIS, PARIS], ""),
+    ],
+}  # fmt: skip
+NOT_CALLS = {
+    "hermes": ["no calls", CALL[:-3], "<tool_call>not json</tool_call>", "<tool_call>[]</tool_call>"],
+    "llama3_json": ["plain text", '{"name": "f"', 'text then {"name": "f", "parameters": {}}'],
+    "mistral": ["plain", "[TOOL_CALLS]not json", '[TOOL_CALLS][{"arguments": {}}]'],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSERS))
+def test_each_format_parses_and_the_text_around_the_calls_is_content(name: str) -> None:
+    parser = TOOL_CALL_PARSERS[name]
+    for text, calls, content in FORMATS[name]:
+        assert parser.parse(text) == (calls, content), text
+    for text in NOT_CALLS[name]:
+        assert parser.parse(text) is None, text
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSERS))
+def test_streamed_deltas_never_show_a_call_and_end_as_the_whole_answer(name: str) -> None:
+    """Any cut of an answer into deltas: the content sent never holds a call's text (not even a
+    marker's prefix), and the end gives the whole answer's calls; an answer without calls is
+    sent whole as content."""
+    import random
+
+    rng = random.Random(1)
+    plan = ToolPlan(None, None, auto=TOOL_CALL_PARSERS[name])
+    for text, calls, content in [*FORMATS[name], *((t, None, t) for t in NOT_CALLS[name])]:
+        for _ in range(50):
+            cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, min(len(text), 12))))
+            parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+            stream = ToolCallStream(plan)
+            deltas = [d for i, p in enumerate(parts)
+                      for d in stream.deltas(0, p, i == len(parts) - 1, "stop")]  # fmt: skip
+            sent = "".join(d.get("content") or "" for d, _ in deltas)
+            got = [c for d, _ in deltas for c in d.get("tool_calls") or []]
+            if calls is None:
+                assert sent == text and not got and deltas[-1][1] == "stop"
+                continue
+            assert deltas[-1][1] == "tool_calls"
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                    for c in got] == calls  # fmt: skip
+            assert sent.strip() == content, (parts, sent)
 
 
 def test_tools_are_the_templates_tools_as_transformers_renders_them() -> None:
@@ -98,6 +146,6 @@ def test_auto_tool_choice_returns_the_models_calls_whole_and_streamed() -> None:
 def test_auto_without_a_parser_is_a_400_naming_the_flags() -> None:
     with ServerThread(create_app(FakeEngine())) as srv:
         r = httpx.post(f"{srv.base_url}/v1/chat/completions", json=_body("hi"), timeout=30)
-        assert r.status_code == 400 and "--tool-call-parser hermes" in r.text
+        assert r.status_code == 400 and "--tool-call-parser NAME (hermes" in r.text
     with pytest.raises(ValueError, match="unknown tool-call parser"):
-        create_app(FakeEngine(), tool_call_parser="mistral")
+        create_app(FakeEngine(), tool_call_parser="pythonic")
