@@ -43,8 +43,15 @@ def attack_schema(tag: str, n: int = 1300) -> dict[str, Any]:
     return {"type": "object", "properties": props}
 
 
-def fmt(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+def small_schema(name: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {name: {"type": "integer"}}}
+
+
+def constrained(url: str, schema: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+    """A two-token completion constrained to ``schema``."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    body = {"prompt": "{", "max_tokens": 2, "response_format": fmt}
+    return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
 
 
 def main() -> None:
@@ -65,18 +72,7 @@ def main() -> None:
             timeout=120,
         )
         for i in range(2):
-            httpx.post(
-                url + "/v1/completions",
-                json={
-                    "prompt": "{",
-                    "max_tokens": 2,
-                    "response_format": fmt(
-                        {"type": "object", "properties": {f"w{i}": {"type": "integer"}}}
-                    ),
-                },
-                headers=B,
-                timeout=120,
-            )
+            constrained(url, small_schema(f"w{i}"), B)
         # (a) template
         gaps: list[tuple[float, float]] = []
         marks: dict[str, Any] = {}
@@ -128,16 +124,7 @@ def main() -> None:
 
         def heavy(i: int) -> None:
             t0 = time.monotonic()
-            r = httpx.post(
-                url + "/v1/completions",
-                json={
-                    "prompt": "{",
-                    "max_tokens": 2,
-                    "response_format": fmt(attack_schema(f"h{i}")),
-                },
-                headers=A,
-                timeout=120,
-            )
+            r = constrained(url, attack_schema(f"h{i}"), A)
             res[i] = (r.status_code, round(time.monotonic() - t0, 2))
 
         th = [threading.Thread(target=heavy, args=(i,)) for i in range(3)]
@@ -145,18 +132,7 @@ def main() -> None:
             t.start()
         time.sleep(0.3)
         t0 = time.monotonic()
-        r = httpx.post(
-            url + "/v1/completions",
-            json={
-                "prompt": "{",
-                "max_tokens": 2,
-                "response_format": fmt(
-                    {"type": "object", "properties": {"b": {"type": "integer"}}}
-                ),
-            },
-            headers=B,
-            timeout=120,
-        )
+        r = constrained(url, small_schema("b"), B)
         vict = time.monotonic() - t0
         for t in th:
             t.join()
