@@ -135,7 +135,7 @@ def create_app(
     served_names = list(dict.fromkeys(names or [own_name]))
     served_name = served_names[0]
     accepted_names = {*served_names, own_name}
-    metrics = ServerMetrics(served_name)
+    metrics = ServerMetrics(served_name, getattr(engine, "max_model_len", 8192))
     engine_loop = EngineLoop(
         engine,
         metrics=metrics,

@@ -369,8 +369,9 @@ class EngineLoop:
             self._resolve(accepted, exc=EngineRequestError(500, why))
             return
         self._tracked[rid] = TrackedRequest(
-            stream=stream, n=stream.n, arrival=stream.arrival, owner=owner
-        )
+            stream=stream, n=stream.n, arrival=stream.arrival, owner=owner,
+            max_tokens=getattr(params, "max_tokens", None),
+        )  # fmt: skip
         if owner is not None:
             self._usage.setdefault(owner, Counter())["requests"] += 1
         self._resolve(accepted)
@@ -439,20 +440,18 @@ class EngineLoop:
                 m.record_generated(new_tokens)
                 if tracked.owner is not None:
                     self._usage[tracked.owner]["completion_tokens"] += new_tokens
-                if tracked.first_token_at is None:
-                    tracked.first_token_at = now
-                    m.ttft.observe(now - tracked.arrival)
-                last = tracked.last_token_at.get(index)
-                if last is not None:
-                    m.itl.observe(now - last)
-                tracked.last_token_at[index] = now
+                m.record_token(tracked, index, now)
+            if tracked.queue_time is None:
+                tracked.queue_time = getattr(out, "queue_time", None)
+            if tracked.prefill_time is None:
+                tracked.prefill_time = getattr(out, "prefill_time", None)
             if out.finished:
                 tracked.finished.add(index)
                 tracked.reasons.append(str(out.finish_reason or "stop"))
                 m.requests.labels(finish_reason=str(out.finish_reason or "stop")).inc()
                 if len(tracked.finished) >= tracked.n:
                     del self._tracked[out.request_id]
-                    m.e2e.observe(now - tracked.arrival)
+                    m.record_finished(tracked, now)
                     if self.log_requests:
                         log_finished(out.request_id, tracked, now)
             batch.append((tracked.stream, out))

@@ -10,7 +10,7 @@ under vLLM's and SGLang's names (:mod:`.peer_metrics`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -21,27 +21,39 @@ from prometheus_client import (
     generate_latest,
 )
 
+if TYPE_CHECKING:
+    from .request_log import TrackedRequest
+
 CACHE_SOURCES = ("device", "host", "disk", "remote")
 """Tiers a cached prompt token can come from (``cached_tokens_by_tier`` keys)."""
 
-_LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
-_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's ``build_1_2_5_buckets``)."""
+    out: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > limit:
+                return tuple(out)
+            out.append(value)
+        exponent += 1
 
 
 class ServerMetrics:
@@ -49,7 +61,7 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str = "") -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 8192) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         # Plain totals of record_prompt for the dashboard's time series (stats_history).
         self.requests_seen = 0
@@ -140,20 +152,56 @@ class ServerMetrics:
         self.ttft = Histogram(
             "radixkv_time_to_first_token_seconds",
             "From request arrival to its first generated token.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "radixkv_inter_token_latency_seconds",
             "Between two consecutive outputs of one sequence.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=ITL_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "radixkv_e2e_request_latency_seconds",
             "From request arrival to its last token.",
-            buckets=_E2E_BUCKETS,
+            buckets=REQUEST_LATENCY_BUCKETS,
             registry=r,
+        )
+        phases = {  # a finished request's phases, as vLLM splits them (engine timestamps)
+            "queue": "From arrival to the scheduler's first admission (WAITING).",
+            "prefill": "From the first admission to the first token (PREFILL).",
+            "decode": "From the first token to the last (DECODE).",
+            "inference": "From the first admission to the last token (RUNNING).",
+        }
+        self.phase = {
+            name: Histogram(
+                f"radixkv_request_{name}_time_seconds", doc, buckets=REQUEST_LATENCY_BUCKETS,
+                registry=r,
+            )
+            for name, doc in phases.items()
+        }  # fmt: skip
+        self.request_tpot = Histogram(
+            "radixkv_request_time_per_output_token_seconds",
+            "A finished request's decode time over its generated tokens after the first.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        lengths = buckets_1_2_5(max(1, int(max_model_len)))
+        self.request_prompt_tokens = Histogram(
+            "radixkv_request_prompt_tokens", "A finished request's prompt tokens.",
+            buckets=lengths, registry=r,
+        )  # fmt: skip
+        self.request_generation_tokens = Histogram(
+            "radixkv_request_generation_tokens",
+            "A finished request's generated tokens (all its sequences).",
+            buckets=lengths, registry=r,
+        )  # fmt: skip
+        self.request_max_tokens = Histogram(
+            "radixkv_request_params_max_tokens", "A finished request's max_tokens.",
+            buckets=lengths, registry=r,
+        )  # fmt: skip
+        self.request_n = Histogram(
+            "radixkv_request_params_n", "A finished request's n.", buckets=N_BUCKETS, registry=r
         )
         from .peer_metrics import PeerMetricNames
 
@@ -180,6 +228,38 @@ class ServerMetrics:
         for source, count in (by_tier or {}).items():
             if count > 0:
                 self.cached_tokens_by_source.labels(source=source).inc(count)
+
+    def record_token(self, tracked: TrackedRequest, index: int, now: float) -> None:
+        """Sequence ``index`` of ``tracked`` produced tokens at ``now``: TTFT on the request's
+        first, the gap since that sequence's last otherwise (engine thread)."""
+        if tracked.first_token_at is None:
+            tracked.first_token_at = now
+            self.ttft.observe(now - tracked.arrival)
+        last = tracked.last_token_at.get(index)
+        if last is not None:
+            self.itl.observe(now - last)
+        tracked.last_token_at[index] = now
+
+    def record_finished(self, tracked: TrackedRequest, now: float) -> None:
+        """Every sequence of ``tracked`` has ended at ``now``: its end-to-end latency, its
+        phases (vLLM's queue / prefill / decode / inference split; those it never reached are
+        not observed), its lengths and parameters."""
+        self.e2e.observe(now - tracked.arrival)
+        if tracked.queue_time is not None:
+            self.phase["queue"].observe(tracked.queue_time)
+        first = tracked.first_token_at
+        if tracked.prefill_time is not None and first is not None:
+            decode = max(0.0, now - first)
+            self.phase["prefill"].observe(tracked.prefill_time)
+            self.phase["decode"].observe(decode)
+            self.phase["inference"].observe(tracked.prefill_time + decode)
+            if tracked.generated > tracked.n:
+                self.request_tpot.observe(decode / (tracked.generated - tracked.n))
+        self.request_prompt_tokens.observe(tracked.prompt_tokens)
+        self.request_generation_tokens.observe(tracked.generated)
+        self.request_n.observe(tracked.n)
+        if tracked.max_tokens is not None:
+            self.request_max_tokens.observe(tracked.max_tokens)
 
     def update_from_stats(self, stats: Mapping[str, Any]) -> None:
         """Refresh the gauges from ``engine.stats()``."""

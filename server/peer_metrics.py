@@ -25,8 +25,16 @@ vLLM / SGLang                           radixkv
 ``vllm:num_preemptions_total``          ``radixkv_num_preemptions_total``
 ``sglang:cache_hit_rate``               ``radixkv_cache_hit_rate``
 ``{vllm,sglang}:time_to_first_token_seconds``, ``:inter_token_latency_seconds``,
-``:e2e_request_latency_seconds``        the ``radixkv_`` histograms of the same names
+``:e2e_request_latency_seconds``        the ``radixkv_`` histograms of the same names (vLLM's
+                                        buckets)
 ``vllm:time_per_output_token_seconds``  ``radixkv_inter_token_latency_seconds``
+``vllm:request_{queue,prefill,decode,   ``radixkv_request_{queue,prefill,decode,inference}_time_seconds``
+inference}_time_seconds``               (the scheduler's first admission splits queue from prefill)
+``vllm:request_time_per_output_token_   ``radixkv_request_time_per_output_token_seconds``
+seconds``
+``vllm:request_prompt_tokens``,         ``radixkv_request_prompt_tokens``, ``_generation_tokens``,
+``_generation_tokens``, ``_params_n``,  ``radixkv_request_params_n``, ``_params_max_tokens``
+``_params_max_tokens``
 ======================================  ==============================================
 """
 
@@ -71,6 +79,12 @@ class PeerMetricNames(Collector):
             ),
             (m.e2e, ("vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds")),
             (m.preemptions, ("vllm:num_preemptions",)),
+            *((h, (f"vllm:request_{name}_time_seconds",)) for name, h in m.phase.items()),
+            (m.request_tpot, ("vllm:request_time_per_output_token_seconds",)),
+            (m.request_prompt_tokens, ("vllm:request_prompt_tokens",)),
+            (m.request_generation_tokens, ("vllm:request_generation_tokens",)),
+            (m.request_max_tokens, ("vllm:request_params_max_tokens",)),
+            (m.request_n, ("vllm:request_params_n",)),
         ]
         for source, names in renames:
             for family in source.collect():

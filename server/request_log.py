@@ -31,6 +31,10 @@ class TrackedRequest:
     cached_tokens: int = 0
     generated: int = 0
     reasons: list[str] = field(default_factory=list)
+    max_tokens: int | None = None
+    #: the engine's phase times (seconds), from the first output that carries them
+    queue_time: float | None = None
+    prefill_time: float | None = None
 
 
 def log_finished(request_id: str, tracked: TrackedRequest, now: float) -> None:

@@ -211,3 +211,73 @@ def test_kv_usage_counts_idle_cached_pages_as_free_as_vllm_does(tiny_model) -> N
     )
     assert value("vllm:kv_cache_usage_perc") < 0.05
     assert value("vllm:num_preemptions") == stats["preemptions_total"]
+
+
+def test_request_phase_histograms_with_vllms_names_and_buckets(tiny_model) -> None:
+    """vLLM's queue / prefill / decode / inference split of a request, from the scheduler's
+    first admission: with one running request at a time, B (one token) sent while A (300 tokens)
+    decodes waits in the queue for A's decode; the phases add up (inference = prefill + decode,
+    per request), the lengths and parameters are counted, and the buckets are vLLM's."""
+    import threading
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixkv import Engine
+    from radixkv.server.app import create_app
+    from radixkv.server.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+
+    engine = Engine(
+        model=tiny_model, dtype="float32", page_size=16, kv_cache_tokens=1024,
+        max_running_requests=1,
+    )  # fmt: skip
+    a = {"prompt": "the first request", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    b = {"prompt": "the second one", "max_tokens": 1, "ignore_eos": True}
+    with ServerThread(create_app(engine)) as server:
+        first_token = threading.Event()
+
+        def run_a() -> None:
+            with httpx.stream("POST", server.base_url + "/v1/completions", json=a) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        first_token.set()
+
+        thread = threading.Thread(target=run_a)
+        thread.start()
+        assert first_token.wait(30)
+        assert httpx.post(server.base_url + "/v1/completions", json=b).status_code == 200
+        thread.join(30)
+        text = httpx.get(server.base_url + "/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def hist(name: str) -> tuple[float, float, list[float]]:
+        samples = fams[name].samples
+        count = next(s.value for s in samples if s.name.endswith("_count"))
+        total = next(s.value for s in samples if s.name.endswith("_sum"))
+        bounds = [float(s.labels["le"]) for s in samples if s.name.endswith("_bucket")]
+        return count, total, bounds
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        count, _, bounds = hist(f"vllm:request_{phase}_time_seconds")
+        assert count == 2, phase
+        assert bounds[:-1] == list(REQUEST_LATENCY_BUCKETS), phase
+    assert hist("vllm:time_to_first_token_seconds")[2][:-1] == list(TTFT_BUCKETS)
+    queue, prefill = (
+        hist("vllm:request_queue_time_seconds")[1],
+        hist("vllm:request_prefill_time_seconds")[1],
+    )
+    decode, inference = (
+        hist("vllm:request_decode_time_seconds")[1],
+        hist("vllm:request_inference_time_seconds")[1],
+    )
+    assert inference == pytest.approx(prefill + decode)
+    assert decode > 0  # A's 299 tokens after its first; B's one token has no decode
+    assert queue >= 0.5 * decode, (queue, decode)  # B waited through (most of) A's decode
+    e2e = hist("vllm:e2e_request_latency_seconds")[1]
+    assert queue + inference <= e2e + 1e-6  # the engine's span sits inside the server's
+    assert hist("vllm:request_generation_tokens")[:2] == (2, 301)
+    assert hist("vllm:request_params_max_tokens")[:2] == (2, 301)
+    assert hist("vllm:request_params_n")[:2] == (2, 2)
+    count, tpot, _ = hist("vllm:request_time_per_output_token_seconds")
+    assert count == 1 and tpot == pytest.approx(decode / 299)
+    prompt = hist("vllm:request_prompt_tokens")
+    assert prompt[0] == 2 and prompt[1] > 0

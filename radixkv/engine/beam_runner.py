@@ -17,6 +17,7 @@ import torch
 
 from radixkv.engine.beam_search import BeamSearch
 from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.outputs import prefill_time, queue_time
 from radixkv.engine.request import (
     CompletionOutput,
     RequestOutput,
@@ -151,6 +152,8 @@ def _output(
         cached_tokens=head.cached_tokens or 0,
         cached_tokens_by_tier=dict(head.cached_by_tier),
         logprobs=logprobs,
+        queue_time=queue_time(head),
+        prefill_time=prefill_time(head),
     )
 
 

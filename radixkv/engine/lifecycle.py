@@ -60,6 +60,7 @@ class SequenceLifecycle:
             params=parent.params,
             salt=parent.salt,
             arrival=parent.arrival,
+            scheduled_time=parent.scheduled_time,
             detok=IncrementalDetokenizer.for_params(self.tokenizer, parent.params, stops=not beam),
             generator=generator,
             cached_tokens=parent.cached_tokens,

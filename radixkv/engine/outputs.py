@@ -15,7 +15,14 @@ if TYPE_CHECKING:
     from radixkv.engine.request import PositionLogprobs, Prompt
     from radixkv.engine.scheduler import Scheduler
 
-__all__ = ["engine_stats", "request_output", "step_output", "with_prompt_logprobs"]
+__all__ = [
+    "engine_stats",
+    "prefill_time",
+    "queue_time",
+    "request_output",
+    "step_output",
+    "with_prompt_logprobs",
+]
 
 
 def step_output(
@@ -34,7 +41,21 @@ def step_output(
         cached_tokens=seq.cached_tokens or 0,
         cached_tokens_by_tier=dict(seq.cached_by_tier),
         logprobs=logprobs,
+        queue_time=queue_time(seq),
+        prefill_time=prefill_time(seq),
     )
+
+
+def queue_time(seq: Sequence) -> float | None:
+    """Seconds ``seq`` waited before its first admission (None while it waits)."""
+    return None if seq.scheduled_time is None else max(0.0, seq.scheduled_time - seq.arrival)
+
+
+def prefill_time(seq: Sequence) -> float | None:
+    """Seconds from ``seq``'s first admission to its first token (None before either)."""
+    if seq.scheduled_time is None or seq.first_token_time is None:
+        return None
+    return max(0.0, seq.first_token_time - seq.scheduled_time)
 
 
 def with_prompt_logprobs(out: StepOutput, seq: Sequence) -> StepOutput:

@@ -86,6 +86,8 @@ class Sequence:
     preemptions: int = 0
     accounted: bool = False  # prompt/cached tokens counted in the engine's totals
     first_token_time: float | None = None
+    #: when the scheduler first admitted it (vLLM's ``scheduled_ts``; a preemption keeps it)
+    scheduled_time: float | None = None
     admit_order: int = 0
     #: its output constraint (:class:`~radixkv.engine.grammar.GrammarState`); not scheduled
     #: until ``grammar.ready``
@@ -140,6 +142,10 @@ class StepOutput:
     error: str | None = None
     #: once finished: the stop string or stop token id that ended it (None: EOS or length)
     stop_reason: int | str | None = None
+    #: seconds from arrival to first admission (vLLM's queue time), once admitted
+    queue_time: float | None = None
+    #: seconds from first admission to the first token (vLLM's prefill time), once it exists
+    prefill_time: float | None = None
 
 
 @dataclass

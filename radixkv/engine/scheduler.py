@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from radixkv.cache.prefix import common_prefix_len
 from radixkv.config import EngineConfig
 from radixkv.engine.kv_manager import KVManager
-from radixkv.engine.request import SeqStatus, Sequence
+from radixkv.engine.request import SeqStatus, Sequence, now
 
 # A waiting request that shares at least this many not-yet-cached tokens with a request being
 # prefilled waits for that prefill to reach the tree instead of computing the same tokens again.
@@ -246,6 +246,7 @@ class Scheduler:
             self.waiting.remove(seq)
             if seq.cached_tokens is None:
                 seq.cached_tokens = cached + borrowed
+                seq.scheduled_time = now()
             self.num_borrowed_tokens += borrowed
             seq.status = SeqStatus.RUNNING
             self._admit_counter += 1
@@ -287,6 +288,7 @@ class Scheduler:
             self.waiting.remove(m)
             if m.cached_tokens is None:
                 m.cached_tokens = cached
+                m.scheduled_time = now()
             m.status = SeqStatus.RUNNING
             self._admit_counter += 1
             m.admit_order = self._admit_counter
