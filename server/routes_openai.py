@@ -237,20 +237,25 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             len(prompt_ids), body.requested_max_tokens(), engine.max_model_len, default=None
         )
         top = body.top_logprobs or 0
+        # the model's <think> block as reasoning_content (--reasoning-parser; a request's
+        # separate_reasoning false keeps it in the content, as SGLang)
+        reasoner = ctx.reasoning if body.separate_reasoning is not False else None
+        constraint = structured_kwargs(
+            body, ("tools", tools.spec) if tools and tools.spec else None
+        )
+        if reasoner and constraint:  # the grammar applies after the reasoning (as vLLM)
+            constraint["structured_outputs"].after_reasoning = (reasoner.start, reasoner.end)
         params = make_sampling_params(
             body.engine_kwargs(
                 max_tokens=max_tokens,
                 default_temperature=1.0,
                 logprobs=top if body.logprobs else None,
             )
-            | structured_kwargs(body, ("tools", tools.spec) if tools and tools.spec else None)
+            | constraint
         )
         await compile_constraint(engine, params, ctx.owner())
         rid = new_id("chatcmpl")
         stream = await submit(rid, prompt_ids, params, body.cache_salt, arrival)
-        # the model's <think> block as reasoning_content (--reasoning-parser; a request's
-        # separate_reasoning false keeps it in the content, as SGLang)
-        reasoner = ctx.reasoning if body.separate_reasoning is not False else None
 
         if not body.stream:
             result = await collect(request, stream, body.n)

@@ -344,3 +344,39 @@ def test_openapi_shows_the_constraint_fields(server: ServerThread) -> None:
     chat = set(schemas["ChatCompletionRequest"]["properties"])
     assert openai_fields | {"tools", "tool_choice"} <= chat
     assert {"json_schema", "regex", "ebnf"} <= set(schemas["GenerateSamplingParams"]["properties"])
+
+
+def test_with_a_reasoning_parser_the_constraint_applies_after_the_think_block(
+    real_model: Any,
+) -> None:
+    """``--reasoning-parser``: a chat's constraint applies after the ``<think>`` block (as
+    vLLM's), so the reasoning is free text. The answer continues an assistant message: one whose
+    block is closed answers one of the choices; one whose block is open reasons as it would
+    unconstrained (SmolLM2 does not close it within the token budget)."""
+    from radixkv import Engine
+
+    engine = Engine(real_model, dtype="float32", kv_cache_tokens=4096)
+    question = user("Is the sky blue? Answer yes or no.")
+
+    def answer(thought: str, **extra: Any) -> dict[str, Any]:
+        body = {
+            "messages": [*question, {"role": "assistant", "content": thought}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "max_tokens": 16,
+            "temperature": 0,
+            **extra,
+        }
+        r = post(srv, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+    with ServerThread(create_app(engine, reasoning_parser="qwen3")) as srv:
+        closed = answer("<think>The sky is blue.</think>", **choice)
+        assert closed["message"]["content"] in ("yes", "no"), closed
+        assert closed["finish_reason"] == "stop"
+        free = answer("<think>Let me", ignore_eos=True)
+        assert "</think>" not in (free["message"]["content"] or "")  # the premise
+        gated = answer("<think>Let me", ignore_eos=True, **choice)
+        assert gated["message"] == free["message"]

@@ -275,3 +275,60 @@ def test_bitmask_fill_ahead_serves_unmoved_rows_and_refills_moved_ones(engine: E
     refilled = rt.mask(zeros.clone(), seqs)  # row 1 at its new state, filled here
     assert torch.equal(ahead[1], refilled[1]) and not torch.equal(ahead[1], fresh[1])
     assert rt._ahead is None
+
+
+THINK = ("<think>", "</think>")
+
+
+def test_a_constraint_after_reasoning_waits_for_the_end_marker(engine: Engine) -> None:
+    """``after_reasoning``: while the reasoning block is open the row is neither masked nor
+    matched (tokens the grammar forbids are taken); the token that completes the end marker
+    opens the gate, and from the next token on the grammar masks and matches."""
+    rt, tok = engine.grammars, engine.tokenizer
+    spec = StructuredOutputs(choice=["yes", "no"], after_reasoning=THINK)
+    state = rt.start(greedy(spec), None, prompt_ids=chat(engine, "Yes or no?"))
+    state.future.result()
+    assert not state.active
+    row = SimpleNamespace(grammar=state)
+    logits = torch.randn(1, engine.vocab_size)
+    outputs: list[int] = []
+    for token in tok.encode("maybe, let me see", add_special_tokens=False):
+        outputs.append(token)
+        assert state.accept(token, outputs) is False  # the grammar would reject these
+        assert torch.equal(rt.mask(logits.clone(), [row]), logits)  # untouched while open
+    end = tok.encode("</think>", add_special_tokens=False)
+    for token in end:
+        outputs.append(token)
+        assert state.accept(token, outputs) is False
+    assert state.active and state.offset == len(outputs) and state.accepted == 0
+    masked = rt.mask(logits.clone(), [row])
+    maybe = tok.encode("maybe", add_special_tokens=False)[0]
+    yes = tok.encode("yes", add_special_tokens=False)[0]
+    assert masked[0, maybe] == float("-inf") and masked[0, yes] == logits[0, yes]
+    with pytest.raises(ValueError, match="does not allow"):
+        state.accept(maybe, [*outputs, maybe])
+    # the prompt decides where the block stands: closed (its last end after its last start)
+    closed = chat(engine, "Yes or no?") + tok.encode("<think>ok</think>", add_special_tokens=False)
+    assert rt.start(greedy(spec), None, prompt_ids=closed).active
+    reopened = closed + tok.encode("<think>", add_special_tokens=False)
+    assert not rt.start(greedy(spec), None, prompt_ids=reopened).active
+
+
+def test_generation_is_free_while_reasoning_and_constrained_after(engine: Engine) -> None:
+    """Greedy, through the engine: a prompt that opened a reasoning block gives the
+    unconstrained tokens (the block never ends within max_tokens here); one whose block is
+    closed answers one of the choices."""
+    tok = engine.tokenizer
+    question = chat(engine, "Is the sky blue? Think first.")
+    opened = question + tok.encode("<think>", add_special_tokens=False)
+    spec = StructuredOutputs(choice=["yes", "no"], after_reasoning=THINK)
+    (free,) = engine.generate([opened], greedy(None, 12, ignore_eos=True))
+    assert "</think>" not in free.text  # the premise: SmolLM2 does not close it so soon
+    (gated,) = engine.generate([opened], greedy(spec, 12, ignore_eos=True))
+    assert gated.token_ids == free.token_ids
+    closed = opened + tok.encode("It is.</think>", add_special_tokens=False)
+    (answer,) = engine.generate([closed], greedy(spec, 12))
+    assert answer.text in ("yes", "no") and answer.finish_reason == "stop"
+    with pytest.raises(ValueError, match="after_reasoning"):
+        StructuredOutputs(regex="a", after_reasoning=("<think>", "")).validate()
+    engine.check_integrity()

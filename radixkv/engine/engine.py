@@ -154,7 +154,7 @@ class Engine:
         if salt is not None and not isinstance(salt, str):
             raise ValueError("salt must be a string")
         check_fits_beside_pins(self, ids, total, salt)
-        grammar = self.grammars.start(params, owner)  # compiles off this thread, unscheduled
+        grammar = self.grammars.start(params, owner, ids)  # compiles off-thread, unscheduled
         seq = Sequence(
             request_id=request_id,
             index=0,
@@ -373,7 +373,7 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if seq.grammar is not None and seq.grammar.accept(token):
+        if seq.grammar is not None and seq.grammar.accept(token, seq.output_ids):
             return "stop"  # the grammar is complete and its stop token was sampled
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"

@@ -6,7 +6,10 @@ Three parts, each with its invariants:
   the engine's thread, bounded in time and memory, cached (its module says how).
 * :class:`GrammarState` is one sequence's grammar: the compile ``Future`` until it is ready,
   then an xgrammar ``GrammarMatcher`` that has accepted exactly the sequence's output tokens
-  (``accepted == len(seq.output_ids)`` after every step). Recompute preemption keeps
+  after its gate (``accepted == len(seq.output_ids) - offset`` after every step; ``offset`` is
+  0 unless the constraint waits for a reasoning block to end, ``StructuredOutputs
+  .after_reasoning``: while ``gate`` holds the end marker's ids the row is neither masked nor
+  matched, and the step that outputs the marker opens it). Recompute preemption keeps
   ``output_ids`` and so the matcher stays valid; ``n > 1`` siblings each get their own matcher
   (forked before any output exists). Engine thread only.
 * :class:`StructuredRuntime` is what the engine calls: it starts a request's grammar, holds it
@@ -63,7 +66,12 @@ class GrammarState:
     accepted exactly ``accepted`` tokens, the sequence's outputs."""
 
     def __init__(
-        self, spec: StructuredOutputs, future: cf.Future[Any], timeout: float, deadline: float
+        self,
+        spec: StructuredOutputs,
+        future: cf.Future[Any],
+        timeout: float,
+        deadline: float,
+        gate: tuple[int, ...] | None = None,
     ) -> None:
         self.spec = spec
         self.future = future
@@ -71,6 +79,15 @@ class GrammarState:
         self.deadline = deadline
         self.matcher: Any = None
         self.accepted = 0
+        #: the reasoning end marker's token ids still awaited (None: the constraint applies)
+        self.gate = gate
+        #: output tokens before the constraint applied (the reasoning and its end marker)
+        self.offset = 0
+
+    @property
+    def active(self) -> bool:
+        """The constraint applies to the next token (no reasoning block left to end)."""
+        return self.gate is None
 
     @property
     def ready(self) -> bool:
@@ -89,8 +106,8 @@ class GrammarState:
     def fork(self) -> GrammarState:
         """A fresh state on the same compile for a sibling (``n > 1``): forks are made after
         the prompt and before the first output, so the new matcher starts empty too."""
-        assert self.accepted == 0, "a grammar is forked only before any output"
-        return GrammarState(self.spec, self.future, self.timeout, self.deadline)
+        assert self.accepted == 0 and self.offset == 0, "forked only before any output"
+        return GrammarState(self.spec, self.future, self.timeout, self.deadline, self.gate)
 
     def live_matcher(self) -> Any:
         """The xgrammar matcher (made on first use, from the compiled grammar)."""
@@ -100,14 +117,30 @@ class GrammarState:
             self.matcher = xgr.GrammarMatcher(self.future.result())
         return self.matcher
 
-    def accept(self, token: int) -> bool:
-        """Advance the matcher by ``token``; True when the grammar has terminated (its stop
-        token accepted: the sequence is done). ``ValueError`` if the grammar rejects it."""
+    def accept(self, token: int, output_ids: list[int] | tuple[int, ...] = ()) -> bool:
+        """Advance by ``token``, the last of ``output_ids``: while gated, only watch for the
+        end marker (the constraint applies from the next token once ``output_ids`` ends with
+        it); else advance the matcher. True when the grammar has terminated (its stop token
+        accepted: the sequence is done); ``ValueError`` if the grammar rejects the token."""
+        if self.gate is not None:
+            n = len(self.gate)
+            if len(output_ids) >= n and tuple(output_ids[-n:]) == self.gate:
+                self.gate, self.offset = None, len(output_ids)
+            return False
         m = self.live_matcher()
         if not m.accept_token(int(token)):
             raise ValueError(f"token {token} was sampled but the grammar does not allow it")
         self.accepted += 1
         return bool(m.is_terminated())
+
+
+def last_at(ids: list[int], marker: tuple[int, ...]) -> int:
+    """Where ``marker`` last occurs in ``ids`` (its start index), -1 where it does not."""
+    n, first = len(marker), marker[0]
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i] == first and tuple(ids[i : i + n]) == marker:
+            return i
+    return -1
 
 
 @dataclasses.dataclass
@@ -149,20 +182,41 @@ class StructuredRuntime:
             )  # fmt: skip
         return self._pool
 
-    def start(self, params: Any, owner: Hashable = None) -> GrammarState | None:
+    def start(
+        self, params: Any, owner: Hashable = None, prompt_ids: list[int] | None = None
+    ) -> GrammarState | None:
         """The grammar of a new request (None when ``params`` has no constraint); its compile
         is queued, and a constraint already known not to compile raises ``ValueError``, one
-        past ``owner``'s compile bound :class:`CompileQueueFullError`."""
+        past ``owner``'s compile bound :class:`CompileQueueFullError`. With
+        ``after_reasoning``, it is gated on the end marker unless ``prompt_ids`` closed the
+        reasoning block already."""
         spec = getattr(params, "structured_outputs", None)
         if spec is None:
             return None
+        gate = self._gate(spec, prompt_ids or [])
         fut = self.pool.submit(spec, owner)
         if fut.done() and (why := failure(fut)) is not None:
             raise ValueError(why)
         # the compile itself is bounded (its process is killed at timeout_s); this deadline is
         # the backstop for one queued behind other keys' compiles or a child's start-up
         deadline = time.monotonic() + self.timeout_s * WAIT_FACTOR
-        return GrammarState(spec, fut, self.timeout_s, deadline)
+        return GrammarState(spec, fut, self.timeout_s, deadline, gate)
+
+    def _gate(self, spec: StructuredOutputs, prompt_ids: list[int]) -> tuple[int, ...] | None:
+        """The end marker's ids a constraint waits for (``after_reasoning``), or None: no
+        markers, or the prompt's last end marker comes after its last start marker."""
+        if spec.after_reasoning is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer; it has none")
+        start, end = (
+            tuple(self.tokenizer.encode(m, add_special_tokens=False)) for m in spec.after_reasoning
+        )
+        if not start or not end:
+            raise ValueError("structured_outputs.after_reasoning: a marker encodes to no tokens")
+        if last_at(prompt_ids, end) > last_at(prompt_ids, start):
+            return None
+        return end
 
     def wait_all(self, params: Iterable[Any]) -> None:
         """Compile every constraint of ``params`` (the offline API, before queueing anything):
@@ -210,7 +264,7 @@ class StructuredRuntime:
         self._drop_ahead()
         if self._pool is None:  # no request has ever had a constraint
             return
-        rows = [s for s in seqs if s.grammar is not None and s.grammar.ready]
+        rows = [s for s in seqs if s.grammar is not None and s.grammar.ready and s.grammar.active]
         if not rows:
             return
         import xgrammar as xgr
@@ -242,7 +296,7 @@ class StructuredRuntime:
         """``logits [B, vocab]`` (row ``i`` is ``seqs[i]``'s) with every constrained row masked
         to its grammar's allowed tokens, in place when float32 (one fill per row into one
         bitmask, one apply for all rows); returned as is when no row is constrained."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
         if not rows:
             self._drop_ahead()
             return logits

@@ -12,6 +12,11 @@ A :class:`StructuredOutputs` names exactly one constraint on the generated text:
 ``": "`` with no other whitespace; otherwise any whitespace is allowed between JSON tokens, up to
 ``MAX_JSON_WHITESPACE`` characters a run (so a small model cannot loop on blank lines).
 
+``after_reasoning`` (``(start, end)`` markers, e.g. ``("<think>", "</think>")``): the constraint
+applies to what follows a reasoning block, as vLLM does with a reasoning parser: from the first
+token after the output's ``end`` marker, or from the first token when the prompt already closed
+the block (its last ``end`` after its last ``start``). It is not part of the compile key.
+
 This module has no xgrammar dependency: :mod:`radixkv.engine.grammar` compiles what it
 describes. Invariant: a validated instance has exactly one kind, and :meth:`key` is a hashable,
 canonical description of it (equal constraints give equal keys; the compile cache's key).
@@ -51,6 +56,7 @@ class StructuredOutputs:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    after_reasoning: tuple[str, str] | None = None
 
     @property
     def kind(self) -> str:
@@ -70,6 +76,13 @@ class StructuredOutputs:
         kind = self.kind
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be true or false")
+        gate = self.after_reasoning
+        if gate is not None and not (
+            isinstance(gate, tuple | list)
+            and len(gate) == 2
+            and all(isinstance(m, str) and m for m in gate)
+        ):
+            raise ValueError("structured_outputs.after_reasoning must be two non-empty markers")
         if kind == "json_object" and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true or false")
         if kind == "json":
