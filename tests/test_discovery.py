@@ -217,7 +217,8 @@ def test_request_phase_histograms_with_vllms_names_and_buckets(tiny_model) -> No
     """vLLM's queue / prefill / decode / inference split of a request, from the scheduler's
     first admission: with one running request at a time, B (one token) sent while A (300 tokens)
     decodes waits in the queue for A's decode; the phases add up (inference = prefill + decode,
-    per request), the lengths and parameters are counted, and the buckets are vLLM's."""
+    per request), the lengths and parameters are counted, the buckets are vLLM's, and the
+    cache hits (B shares A's prompt), TTFTs and preemptions are what the script made."""
     import threading
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -230,8 +231,9 @@ def test_request_phase_histograms_with_vllms_names_and_buckets(tiny_model) -> No
         model=tiny_model, dtype="float32", page_size=16, kv_cache_tokens=1024,
         max_running_requests=1,
     )  # fmt: skip
-    a = {"prompt": "the first request", "max_tokens": 300, "ignore_eos": True, "stream": True}
-    b = {"prompt": "the second one", "max_tokens": 1, "ignore_eos": True}
+    prompt = "a prompt both requests share, forty-odd bytes"
+    a = {"prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    b = {"prompt": prompt, "max_tokens": 1, "ignore_eos": True}
     with ServerThread(create_app(engine)) as server:
         first_token = threading.Event()
 
@@ -247,6 +249,9 @@ def test_request_phase_histograms_with_vllms_names_and_buckets(tiny_model) -> No
         assert httpx.post(server.base_url + "/v1/completions", json=b).status_code == 200
         thread.join(30)
         text = httpx.get(server.base_url + "/metrics").text
+        length = len(
+            httpx.post(server.base_url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+        )
     fams = {f.name: f for f in text_string_to_metric_families(text)}
 
     def hist(name: str) -> tuple[float, float, list[float]]:
@@ -279,5 +284,13 @@ def test_request_phase_histograms_with_vllms_names_and_buckets(tiny_model) -> No
     assert hist("vllm:request_params_n")[:2] == (2, 2)
     count, tpot, _ = hist("vllm:request_time_per_output_token_seconds")
     assert count == 1 and tpot == pytest.approx(decode / 299)
-    prompt = hist("vllm:request_prompt_tokens")
-    assert prompt[0] == 2 and prompt[1] > 0
+    assert hist("vllm:request_prompt_tokens")[:2] == (2, 2 * length)
+    # TTFT: both requests; B's includes its time in the queue
+    ttft_count, ttft, _ = hist("vllm:time_to_first_token_seconds")
+    assert ttft_count == 2 and ttft >= queue
+    # B read A's prompt from the cache but its last token (always computed; a partial page is
+    # shared too); nothing was preempted
+    counter = {s.name: s.value for f in fams.values() for s in f.samples}
+    assert counter["vllm:prefix_cache_queries_total"] == 2 * length
+    assert counter["vllm:prefix_cache_hits_total"] == length - 1
+    assert counter["vllm:num_preemptions_total"] == 0
