@@ -13,6 +13,7 @@ import logging
 import sys
 
 from radixkv.server.engine_flags import ENGINE_FLAGS, add_engine_flags, engine_kwargs
+from radixkv.server.sglang_flags import add_sglang_flags, apply_sglang_flags
 from radixkv.server.vllm_flags import add_vllm_flags, apply_vllm_flags
 
 __all__ = ["ENGINE_FLAGS", "add_serve_parser", "engine_kwargs", "resolve_model", "run_serve"]
@@ -41,7 +42,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         metavar="MODEL",
         help="model name or path, as in `vllm serve MODEL` (or --model; default smollm2)",
     )
-    p.add_argument("--model", default=None, help="model name or path (default smollm2)")
+    p.add_argument(
+        "--model", "--model-path", default=None, help="model name or path (default smollm2)"
+    )
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -114,6 +117,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument(
         "--max-waiting",
+        "--max-queued-requests",
         type=int,
         default=DEFAULT_MAX_WAITING,
         help=f"requests waiting for their first token before 503s (default {DEFAULT_MAX_WAITING})",
@@ -127,6 +131,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_engine_flags(p)
     p.add_argument("--log-level", default="info", help="uvicorn/log level (default info)")
     add_vllm_flags(p)
+    add_sglang_flags(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -165,7 +170,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixkv.server.routes_admin import PinPolicy
 
     try:
-        vllm_lines = apply_vllm_flags(args)  # a refused vLLM flag stops here, saying why
+        # a refused vLLM or SGLang flag stops here, saying why
+        peer_lines = [f"vLLM flag {line}" for line in apply_vllm_flags(args)]
+        peer_lines += [f"SGLang flag {line}" for line in apply_sglang_flags(args)]
         model, served_names = resolve_model(args)
         keys = keys_from_args(args)
         pins = PinPolicy(
@@ -176,8 +183,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
-    for line in vllm_lines:
-        logger.info("vLLM flag %s", line)
+    for line in peer_lines:
+        logger.info("%s", line)
     for warning in key_warnings(keys, args.host):
         logger.warning("%s", warning)
     knobs = engine_kwargs(args)

@@ -31,6 +31,8 @@ __all__ = ["DTYPE_ALIASES", "ENGINE_FLAGS", "EngineFlag", "add_engine_flags", "e
 
 #: vLLM's ``--dtype`` spellings -> the engine's (None: chosen by device).
 DTYPE_ALIASES: dict[str, str | None] = {"auto": None, "half": "float16", "float": "float32"}
+#: SGLang's names of the attention backends radixkv has (torch: the native CPU kernels)
+ATTENTION_ALIASES: dict[str, str] = {"torch_native": "torch", "intel_amx": "torch"}
 
 
 class EngineFlag(NamedTuple):
@@ -45,7 +47,7 @@ class EngineFlag(NamedTuple):
 
 ENGINE_FLAGS: list[EngineFlag] = [
     EngineFlag(
-        ("--kv-cache-tokens",),
+        ("--kv-cache-tokens", "--max-total-tokens"),
         "kv_cache_tokens",
         "device KV pool size in tokens (default: sized from memory, 0.2 of the memory "
         "available on CPU, 0.9 of the GPU's; the start-up log says how many tokens fit)",
@@ -95,7 +97,7 @@ ENGINE_FLAGS: list[EngineFlag] = [
         ("--attention-backend",),
         "attention_backend",
         "attention kernels (default: triton on CUDA, torch on CPU)",
-        ATTENTION_BACKENDS,
+        (*ATTENTION_BACKENDS, *ATTENTION_ALIASES),
     ),
     EngineFlag(
         ("--dtype",),
@@ -104,9 +106,9 @@ ENGINE_FLAGS: list[EngineFlag] = [
         (*DTYPE_ALIASES, *DTYPES),
     ),
     EngineFlag(("--device",), "device", "cpu | cuda[:N] (default: cuda when available)"),
-    EngineFlag(("--seed",), "seed", "engine RNG seed"),
+    EngineFlag(("--seed", "--random-seed"), "seed", "engine RNG seed"),
     EngineFlag(
-        ("--tokenizer",),
+        ("--tokenizer", "--tokenizer-path"),
         "tokenizer",
         "tokenizer to use instead of the model's: a local directory, or a Hugging Face id in "
         "the local cache",
@@ -222,6 +224,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, entry.knob, None)
         if entry.knob == "dtype" and value in DTYPE_ALIASES:
             value = DTYPE_ALIASES[value]
+        if entry.knob == "attention_backend":
+            value = ATTENTION_ALIASES.get(value, value)
         if value is not None:
             kwargs[entry.knob] = value
     if getattr(args, "enable_prefix_cache", None) is not None:

@@ -46,6 +46,11 @@ ALIASES = [
     (["--no-enable-prefix-caching"], "enable_prefix_cache", False),
     (["--disable-radix-cache"], "enable_prefix_cache", False),
     (["--disable-prefix-cache"], "enable_prefix_cache", False),
+    (["--random-seed", "3"], "seed", 3),
+    (["--tokenizer-path", "org/tok"], "tokenizer", "org/tok"),
+    (["--max-total-tokens", "4096"], "kv_cache_tokens", 4096),
+    (["--attention-backend", "torch_native"], "attention_backend", "torch"),
+    (["--attention-backend", "intel_amx"], "attention_backend", "torch"),
 ]
 
 
@@ -373,3 +378,77 @@ def test_the_request_log_line_is_off_by_default_and_never_holds_the_text(
         assert len(lines) == int(enabled), lines
         assert all("secret" not in m for m in caplog.messages)
     assert "finished (length): prompt 15 tokens (0 cached), 3 generated, TTFT" in lines[0]
+
+
+SGLANG_LAUNCH = (
+    "--model-path smollm2 --tokenizer-path smollm2 --host 0.0.0.0 --port 30000 --tp-size 1 "
+    "--dp-size 1 --mem-fraction-static 0.5 --context-length 4096 --chunked-prefill-size 1024 "
+    "--max-running-requests 32 --max-total-tokens 8192 --max-prefill-tokens 4096 "
+    "--max-queued-requests 50 --page-size 16 --schedule-policy lpm --enable-metrics "
+    "--log-requests --log-level info --random-seed 7 --attention-backend torch_native "
+    "--stream-interval 1 --disable-cuda-graph --cuda-graph-max-bs 8 --enable-torch-compile "
+    "--schedule-conservativeness 1.0 --grammar-backend xgrammar --watchdog-timeout 300 "
+    "--disable-overlap-schedule --enable-mixed-chunk --sampling-backend pytorch "
+    "--enable-cache-report --trust-remote-code --tool-call-parser qwen25 --reasoning-parser qwen3 "
+    "--host-cache-tokens 65536 --enable-hierarchical-cache --decode-log-interval 40"
+)
+
+
+def test_an_sglang_launch_command_parses_and_each_flag_says_what_it_does() -> None:
+    from radixkv.server.cli import resolve_model
+    from radixkv.server.sglang_flags import SGLANG_FLAGS, apply_sglang_flags
+    from radixkv.server.vllm_flags import apply_vllm_flags
+
+    args = parse(*SGLANG_LAUNCH.split())
+    vllm_lines = apply_vllm_flags(args)  # --tool-call-parser, --reasoning-parser, ...
+    lines = apply_sglang_flags(args)
+    given = {f for f in SGLANG_LAUNCH.split() if f.startswith("--")}
+    ours = {spelling for f in SGLANG_FLAGS for spelling in f.flags}
+    assert len(lines) == len(given & ours) and all(": " in line for line in lines)
+    assert any("qwen25: SGLang's name of radixkv's hermes parser" in x for x in vllm_lines)
+    # what they do here, done
+    assert args.tool_call_parser == "hermes" and args.auto_tool_choice is True
+    assert args.log_requests is True and args.max_waiting == 50
+    assert resolve_model(args)[0] == "smollm2"
+    knobs = engine_kwargs(args)
+    assert knobs["kv_cache_tokens"] == 8192 and knobs["seed"] == 7
+    assert knobs["tokenizer"] == "smollm2" and knobs["attention_backend"] == "torch"
+    assert knobs["max_model_len"] == 4096 and knobs["chunked_prefill_tokens"] == 1024
+    assert knobs["max_running_requests"] == 32 and knobs["host_cache_tokens"] == 65536
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--tp-size", "2"], "radixkv cluster --replicas"),
+        (["--dp", "2"], "runs one replica"),
+        (["--enable-hierarchical-cache"], "--host-cache-tokens N"),
+        (["--hicache-ratio", "2"], "host tier"),
+        (["--is-embedding"], "not embeddings"),
+        (["--enable-deterministic-inference"], "independent of the batch"),
+        (["--allow-auto-truncate"], "400"),
+        (["--speculative-algorithm", "EAGLE"], "speculative"),
+    ],
+)
+def test_an_sglang_flag_radixkv_cannot_honour_is_refused_saying_why(
+    argv: list[str], why: str
+) -> None:
+    from radixkv.server.sglang_flags import apply_sglang_flags
+
+    with pytest.raises(ValueError, match=why) as exc:
+        apply_sglang_flags(parse(*argv))
+    assert str(exc.value).startswith(argv[0]) or argv[0] == "--dp"
+
+
+def test_every_sglang_flag_in_the_table_parses() -> None:
+    from radixkv.server.sglang_flags import SGLANG_FLAGS, apply_sglang_flags
+
+    for flag in SGLANG_FLAGS:
+        for spelling in flag.flags:
+            argv = [spelling, "1"] if flag.takes_value else [spelling]
+            try:
+                lines = apply_sglang_flags(parse(*argv))
+            except ValueError as exc:
+                assert str(exc).startswith(flag.flags[0]), exc
+            else:
+                assert len(lines) == 1 and lines[0].startswith(flag.flags[0]), lines
