@@ -158,13 +158,16 @@ CONFIGS: dict[str, Callable[[], Any]] = {
 }
 
 
-def tiny_model(name: str, seed: int = 0) -> Any:
+def tiny_model(name: str, seed: int = 0, **overrides: Any) -> Any:
     """The float32 transformers model of ``name`` (head dims: llama3 32, mistral 128, qwen2 96,
     qwen3 64, gemma3 256, phi3 80, the rest 16): random weights, the 2-D ones scaled x3 (as
-    tests/conftest.py's tiny Llama), norms and biases randomised so none is a no-op."""
+    tests/conftest.py's tiny Llama), norms and biases randomised so none is a no-op.
+    ``overrides`` are set on the config first."""
     from transformers import AutoModelForCausalLM
 
     config = CONFIGS[name]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
