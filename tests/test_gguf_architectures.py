@@ -167,3 +167,19 @@ def test_the_weight_cache_is_remade_after_an_older_format(tmp_path, monkeypatch,
         loaded.weights["model.layers.0.self_attn.q_proj.weight"],
         _model("llama3").state_dict()["model.layers.0.self_attn.q_proj.weight"],
     )
+
+
+def test_info_reads_a_gguf_without_dequantising_it(tmp_path, capsys, weight_cache):
+    """``radixkv info FILE.gguf`` reads the metadata (Llama 3's RoPE recovered from
+    ``rope_freqs``) and makes no weight cache."""
+    import json
+
+    from radixkv.cli import main
+
+    path = tmp_path / "tiny-llama3.gguf"
+    write_gguf(_model("llama3"), path)
+    assert main(["info", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architecture"] == "llama" and info["head dim"] == 32
+    assert info["rope"] == "theta 50000, llama3 scaling"
+    assert not weight_cache.exists()

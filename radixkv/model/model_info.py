@@ -1,9 +1,10 @@
 """What radixkv will run for a model, and how: ``radixkv info MODEL``.
 
 Reads only the model's config where it can (a local directory, a Hugging Face id in the local
-cache); the packaged SmolLM2 and ``.gguf`` files are read through the loader. The architecture
-module's reading (:func:`radixkv.model.arch.read_config`) is the one the engine uses, so a model
-it refuses is refused here with the same message.
+cache, a ``.gguf`` file's metadata: :func:`~radixkv.model.gguf_config.gguf_config`); the packaged
+SmolLM2 is read through the loader. The architecture module's reading
+(:func:`radixkv.model.arch.read_config`) is the one the engine uses, so a model it refuses is
+refused here with the same message.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def hf_config_of(name: str) -> Any:
 
         where = path if path.is_dir() else resolve_hf_id(name)
         return AutoConfig.from_pretrained(str(where), local_files_only=True)
+    if path.is_file() and path.suffix == ".gguf":
+        from radixkv.model.gguf_config import gguf_config
+
+        return gguf_config(path)
     return load_model(name).config
 
 
