@@ -154,7 +154,7 @@ def test_a_tenants_grammar_leaves_another_tenants_structured_outputs_alone(hf_to
         t = threading.Thread(target=attacker)
         t.start()
         deadline = time.monotonic() + 30
-        while not engine.grammars.pool._pending and time.monotonic() < deadline:
+        while not engine.grammars.pool.keys.total() and time.monotonic() < deadline:
             time.sleep(0.005)
         second = httpx.post(url, json=body(attack_schema("y")), headers=a, timeout=60)
         assert second.status_code == 429, second.text

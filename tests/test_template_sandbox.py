@@ -117,7 +117,7 @@ def test_one_key_renders_one_template_at_a_time(sandbox: TemplateSandbox, hf_tok
     t.start()
     started.wait()
     deadline = time.monotonic() + 5
-    while not sandbox._in_flight.get("A") and time.monotonic() < deadline:
+    while not sandbox.keys.in_flight("A") and time.monotonic() < deadline:
         time.sleep(0.005)
     t0 = time.monotonic()
     with pytest.raises(TemplateBusyError) as busy:

@@ -21,14 +21,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
-import queue
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-from radixkv.engine.bounded_child import BoundedChild
+from radixkv.engine.child_pool import ChildPool, KeyLimit
 from radixkv.engine.grammar_worker import compile_job
 from radixkv.engine.structured import CompileQueueFullError, StructuredOutputs
 
@@ -105,24 +104,31 @@ class GrammarCompilerPool:
         self.compile_timeout = float(compile_timeout)
         self.memory_bytes = int(memory_bytes)
         #: compiles one key may have queued or running (default: all workers but one)
-        self.per_key = per_key if per_key is not None else max(1, workers - 1)
+        self.keys = KeyLimit(per_key if per_key is not None else max(1, workers - 1))
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str, bool], cf.Future[Any]] = OrderedDict()
         self._sizes: dict[tuple[str, str, bool], int] = {}  # compiled entries' bytes
-        self._pending: dict[Hashable, int] = {}  # key -> its compiles queued or running
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="radixkv-grammar")
         self._info: Any = None
         self._info_json: str | None = None
         self._compiler: Any = None
         self._info_lock = threading.Lock()
         self.workers = int(workers)
-        self._idle: queue.SimpleQueue[BoundedChild] = queue.SimpleQueue()  # children not compiling
-        self._all_children: set[BoundedChild] = set()
+        #: one compile process a worker thread, started with the vocabulary (compiler())
+        self.children = ChildPool("radixkv.engine.grammar_worker", memory_bytes, workers)
         self._spawn_lock = threading.Lock()
-        self._closed = False
         self.hits = 0
         self.misses = 0
-        self.killed = 0  #: children stopped at the time or memory bound
+
+    @property
+    def per_key(self) -> int:
+        """Compiles one key may have queued or running."""
+        return self.keys.limit
+
+    @property
+    def killed(self) -> int:
+        """Compile processes stopped at the time or memory bound (or found dead)."""
+        return self.children.killed
 
     def tokenizer_info(self) -> Any:
         """xgrammar's ``TokenizerInfo`` of the vocabulary (built on first use; the children get
@@ -155,10 +161,10 @@ class GrammarCompilerPool:
 
         info = self.tokenizer_info()
         with self._spawn_lock:
-            with self._lock:
-                missing = self.workers - len(self._all_children)
-            for _ in range(missing):
-                self._idle.put(self._new_child())
+            try:
+                self.children.start({"tokenizer_info": self._info_json})
+            except RuntimeError as exc:  # closed
+                raise ValueError("the grammar compiler is closing") from exc
             if self._compiler is None:
                 # no xgrammar-side cache: this pool's LRU is the one bound
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -175,29 +181,18 @@ class GrammarCompilerPool:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return fut
-            if owner is not None and self._pending.get(owner, 0) >= self.per_key:
+            if not self.keys.acquire(owner):
                 raise CompileQueueFullError(
-                    f"this API key already has {self._pending[owner]} structured output "
+                    f"this API key already has {self.keys.in_flight(owner)} structured output "
                     f"constraint(s) compiling (the limit per key is {self.per_key}); retry when "
                     "they have finished"
                 )
             self.misses += 1
-            if owner is not None:
-                self._pending[owner] = self._pending.get(owner, 0) + 1
             fut = self._pool.submit(self._compile, spec)
             self._cache[key] = fut
             self._evict()
-        if owner is not None:
-            fut.add_done_callback(lambda _f: self._done(owner))
+        fut.add_done_callback(lambda _f: self.keys.release(owner))
         return fut
-
-    def _done(self, owner: Hashable) -> None:
-        with self._lock:
-            left = self._pending[owner] - 1
-            if left:
-                self._pending[owner] = left
-            else:
-                del self._pending[owner]
 
     def _evict(self) -> None:
         """Drop least recently used entries past either bound (the lock held); the newest
@@ -242,15 +237,14 @@ class GrammarCompilerPool:
         if kind == "choice":
             job = {"kind": "grammar", "text": _choice_grammar(list(spec.choice or []))}
         compiler = self.compiler()
-        child = self._idle.get()  # one per worker thread: never waits long
+        child = self.children.lend()  # one per worker thread: never waits long
+        assert child is not None
         try:
             answer = child.ask(job, self.compile_timeout)
         except (OSError, ValueError) as exc:
             answer = {"error": f"its compiler process ended ({exc})", "limit": 1}
-        if answer is None or answer.get("limit") or answer.get("exit"):
-            self._drop_child(child)  # the next compile starts another (compiler())
-        else:
-            self._idle.put(child)
+        spent = answer is None or answer.get("limit") or answer.get("exit")
+        self.children.give_back(child, keep=not spent)  # a spent one is killed and replaced
         if answer is None:
             raise ValueError(timeout_message(spec, self.compile_timeout))
         if "compile_error" in answer:
@@ -266,36 +260,16 @@ class GrammarCompilerPool:
         except Exception as exc:
             raise ValueError(compile_error_message(spec, exc)) from exc
 
-    def _new_child(self) -> BoundedChild:
-        child = BoundedChild(
-            "radixkv.engine.grammar_worker", {"tokenizer_info": self._info_json}, self.memory_bytes
-        )
-        with self._lock:
-            closed = self._closed
-            self._all_children.add(child)
-        if closed:
-            self._drop_child(child)
-            raise ValueError("the grammar compiler is closing")
-        return child
-
-    def _drop_child(self, child: BoundedChild) -> None:
-        with self._lock:
-            if child not in self._all_children:
-                return
-            self._all_children.discard(child)
-            self.killed += 1
-        child.kill()
-
     def child_pids(self) -> list[int]:
         """The pids of the compiler processes running now."""
-        with self._lock:
-            return sorted(c.pid for c in self._all_children if c.alive())
+        return self.children.pids()
 
     def check_integrity(self) -> None:
         """Raises ``AssertionError`` unless every key's pending count is in ``(0, per_key]``
         and the cache holds sizes only for cached entries, within its bounds."""
+        self.keys.check_integrity()
+        self.children.check_integrity()
         with self._lock:
-            assert all(0 < n <= self.per_key for n in self._pending.values()), self._pending
             assert set(self._sizes) <= set(self._cache), "a size for an uncached entry"
             assert len(self._cache) <= max(1, self.cache_size), len(self._cache)
 
@@ -308,12 +282,7 @@ class GrammarCompilerPool:
     def close(self) -> None:
         """Stop the worker threads (queued compiles are cancelled) and their processes."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            self._closed = True
-            children = list(self._all_children)
-            self._all_children.clear()
-        for child in children:  # (not counted as killed at a bound)
-            child.kill()
+        self.children.close()
 
 
 def timeout_message(spec: StructuredOutputs, timeout: float) -> str:

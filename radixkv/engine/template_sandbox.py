@@ -19,7 +19,8 @@ own template is rendered here instead:
 * **Output.** Rendered text over ``max_chars`` characters is refused in the child, before it is
   sent back (:class:`TemplateLimitError`).
 * **Queueing.** One key has at most ``per_key`` renders in flight (more: :class:`TemplateBusyError`
-  with status 429); a render waits at most ``timeout`` s for a free process (then 503), so the
+  with status 429; a keyless server's requests are one tenant, bounded by the pool alone, as the
+  grammar compiler's are); a render waits at most ``timeout`` s for a free process (then 503), so the
   queue in front of the pool is bounded in time and one key holds at most ``per_key`` of its
   processes.
 
@@ -32,12 +33,11 @@ out, died or broke the protocol is never reused; ``check_integrity`` holds betwe
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from radixkv.engine.bounded_child import OUT_OF_MEMORY, BoundedChild, serve
+from radixkv.engine.bounded_child import OUT_OF_MEMORY, serve
+from radixkv.engine.child_pool import ChildPool, KeyLimit
 
 __all__ = ["TemplateBusyError", "TemplateLimitError", "TemplateSandbox"]
 
@@ -60,10 +60,6 @@ class TemplateBusyError(RuntimeError):
         self.status = status
 
 
-def _worker(memory_bytes: int) -> BoundedChild:
-    return BoundedChild("radixkv.engine.template_sandbox", {}, memory_bytes)
-
-
 class TemplateSandbox:
     """Renders request-supplied chat templates in bounded worker processes (see the module
     docstring).
@@ -73,7 +69,8 @@ class TemplateSandbox:
         timeout: seconds a render may run (and may wait for a free process).
         memory_bytes: memory a render may take beyond the child's start-up size.
         max_chars: rendered text longer than this is refused in the child.
-        per_key: renders one key may have in flight.
+        per_key: renders one key may have in flight (key None, a keyless server: no bound but
+            the pool's).
     """
 
     def __init__(
@@ -87,18 +84,20 @@ class TemplateSandbox:
         if workers < 1 or per_key < 1 or timeout <= 0 or memory_bytes <= 0 or max_chars <= 0:
             raise ValueError("workers, per_key, timeout, memory_bytes and max_chars must be > 0")
         self.timeout = float(timeout)
-        self.memory_bytes = int(memory_bytes)
         self.max_chars = int(max_chars)
-        self.per_key = int(per_key)
-        self.num_workers = int(workers)
-        self._idle: queue.SimpleQueue[BoundedChild] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._in_flight: dict[Hashable, int] = {}
-        self._busy: set[BoundedChild] = set()
-        self._closed = False
-        self.killed = 0  #: processes stopped at a bound (time, memory) or for a broken protocol
-        for _ in range(workers):  # started now: their import (~1 s) overlaps the server's start
-            self._idle.put(_worker(self.memory_bytes))
+        self.keys = KeyLimit(per_key)
+        self.children = ChildPool("radixkv.engine.template_sandbox", memory_bytes, workers)
+        # started now: their import (~1 s) overlaps the server's start
+        self.children.start({})
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.children.memory_bytes
+
+    @property
+    def killed(self) -> int:
+        """Processes stopped at a bound (time, memory) or for a broken protocol."""
+        return self.children.killed
 
     def render(
         self,
@@ -116,16 +115,12 @@ class TemplateSandbox:
         ``key`` has ``per_key`` renders in flight or no process frees up within ``timeout``,
         :class:`TemplateLimitError` when the render passes a bound (its process is killed), and
         ``ValueError`` when the template fails."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the template sandbox is closed")
-            if self._in_flight.get(key, 0) >= self.per_key:
-                raise TemplateBusyError(
-                    f"this key already has {self.per_key} request chat template(s) rendering; "
-                    "retry when they have finished",
-                    429,
-                )
-            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        if not self.keys.acquire(key):
+            raise TemplateBusyError(
+                f"this key already has {self.keys.limit} request chat template(s) rendering; "
+                "retry when they have finished",
+                429,
+            )
         try:
             return self._render(
                 {
@@ -139,27 +134,16 @@ class TemplateSandbox:
                 }
             )
         finally:
-            with self._lock:
-                left = self._in_flight[key] - 1
-                if left:
-                    self._in_flight[key] = left
-                else:
-                    del self._in_flight[key]
+            self.keys.release(key)
 
     def _render(self, request: dict[str, Any]) -> str:
-        try:
-            worker = self._idle.get(timeout=self.timeout)
-        except queue.Empty:
+        worker = self.children.lend(self.timeout)
+        if worker is None:
             raise TemplateBusyError(
                 f"every chat template process stayed busy for {self.timeout:g} s; retry later", 503
-            ) from None
-        with self._lock:
-            self._busy.add(worker)
+            )
         keep = False
         try:
-            if not worker.alive():  # died while idle (e.g. killed from outside): start another
-                worker.kill()
-                worker = _worker(self.memory_bytes)
             try:
                 answer = worker.ask(request, self.timeout)
             except (OSError, ValueError) as exc:
@@ -173,59 +157,26 @@ class TemplateSandbox:
                 )
             if answer.get("limit"):
                 raise TemplateLimitError(str(answer["error"]))
-            keep = worker.alive() and not answer.get("exit")
+            keep = not answer.get("exit")
             if "error" in answer:
                 raise ValueError(str(answer["error"]))
             return str(answer["text"])
         finally:
-            with self._lock:
-                self._busy.discard(worker)
-                closed = self._closed
-            if not keep:
-                self.killed += 1
-                worker.kill()
-            if closed:
-                worker.kill()
-            else:
-                self._idle.put(worker if keep else _worker(self.memory_bytes))
+            self.children.give_back(worker, keep)
 
     def pids(self) -> list[int]:
         """The pids of the pool's processes (idle and busy)."""
-        with self._lock:
-            busy = list(self._busy)
-        idle = self._drain()
-        for w in idle:
-            self._idle.put(w)
-        return sorted(w.pid for w in idle + busy)
-
-    def _drain(self) -> list[BoundedChild]:
-        out = []
-        while True:
-            try:
-                out.append(self._idle.get_nowait())
-            except queue.Empty:
-                return out
+        return self.children.pids()
 
     def check_integrity(self) -> None:
-        """Raises ``AssertionError`` unless every in-flight count is positive and at most
-        ``per_key``, and no process is both idle and busy."""
-        with self._lock:
-            assert all(0 < n <= self.per_key for n in self._in_flight.values()), self._in_flight
-            busy = set(self._busy)
-        idle = self._drain()
-        try:
-            assert not busy.intersection(idle), "a process is both idle and busy"
-            assert len(idle) + len(busy) <= self.num_workers, (len(idle), len(busy))
-        finally:
-            for w in idle:
-                self._idle.put(w)
+        """Raises ``AssertionError`` unless every key's in-flight count is in ``(0, per_key]``
+        and no process is both idle and busy."""
+        self.keys.check_integrity()
+        self.children.check_integrity()
 
     def close(self) -> None:
         """Kill every process (busy ones when their render returns); idempotent."""
-        with self._lock:
-            self._closed = True
-        for w in self._drain():
-            w.kill()
+        self.children.close()
 
 
 # ----------------------------------------------------------------------------- the child
