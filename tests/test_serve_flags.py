@@ -300,27 +300,41 @@ def test_a_vllm_launch_command_parses_and_each_flag_says_what_it_does(
 
 
 @pytest.mark.parametrize(
-    "argv, why",
+    "table, argv, why",
     [
-        (["--tensor-parallel-size", "2"], "radixkv cluster --replicas"),
-        (["-tp", "4"], "runs one device"),
-        (["--enable-lora"], "LoRA"),
-        (["--speculative-config", "{}"], "speculative"),
-        (["--tool-call-parser", "pythonic", "--enable-auto-tool-choice"], "parsers are hermes"),
-        (["--tool-call-parser", "hermes"], "goes with --enable-auto-tool-choice"),
-        (["--reasoning-parser", "granite"], "reasoning parsers are qwen3, deepseek_r1"),
-        (["--allowed-origins", '["*"]'], "CORS"),
-        (["--quantization", "awq"], "dequantized"),
-        (["--scheduling-policy", "priority"], "priorities"),
-        (["--revision", "main"], "hf download"),
+        ("vllm", ["--tensor-parallel-size", "2"], "radixkv cluster --replicas"),
+        ("vllm", ["-tp", "4"], "runs one device"),
+        ("vllm", ["--enable-lora"], "LoRA"),
+        ("vllm", ["--speculative-config", "{}"], "speculative"),
+        (
+            "vllm",
+            ["--tool-call-parser", "pythonic", "--enable-auto-tool-choice"],
+            "parsers are hermes",
+        ),
+        ("vllm", ["--tool-call-parser", "hermes"], "goes with --enable-auto-tool-choice"),
+        ("vllm", ["--reasoning-parser", "granite"], "reasoning parsers are qwen3, deepseek_r1"),
+        ("vllm", ["--allowed-origins", '["*"]'], "CORS"),
+        ("vllm", ["--quantization", "awq"], "dequantized"),
+        ("vllm", ["--scheduling-policy", "priority"], "priorities"),
+        ("vllm", ["--revision", "main"], "hf download"),
+        ("sglang", ["--tp-size", "2"], "radixkv cluster --replicas"),
+        ("sglang", ["--dp", "2"], "runs one replica"),
+        ("sglang", ["--enable-hierarchical-cache"], "--host-cache-tokens N"),
+        ("sglang", ["--hicache-ratio", "2"], "host tier"),
+        ("sglang", ["--is-embedding"], "not embeddings"),
+        ("sglang", ["--enable-deterministic-inference"], "independent of the batch"),
+        ("sglang", ["--allow-auto-truncate"], "400"),
+        ("sglang", ["--speculative-algorithm", "EAGLE"], "speculative"),
     ],
 )
-def test_a_vllm_flag_radixkv_cannot_honour_is_refused_saying_why(argv: list[str], why: str) -> None:
-    from radixkv.server.vllm_flags import apply_vllm_flags
-
+def test_a_flag_radixkv_cannot_honour_is_refused_saying_why(
+    table: str, argv: list[str], why: str
+) -> None:
+    flags, apply = peer_table(table)
     with pytest.raises(ValueError, match=why) as exc:
-        apply_vllm_flags(parse(*argv))
-    assert argv[0] in str(exc.value) or "--tensor-parallel-size" in str(exc.value)
+        apply(parse(*argv))
+    first = next(f.flags[0] for f in flags if argv[0] in f.flags)  # named by its first spelling
+    assert str(exc.value).startswith(first), exc.value
 
 
 def test_radixkv_serve_exits_2_on_a_refused_flag_before_loading() -> None:
@@ -337,15 +351,14 @@ def test_radixkv_serve_exits_2_on_a_refused_flag_before_loading() -> None:
     assert "--tensor-parallel-size 2: radixkv runs one device" in r.stderr
 
 
-def test_every_vllm_flag_in_the_table_parses() -> None:
-    from radixkv.server.vllm_flags import VLLM_FLAGS, apply_vllm_flags
-
-    for flag in VLLM_FLAGS:
+@pytest.mark.parametrize("table", ["vllm", "sglang"])
+def test_every_flag_in_a_table_parses(table: str) -> None:
+    flags, apply = peer_table(table)
+    for flag in flags:
         for spelling in flag.flags:
             argv = [spelling, "1"] if flag.takes_value else [spelling]
-            args = parse(*argv)
             try:
-                lines = apply_vllm_flags(args)
+                lines = apply(parse(*argv))
             except ValueError as exc:
                 assert str(exc).startswith(flag.flags[0]), exc
             else:
@@ -417,38 +430,12 @@ def test_an_sglang_launch_command_parses_and_each_flag_says_what_it_does() -> No
     assert knobs["max_running_requests"] == 32 and knobs["host_cache_tokens"] == 65536
 
 
-@pytest.mark.parametrize(
-    "argv, why",
-    [
-        (["--tp-size", "2"], "radixkv cluster --replicas"),
-        (["--dp", "2"], "runs one replica"),
-        (["--enable-hierarchical-cache"], "--host-cache-tokens N"),
-        (["--hicache-ratio", "2"], "host tier"),
-        (["--is-embedding"], "not embeddings"),
-        (["--enable-deterministic-inference"], "independent of the batch"),
-        (["--allow-auto-truncate"], "400"),
-        (["--speculative-algorithm", "EAGLE"], "speculative"),
-    ],
-)
-def test_an_sglang_flag_radixkv_cannot_honour_is_refused_saying_why(
-    argv: list[str], why: str
-) -> None:
-    from radixkv.server.sglang_flags import apply_sglang_flags
+def peer_table(table: str) -> tuple[list[Any], Any]:
+    """A peer's flag table and the function that judges it."""
+    if table == "vllm":
+        from radixkv.server.vllm_flags import VLLM_FLAGS, apply_vllm_flags
 
-    with pytest.raises(ValueError, match=why) as exc:
-        apply_sglang_flags(parse(*argv))
-    assert str(exc.value).startswith(argv[0]) or argv[0] == "--dp"
-
-
-def test_every_sglang_flag_in_the_table_parses() -> None:
+        return VLLM_FLAGS, apply_vllm_flags
     from radixkv.server.sglang_flags import SGLANG_FLAGS, apply_sglang_flags
 
-    for flag in SGLANG_FLAGS:
-        for spelling in flag.flags:
-            argv = [spelling, "1"] if flag.takes_value else [spelling]
-            try:
-                lines = apply_sglang_flags(parse(*argv))
-            except ValueError as exc:
-                assert str(exc).startswith(flag.flags[0]), exc
-            else:
-                assert len(lines) == 1 and lines[0].startswith(flag.flags[0]), lines
+    return SGLANG_FLAGS, apply_sglang_flags
