@@ -80,7 +80,7 @@ def reference(q, k_cache, v_cache, table, prefix, ext, starts, scale):
 
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3)])
-@pytest.mark.parametrize("d", [64, 128, 80])  # 80: the portable path
+@pytest.mark.parametrize("d", [64, 128, 80, 96, 256])  # 80: the portable path everywhere
 def test_matches_reference(module, page, hq, hkv, d):
     case = make_case(page, hq, hkv, d, MIXED, seed=page + hq + d)
     q, k_cache, v_cache, table, prefix, ext, starts = case
@@ -93,7 +93,7 @@ def test_matches_reference(module, page, hq, hkv, d):
     # bf16 output rounding is ~4e-3 at |o| ~ 1; P is rounded to bf16 as in flash kernels
     assert err.max().item() < 2.5e-2, err.max().item()
     assert err.mean().item() < 2e-3, err.mean().item()
-    assert module.has_fast_path(d) == (d in (64, 128)) or not module.has_fast_path(64)
+    assert module.has_fast_path(d) == (d in (64, 96, 128, 256)) or not module.has_fast_path(64)
 
 
 def test_long_prefill_and_long_decode(module):
@@ -156,13 +156,14 @@ def test_backend_selection(module, monkeypatch):
 
 class BuildFor:
     """What the native build for ``isa`` reports, over this host's real build: the bf16 fast
-    path (``vdpbf16ps``, head dims 64 and 128) exists only in the ``avx512_bf16`` build."""
+    path (``vdpbf16ps``, head dims 64, 96, 128 and 256) exists only in the ``avx512_bf16``
+    build."""
 
     def __init__(self, real, isa: str) -> None:
         self._real, self._isa = real, isa
 
     def has_fast_path(self, head_dim: int) -> bool:
-        return self._isa == "avx512_bf16" and head_dim in (64, 128)
+        return self._isa == "avx512_bf16" and head_dim in (64, 96, 128, 256)
 
     def kernel_isa(self) -> str:
         return self._isa
@@ -175,7 +176,7 @@ def test_build_stand_in_agrees_with_this_hosts_build(module):
     """The stand-in below is what this host's real build reports for its own level."""
     isa = native.kernel_isa()
     assert isa == native.host_isa()  # built for the host's level (RADIXKV_ISA unset here)
-    for d in (16, 64, 80, 128, 256):
+    for d in (16, 64, 80, 96, 128, 256):
         assert module.has_fast_path(d) == BuildFor(module, isa).has_fast_path(d), d
 
 
@@ -191,7 +192,7 @@ def test_backend_selection_on_each_host(module, monkeypatch, tmp_path, host):
         assert isa == host.isa
         monkeypatch.setattr(native, "load", lambda isa_=None: BuildFor(module, isa))
         fast = host.isa == "avx512_bf16"
-        for d in (64, 128):
+        for d in (64, 96, 128, 256):
             assert native_attention_supported(torch.bfloat16, d) is fast
             made = make_attention_backend("torch", "cpu", torch.bfloat16, d)
             assert type(made) is (NativeAttentionBackend if fast else NativeCascadeBackend)

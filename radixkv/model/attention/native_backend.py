@@ -8,7 +8,7 @@ and float32 accumulation.
 
 - :class:`NativeAttentionBackend` (``csrc/cpu_attention.cpp``): bfloat16 queries over bfloat16
   or quantized pools, AVX512-BF16 dot products; only on hosts with AVX512-BF16 and a fast head
-  dim.
+  dim (64, 96, 128, 256).
 - :class:`NativeCascadeBackend` (``csrc/cpu_attention_f32.cpp``): float32 math over float32,
   bfloat16, float16 or quantized pools (converted in registers), any head dim, built for
   AVX-512, AVX2+FMA or the portable baseline.
@@ -17,6 +17,12 @@ Quantized pools (int8 or fp8 e4m3 codes with a bfloat16 scale per token and KV h
 :mod:`radixkv.model.kv_quant`, rows of ``D + 2`` bytes) are read in place by both kernels,
 which dequantize each row in registers (``code * scale``, exact in float32); the head dim is
 q's last dim, never the pool's. The backends' store quantizes the new K/V on the way in.
+
+Both take a sliding window (``window > 0``: the query at position ``p`` sees keys
+``p - window + 1 .. p``, transformers' ``sliding_window`` mask) and read only the keys inside it:
+a work item starts at the first key one of its rows sees, so a windowed decode reads ``window``
+keys whatever its context, and every path masks each row's keys on both sides. Mistral's layers
+and Gemma 3's local ones attend this way, in the same call as any other layer.
 
 Both take the step's shared-prefix groups (:mod:`radixkv.model.attention.prefix_groups`): each
 group's shared K/V is read once per KV head for the query rows of all its members stacked (a
@@ -105,6 +111,7 @@ def native_paged_attention(
     sm_scale: float,
     module: Any | None = None,
     groups: list[PrefixGroup] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D] -> o [T, Hq, D]`` (bf16) over bfloat16 or quantized pages
     (``[pages, page_size, Hkv, D + 2]`` int8 / uint8, :mod:`radixkv.model.kv_quant`); new K/V
@@ -117,6 +124,8 @@ def native_paged_attention(
     kernel checks that members really share those page ids and raises ``RuntimeError``
     otherwise. ``module`` is the native build to call (default
     :func:`radixkv.model.native.load`). Raises ``RuntimeError`` if it is unavailable.
+    ``window`` (None or 0: full attention): each query sees its last ``window`` keys, itself
+    included.
     """
     module = _module(module)
     table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
@@ -133,6 +142,7 @@ def native_paged_attention(
         extend_starts,
         float(sm_scale),
         *_group_lists(groups),
+        int(window or 0),
     )
 
 
@@ -234,11 +244,12 @@ def native_paged_attention_f32(
     sm_scale: float,
     groups: list[PrefixGroup] | None = None,
     module: Any | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D] -> o [T, Hq, D]`` (float32) over float32/bf16/fp16 or quantized pages
     (``[pages, page_size, Hkv, D + 2]`` int8 / uint8, :mod:`radixkv.model.kv_quant`), in place.
 
-    Same contract as :func:`native_paged_attention`; ``groups`` (see
+    Same contract as :func:`native_paged_attention` (``window`` included); ``groups`` (see
     :func:`radixkv.model.attention.prefix_groups.shared_prefix_groups`) name requests whose
     first ``shared`` tokens are the same pages, read once for all members. The kernel checks
     that members really share those page ids and raises ``RuntimeError`` otherwise.
@@ -255,6 +266,7 @@ def native_paged_attention_f32(
         extend_starts,
         float(sm_scale),
         *_group_lists(groups),
+        int(window or 0),
     )
 
 

@@ -41,9 +41,19 @@ struct NoGil<Fn> {
 
 }  // namespace
 
+// The attention kernels' arguments by name; the sliding window last, optional (0: full attention).
+#define RADIXKV_ATTENTION_ARGS                                                                  \
+  pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),                      \
+      pybind11::arg("page_table"), pybind11::arg("prefix_lens"), pybind11::arg("extend_lens"), \
+      pybind11::arg("extend_starts"), pybind11::arg("sm_scale"),                               \
+      pybind11::arg("group_members"), pybind11::arg("group_offsets"),                          \
+      pybind11::arg("group_shared"), pybind11::arg("window") = 0
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &NoGil<&paged_attention>::call,
-        "Paged attention over the KV pool for a step's decodes and extends (bf16, CPU)");
+        "Paged attention over the KV pool for a step's decodes and extends (bf16, CPU); "
+        "window > 0: each query sees its last `window` keys (itself included)",
+        RADIXKV_ATTENTION_ARGS);
   m.def("has_fast_path", &has_fast_path, "Whether the AVX512-BF16 path serves this head dim");
   m.def("amx_attention_available", &amx_attention_available,
         "Whether paged_attention can run row tiles on AMX here");
@@ -52,7 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_attention_items", &amx_attention_items,
         "How many paged_attention work items this process has run on AMX");
   m.def("paged_attention_f32", &NoGil<&paged_attention_f32>::call,
-        "Paged attention, float32 math over float32/bf16/fp16 pools, shared-prefix groups");
+        "Paged attention, float32 math over float32/bf16/fp16 pools, shared-prefix groups; "
+        "window > 0: each query sees its last `window` keys (itself included)",
+        RADIXKV_ATTENTION_ARGS);
   m.def("kernel_isa", []() { return std::string(f32_kernel_isa()); },
         "The ISA level this build was compiled for");
   m.def("rms_norm", &NoGil<&rms_norm>::call, "RMSNorm of bf16 rows (float32 math)");

@@ -4,7 +4,11 @@
 // prefix), extends (new tokens after a cached prefix) and fresh prefills (nothing cached). Query
 // token t of request b (absolute position prefix_b + t) attends to keys 0 .. prefix_b + t of that
 // request, which live in the pages page_table[b][pos / page_size] at slot pos % page_size. The new
-// tokens' K/V must already be stored in the pool.
+// tokens' K/V must already be stored in the pool. With a sliding window W > 0 (transformers'
+// sliding_window mask, kv > q - W) it sees keys prefix_b + t - W + 1 .. prefix_b + t only: every
+// query row carries its first visible key beside its last, every path masks both ends (the row
+// path's key masks, the row tiles' lane compares, the AMX rows' scores), and each item starts at
+// the first key one of its rows sees, so a decode reads W keys whatever its context.
 //
 // Work is split into items (request, block of query tokens, KV head); the G query heads of a KV
 // head are folded into the item's rows, so every key is loaded once for all of them. Within an
@@ -44,8 +48,9 @@
 // blocks, 32- or 16-row chunks), with the same softmax arithmetic (amx_softmax_tile);
 // set_amx_attention switches it.
 //
-// A portable scalar path (any CPU, any head dim) computes the same thing; the AVX512 path needs a
-// head dim that is a multiple of 32 and at most 256.
+// A portable scalar path (any CPU, any head dim) computes the same thing; the AVX512 path takes
+// head dims 64, 96, 128 and 256 (a multiple of 32, at most 256), its AMX items 64 and 128 (the
+// others run their row tiles on the vector path).
 
 #include "cpu_attention.h"
 #include "cpu_amx.h"
@@ -121,6 +126,7 @@ struct Problem {
   int64_t page_size;
   int64_t hq, hkv, group, d;
   float scale_log2;  // sm_scale * log2(e)
+  int64_t window;    // sliding window (0: none): position p sees keys p - window + 1 .. p
   // Rows (token * hq + head) after their group's shared part: running max, sum and output
   // (float32, output lanes in the P V loop's order). Written by phase A, read by phase B.
   float* gm;
@@ -133,12 +139,13 @@ struct Problem {
 int g_amx_attention = -1;
 std::atomic<int64_t> g_amx_items{0};  // AMX items run by this process (amx_attention_items)
 
-// Query rows are listed as entries: a q token and the last key it sees (absolute position),
-// each standing for the G query heads of every KV head of its item. An item's entries see
-// nondecreasing limits.
+// Query rows are listed as entries: a q token, the last key it sees (absolute position) and the
+// first (its sliding window's start, else 0), each standing for the G query heads of every KV
+// head of its item. An item's entries see nondecreasing limits.
 struct Entries {
   std::vector<int64_t> tok;
   std::vector<int64_t> limit;
+  std::vector<int64_t> lower;
 };
 
 // Every key of a shared part is visible to every row of it.
@@ -181,12 +188,13 @@ inline void row_to_float(const Problem& p, const char* row, float* dst) {
   }
 }
 
-// One own-part item (k0 = 0, no groups) over every key of each entry.
+// One own-part item (no groups) over every key of each entry (its window's).
 void run_item_scalar(const Problem& p, const Item& it, const Entries& en) {
   const int64_t d = p.d, G = p.group;
   std::vector<float> qrow(d), acc(d), kv(d), scores;
   for (int64_t e = it.e0; e < it.e0 + it.ne; ++e) {
     const int64_t tok = en.tok[e];
+    const int64_t first = en.lower[e];
     const int64_t nkeys = en.limit[e] + 1;
     scores.resize(nkeys);
     for (int64_t g = 0; g < it.nh * G; ++g) {
@@ -195,7 +203,7 @@ void run_item_scalar(const Problem& p, const Item& it, const Entries& en) {
       const bf16* qp = p.q + tok * p.q_stride + qh * d;
       for (int64_t i = 0; i < d; ++i) qrow[i] = bf16_to_float(qp[i]);
       float mx = -INFINITY;
-      for (int64_t j = 0; j < nkeys; ++j) {
+      for (int64_t j = first; j < nkeys; ++j) {
         row_to_float(p, p.k_cache + key_offset(p, it.req, j, kvh), kv.data());
         float s = 0.f;
         for (int64_t i = 0; i < d; ++i) s += qrow[i] * kv[i];
@@ -204,7 +212,7 @@ void run_item_scalar(const Problem& p, const Item& it, const Entries& en) {
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       float l = 0.f;
-      for (int64_t j = 0; j < nkeys; ++j) {
+      for (int64_t j = first; j < nkeys; ++j) {
         const float w = std::exp2(scores[j] - mx);
         l += w;
         row_to_float(p, p.v_cache + key_offset(p, it.req, j, kvh), kv.data());
@@ -344,6 +352,7 @@ struct Scratch {
   std::vector<float> tm, tl;  // [tiles][16]: running max and sum
   std::vector<float> to;      // [tiles][D][16]: O by lane position (vpack order)
   std::vector<int64_t> tlim;  // [tiles][16]: each row's last visible key, -1 past the head's rows
+  std::vector<int64_t> tlow;  // [tiles][16]: each row's first visible key (its sliding window's)
   std::vector<float> st;      // [kKeyBlock][16]: one tile's scores of the block
   std::vector<int32_t> pt;    // [kKeyBlock / 2][16]: its P, bf16 pairs of keys
   std::vector<int64_t> qr;    // [rows]: the q row of each scratch row
@@ -461,15 +470,20 @@ inline void pv_tile(Scratch& sc, int64_t rt, int npairs) {
   }
 }
 
+// Rows per P V register tile: NR x D / 16 accumulators and D / 16 V vectors in 32 registers (6
+// rows for D = 64, 4 for 96, 3 for 128, 1 for 256).
+template <int D>
+constexpr int kPvRows = 24 / (D / 16);
+
 template <int D>
 inline void pv_rows(Scratch& sc, int64_t rt, int nr, int npairs) {
-  switch (nr) {  // nr <= 24 / (D / 16): 6 rows for D = 64, 3 for D = 128
+  switch (nr) {  // nr <= kPvRows<D>
     case 1: return pv_tile<D, 1>(sc, rt, npairs);
-    case 2: return pv_tile<D, 2>(sc, rt, npairs);
-    case 3: return pv_tile<D, 3>(sc, rt, npairs);
-    case 4: if constexpr (D <= 64) return pv_tile<D, 4>(sc, rt, npairs); break;
-    case 5: if constexpr (D <= 64) return pv_tile<D, 5>(sc, rt, npairs); break;
-    case 6: if constexpr (D <= 64) return pv_tile<D, 6>(sc, rt, npairs); break;
+    case 2: if constexpr (kPvRows<D> >= 2) return pv_tile<D, 2>(sc, rt, npairs); break;
+    case 3: if constexpr (kPvRows<D> >= 3) return pv_tile<D, 3>(sc, rt, npairs); break;
+    case 4: if constexpr (kPvRows<D> >= 4) return pv_tile<D, 4>(sc, rt, npairs); break;
+    case 5: if constexpr (kPvRows<D> >= 5) return pv_tile<D, 5>(sc, rt, npairs); break;
+    case 6: if constexpr (kPvRows<D> >= 6) return pv_tile<D, 6>(sc, rt, npairs); break;
   }
   TORCH_CHECK(false, "paged_attention: a P V tile of ", nr, " rows for head dim ", D);
 }
@@ -509,13 +523,14 @@ const WordOrders kWordOrders;
 // Fills the item's tiles: q pairs transposed, running state empty or where phase A left it.
 template <int D>
 void tiles_begin(const Problem& p, const Item& it, Scratch& sc, int64_t head_rows,
-                 const int64_t* lim) {
+                 const int64_t* lim, const int64_t* low) {
   const int64_t tph = tiles_per_head(head_rows), nt = it.nh * tph;
   sc.qt.resize(nt * (D / 2) * kTile);
   sc.tm.resize(nt * kTile);
   sc.tl.resize(nt * kTile);
   sc.to.resize(nt * D * kTile);
   sc.tlim.resize(nt * kTile);
+  sc.tlow.resize(nt * kTile);
   sc.st.resize(kKeyBlock * kTile);
   sc.pt.resize(kKeyBlock / 2 * kTile);
   for (int64_t t = 0; t < nt; ++t) {
@@ -523,6 +538,7 @@ void tiles_begin(const Problem& p, const Item& it, Scratch& sc, int64_t head_row
     const int64_t n = std::min<int64_t>(kTile, head_rows - hr0);
     for (int64_t L = 0; L < kTile; ++L) {
       sc.tlim[t * kTile + L] = L < n ? lim[(hr0 + L) / p.group] : -1;
+      sc.tlow[t * kTile + L] = L < n ? low[(hr0 + L) / p.group] : 0;
     }
     __m512 v[16];
     for (int d0 = 0; d0 < D / 2; d0 += 16) {  // dword d0 + c of row r0 + L -> qt[t][d0 + c][L]
@@ -564,20 +580,29 @@ void tiles_begin(const Problem& p, const Item& it, Scratch& sc, int64_t head_row
 template <int D>
 void tile_block(Scratch& sc, int64_t t, int64_t kb, int nk, const bf16* kblk, bool quant) {
   const int64_t* lim = &sc.tlim[t * kTile];
-  int64_t lo = INT64_MAX, hi = -1;  // over the tile's real rows
+  const int64_t* low = &sc.tlow[t * kTile];
+  // over the tile's real rows: the least and most last keys, the least and most first keys
+  int64_t lo = INT64_MAX, hi = -1, low_min = INT64_MAX, low_max = 0;
   for (int L = 0; L < kTile; ++L) {
     if (lim[L] < 0) continue;
     lo = std::min(lo, lim[L]);
     hi = std::max(hi, lim[L]);
+    low_min = std::min(low_min, low[L]);
+    low_max = std::max(low_max, low[L]);
   }
-  if (hi < kb) return;  // no row sees a key of the block: every state stays as it is
+  // no row sees a key of the block (all past it, or windows starting after it): every state
+  // stays as it is
+  if (hi < kb || low_min >= kb + nk) return;
   const int nk16 = (nk + 15) & ~15, npairs = nk16 / 2;
-  const bool mask = nk < nk16 || lo < kb + nk - 1;
+  const bool mask = nk < nk16 || lo < kb + nk - 1 || low_max > kb;
   alignas(64) int32_t rel[16];  // each row's last visible key of the block, -1 for none
+  alignas(64) int32_t rlo[16];  // and its first (0: from the block's start)
   for (int L = 0; L < kTile; ++L) {
     rel[L] = static_cast<int32_t>(std::clamp<int64_t>(lim[L] - kb, -1, kKeyBlock));
+    rlo[L] = static_cast<int32_t>(std::clamp<int64_t>(low[L] - kb, 0, kKeyBlock));
   }
   const __m512i relv = _mm512_load_si512(rel);
+  const __m512i rlov = _mm512_load_si512(rlo);
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   const int32_t* qt = &sc.qt[t * (D / 2) * kTile];
   const int32_t* kp = reinterpret_cast<const int32_t*>(kblk);  // key j, pair dp: kp[j D / 2 + dp]
@@ -595,8 +620,10 @@ void tile_block(Scratch& sc, int64_t t, int64_t kb, int nk, const bf16* kblk, bo
     }
     for (int j = 0; j < 16; ++j) {
       __m512 s = _mm512_mul_ps(acc[j], _mm512_set1_ps(sc.ks[j0 + j]));
-      if (mask) {
-        const __mmask16 keep = j0 + j < nk ? _mm512_cmpge_epi32_mask(relv, _mm512_set1_epi32(j0 + j))
+      if (mask) {  // keys rlo .. rel of each row
+        const __m512i key = _mm512_set1_epi32(j0 + j);
+        const __mmask16 keep = j0 + j < nk ? _mm512_cmpge_epi32_mask(relv, key) &
+                                                 _mm512_cmple_epi32_mask(rlov, key)
                                            : __mmask16(0);
         s = _mm512_mask_mov_ps(neg_inf, keep, s);
       }
@@ -832,8 +859,7 @@ inline void softmax_step(const float* srow, int nk16, __m512 bmax, const float* 
 template <int D>
 void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratch& sc) {
   constexpr int QV = D / 32;        // bf16 vectors per row
-  constexpr int OV = D / 16;        // float32 vectors per row
-  constexpr int PV_ROWS = 24 / OV;  // rows per P.V register tile
+  constexpr int PV_ROWS = kPvRows<D>;  // rows per P.V register tile
   const int64_t G = p.group;
   const int64_t head_rows = it.ne * G;  // rows of one KV head: (entry, g), entry-major
   const int64_t rows = it.nh * head_rows;
@@ -841,6 +867,7 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
   const int64_t tph = tiles_per_head(head_rows);
   const int64_t* tok = en.tok.data() + it.e0;
   const int64_t* lim = en.limit.data() + it.e0;
+  const int64_t* low = en.lower.data() + it.e0;
   const int32_t* table = p.page_table + it.req * p.table_stride;
   sc.vpack.resize(kKeyBlock * D);
   sc.koff.resize(kKeyBlock);
@@ -856,7 +883,7 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
   // e * G + g; its running state starts empty or where the group's shared part left it.
   gather_rows<D>(p, it, tok, sc);
   if (tiles) {
-    tiles_begin<D>(p, it, sc, head_rows, lim);
+    tiles_begin<D>(p, it, sc, head_rows, lim, low);
   } else {
     sc.s.resize(rows * kKeyBlock);
     sc.pbuf.resize(rows * kKeyBlock);
@@ -949,6 +976,7 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
       for (int64_t r = r_begin; r < r_end; ++r) {
         float* srow = &sc.s[r * kKeyBlock];
         const int64_t limit = lim[(r - hh * head_rows) / G] - kb;  // last visible key here
+        const int64_t first = low[(r - hh * head_rows) / G] - kb;  // first (the window's)
         __m512 bmax = neg_inf;
         __m512i qv[QV];
         for (int c = 0; c < QV; ++c) qv[c] = _mm512_loadu_si512(&sc.qbuf[r * D + 32 * c]);
@@ -962,11 +990,13 @@ void run_item_avx512(const Problem& p, const Item& it, const Entries& en, Scratc
             }
             acc[j] = a;
           }
-          // scaled; the keys past the row's last visible key -inf
+          // scaled; the keys past the row's last visible key, and before its first, -inf
           const int64_t valid = std::min<int64_t>({16, nk - j0, limit - j0 + 1});
-          const __mmask16 keep = valid >= 16 ? __mmask16(0xffff)
-                                             : (valid <= 0 ? __mmask16(0)
-                                                           : __mmask16((1u << valid) - 1));
+          const int64_t below = std::clamp<int64_t>(first - j0, 0, 16);
+          const __mmask16 keep = (valid >= 16 ? __mmask16(0xffff)
+                                              : (valid <= 0 ? __mmask16(0)
+                                                            : __mmask16((1u << valid) - 1))) &
+                                 static_cast<__mmask16>(~((1u << below) - 1));
           const __m512 sv = _mm512_mask_mov_ps(
               neg_inf, keep, _mm512_mul_ps(reduce16(acc), _mm512_loadu_ps(&sc.ks[j0])));
           _mm512_storeu_ps(srow + j0, sv);
@@ -1326,6 +1356,7 @@ RADIXKV_AMX_TARGET void run_item_amx(const Problem& p, const Item& it, const Ent
   const int64_t rows = it.nh * head_rows;
   const int64_t* tok = en.tok.data() + it.e0;
   const int64_t* lim = en.limit.data() + it.e0;
+  const int64_t* low = en.lower.data() + it.e0;
   const int32_t* table = p.page_table + it.req * p.table_stride;
   sc.s.resize(CR * KB);
   sc.pbuf.resize(CR * kAmxPLd);
@@ -1379,6 +1410,11 @@ RADIXKV_AMX_TARGET void run_item_amx(const Problem& p, const Item& it, const Ent
         // rows see nondecreasing limits: the chunk's last row sees the most keys
         const int nkc = static_cast<int>(std::clamp<int64_t>(lim[(c0 + cr - 1) / G] - kb + 1, 0, nk));
         if (nkc == 0) continue;  // no row of the chunk sees this block yet
+        if (p.window > 0) {  // nor when every row's window starts past the chunk's keys
+          int64_t low_min = INT64_MAX;
+          for (int64_t i = 0; i < cr; ++i) low_min = std::min(low_min, low[(c0 + i) / G]);
+          if (low_min - kb >= nkc) continue;
+        }
         const int np = (nkc + 31) & ~31;
         const int rt_n = static_cast<int>((cr + 15) / 16);
         const int64_t r0 = hh * head_rows + c0;
@@ -1388,7 +1424,18 @@ RADIXKV_AMX_TARGET void run_item_amx(const Problem& p, const Item& it, const Ent
           const int n = static_cast<int>(std::min<int64_t>(16, cr - i0));
           int valid[16];
           for (int i = 0; i < n; ++i) {
-            valid[i] = static_cast<int>(std::clamp<int64_t>(lim[(c0 + i0 + i) / G] - kb + 1, 0, nkc));
+            const int64_t e = (c0 + i0 + i) / G;
+            valid[i] = static_cast<int>(std::clamp<int64_t>(lim[e] - kb + 1, 0, nkc));
+            // keys before the row's window: a score of -1e30 (finite: amx_softmax_tile's exp2
+            // takes finite arguments) leaves the row's max to its visible keys and gives P = 0
+            // (2^(-1e30 scale - m) is 0 for any scale above 1e-27); none visible: valid 0
+            const int first = static_cast<int>(std::clamp<int64_t>(low[e] - kb, 0, nkc));
+            if (first >= valid[i]) {
+              valid[i] = 0;
+              continue;
+            }
+            float* srow = &sc.s[(i0 + i) * 16];  // key j at srow[(j / 16) CR 16 + j % 16]
+            for (int j = 0; j < first; ++j) srow[(j / 16) * CR * 16 + j % 16] = -1e30f;
           }
           amx_softmax_tile<D>(&sc.s[i0 * 16], CR * 16, np, valid, n, scale, &sc.m[r0 + i0],
                               &sc.l[r0 + i0], orow(r0 + i0), &sc.pbuf[i0 * kAmxPLd]);
@@ -1439,7 +1486,7 @@ bool amx_on() {
 
 bool fast_path_for(int64_t d) {
 #if RADIXKV_AVX512BF16
-  return d == 64 || d == 128;
+  return d == 64 || d == 96 || d == 128 || d == 256;
 #else
   (void)d;
   return false;
@@ -1456,7 +1503,8 @@ void run_items(const Problem& p, const Entries& en, std::vector<Item>& items, bo
   auto run = [&](const Item& it, auto& sc) {
 #if RADIXKV_AVX512BF16
     if (fast) {
-      if (p.amx && p.quant == Quant::None && it.ne * p.group >= kGemmRows) {
+      if (p.amx && p.quant == Quant::None && it.ne * p.group >= kGemmRows &&
+          (p.d == 64 || p.d == 128)) {
         if (p.d == 64) {
           run_item_amx<64>(p, it, en, sc);
         } else {
@@ -1464,10 +1512,11 @@ void run_items(const Problem& p, const Entries& en, std::vector<Item>& items, bo
         }
         return;
       }
-      if (p.d == 64) {
-        run_item_avx512<64>(p, it, en, sc);
-      } else {
-        run_item_avx512<128>(p, it, en, sc);
+      switch (p.d) {
+        case 64: run_item_avx512<64>(p, it, en, sc); break;
+        case 96: run_item_avx512<96>(p, it, en, sc); break;
+        case 128: run_item_avx512<128>(p, it, en, sc); break;
+        default: run_item_avx512<256>(p, it, en, sc); break;
       }
       return;
     }
@@ -1515,8 +1564,10 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            at::Tensor page_table, std::vector<int64_t> prefix_lens,
                            std::vector<int64_t> extend_lens, std::vector<int64_t> extend_starts,
                            double sm_scale, std::vector<int64_t> group_members,
-                           std::vector<int64_t> group_offsets, std::vector<int64_t> group_shared) {
+                           std::vector<int64_t> group_offsets, std::vector<int64_t> group_shared,
+                           int64_t window) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: tensors must be on the CPU");
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: full attention)");
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 &&
                   (kv_type == at::kBFloat16 || kv_type == at::kChar || kv_type == at::kByte) &&
@@ -1582,7 +1633,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   p.group = hq / hkv;
   p.d = d;
   p.scale_log2 = static_cast<float>(sm_scale) * kLog2e;
-  p.amx = fast && amx_on();
+  p.window = window;
+  p.amx = fast && amx_on() && (d == 64 || d == 128);  // AMX items: those head dims
   auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
   const int64_t rows_per_item = p.amx ? kAmxRowsPerItem : kRowsPerItem;
   const int64_t tok_per_item = std::max<int64_t>(1, rows_per_item / p.group);
@@ -1591,10 +1643,19 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   auto add_entries = [&](int64_t b, int64_t t0, int64_t nt, bool sees_all) {
     const int64_t e0 = static_cast<int64_t>(en.tok.size());
     for (int64_t t = t0; t < t0 + nt; ++t) {
+      const int64_t pos = prefix_lens[b] + t;
       en.tok.push_back(extend_starts[b] + t);
-      en.limit.push_back(sees_all ? kSeesAll : prefix_lens[b] + t);
+      en.limit.push_back(sees_all ? kSeesAll : pos);
+      en.lower.push_back(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
     }
     return e0;
+  };
+  // The first key any entry of [e0, e0 + ne) sees, from k0 on (at most k1: an item none of
+  // whose rows sees its keys still runs, to hand over or finish its rows' state).
+  auto first_key = [&](int64_t e0, int64_t ne, int64_t k0, int64_t k1) {
+    int64_t lo = k1;
+    for (int64_t e = e0; e < e0 + ne; ++e) lo = std::min(lo, en.lower[e]);
+    return std::clamp(lo, k0, k1);
   };
   // Phase A: each group's shared keys, once per KV head for blocks of its members' stacked rows.
   std::vector<float> gm, gl, go;
@@ -1619,9 +1680,10 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
       const int64_t ref = group_members[group_offsets[g]];
       for (int64_t e0 = first, ne = 0; e0 < last; e0 += ne) {
         ne = item_tokens(last - e0, tok_per_item);
+        const int64_t k0 = first_key(e0, ne, 0, S);
         for (int64_t h = 0; h < hkv; ++h) {
-          items.push_back(Item{i32(e0), i32(ne), i32(h), 1, i32(ref), true, false, 0, S,
-                               S * (ne * p.group + 8)});
+          items.push_back(Item{i32(e0), i32(ne), i32(h), 1, i32(ref), true, false, k0, S,
+                               (S - k0) * (ne * p.group + 8)});
         }
       }
     }
@@ -1636,17 +1698,19 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     const bool resume = k0 > 0;
     if (n > 0 && n * hq <= kRowsPerItem) {
       const int64_t e0 = add_entries(b, 0, n, false);
-      items.push_back(Item{i32(e0), i32(n), 0, i32(hkv), i32(b), false, resume, k0,
-                           prefix_lens[b] + n, (prefix_lens[b] + n - k0) * (n + 4) * hkv});
+      const int64_t keys = prefix_lens[b] + n, lo = first_key(e0, n, k0, keys);
+      items.push_back(Item{i32(e0), i32(n), 0, i32(hkv), i32(b), false, resume, lo, keys,
+                           (keys - lo) * (n + 4) * hkv});
       continue;
     }
     for (int64_t t0 = 0, nt = 0; t0 < n; t0 += nt) {
       nt = item_tokens(n - t0, tok_per_item);
       const int64_t keys = prefix_lens[b] + t0 + nt;
       const int64_t e0 = add_entries(b, t0, nt, false);
+      const int64_t lo = first_key(e0, nt, k0, keys);
       for (int64_t h = 0; h < hkv; ++h) {
-        items.push_back(Item{i32(e0), i32(nt), i32(h), 1, i32(b), false, resume, k0, keys,
-                             (keys - k0) * (nt + 4)});
+        items.push_back(Item{i32(e0), i32(nt), i32(h), 1, i32(b), false, resume, lo, keys,
+                             (keys - lo) * (nt + 4)});
       }
     }
   }

@@ -1,4 +1,6 @@
-// Paged attention for the CPU over radixkv's KV pool (see cpu_attention.cpp).
+// Paged attention for the CPU over radixkv's KV pool (see cpu_attention.cpp). Both kernels take a
+// sliding window (`window` > 0: the query at position p sees keys p - window + 1 .. p, as
+// transformers' sliding_window mask; 0: every key up to p).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,7 +16,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            at::Tensor page_table, std::vector<int64_t> prefix_lens,
                            std::vector<int64_t> extend_lens, std::vector<int64_t> extend_starts,
                            double sm_scale, std::vector<int64_t> group_members,
-                           std::vector<int64_t> group_offsets, std::vector<int64_t> group_shared);
+                           std::vector<int64_t> group_offsets, std::vector<int64_t> group_shared,
+                           int64_t window);
 bool has_fast_path(int64_t head_dim);
 // Whether paged_attention can run its row-tile items on AMX (an AVX512-BF16 build on a host
 // whose oneDNN packs bf16 for AMX), and the switch (on by default where available; returns the
@@ -30,7 +33,7 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
                                std::vector<int64_t> extend_starts, double sm_scale,
                                std::vector<int64_t> group_members,
                                std::vector<int64_t> group_offsets,
-                               std::vector<int64_t> group_shared);
+                               std::vector<int64_t> group_shared, int64_t window);
 const char* f32_kernel_isa();
 // Checks a step's shared-prefix groups (members of group g are group_members[offsets[g] ..
 // offsets[g + 1]), each request in one group at most, group_shared[g] <= every member's

@@ -6,6 +6,10 @@
 // Same contract as paged_attention (cpu_attention.cpp): query token t of request b (absolute
 // position prefix_b + t) attends to keys 0 .. prefix_b + t of that request, read in place through
 // page_table[b]; the new tokens' K/V are already stored. q is float32 and so is the output.
+// With a sliding window W > 0 (transformers' sliding_window: kv > q - W), the token at position p
+// sees keys p - W + 1 .. p only: each row carries its first visible key as well as its last, the
+// rows' keys are masked on both sides, and a work item starts at the first key any of its rows
+// sees, so a decode reads W keys (W / page_size pages and one more), whatever its context.
 //
 // Shared prefixes: a group is a list of requests whose page tables start with the same page ids
 // over their first `shared` tokens (shared <= every member's prefix_len, so every new token of a
@@ -120,7 +124,13 @@ struct Problem {
   const std::vector<int64_t>* prefix;
   const std::vector<int64_t>* ext;
   const std::vector<int64_t>* start;
+  int64_t window;  // sliding window (0: none): position p sees keys p - window + 1 .. p
 };
+
+// The first key a query at absolute position `pos` sees.
+inline int64_t first_key(const Problem& p, int64_t pos) {
+  return p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+}
 
 // Byte offsets in the pool of the rows of KV head h for keys [kb, kb + nk) of page table row
 // `table` (a page's tokens are contiguous, pages are scattered over the pool).
@@ -171,6 +181,7 @@ struct Scratch {
   std::vector<float> qbuf;  // [rows][D] scaled queries
   std::vector<int64_t> row_index;  // [rows] token * hq + q head
   std::vector<int64_t> row_limit;  // [rows] last visible absolute key
+  std::vector<int64_t> row_lower;  // [rows] first visible absolute key (the sliding window's)
   std::vector<int64_t> koff;       // [kKeyBlock] this block's row offsets
   std::vector<int64_t> knext;      // [kKeyBlock] the next block's (prefetched)
   // the tiled path (attend_tiled): queries transposed, scores with rows along the vector lanes
@@ -257,9 +268,10 @@ inline vf lane_sums(vf* v) {
 // V rows are float32 rows of D at kp[j] and vp[j] (kp padded to a multiple of VW keys with
 // readable rows): S = scale * q K^T as dot products, VW keys at a time (their lane sums by
 // lane_sums: no transposed copy of K), the online-softmax update of the row's (m, l, out), and
-// out += P V. `valid` keys are visible; D is a multiple of kTile * VW.
+// out += P V. Keys first .. valid - 1 are visible (first < valid: the row sees one at least; keys
+// before `first` are outside its sliding window); D is a multiple of kTile * VW.
 template <int D>
-inline void row_dot(const Problem& p, const float* q, int64_t ri, int valid,
+inline void row_dot(const Problem& p, const float* q, int64_t ri, int first, int valid,
                     const float* const* kp, const float* const* vp) {
   alignas(64) float s[kKeyBlock];
   const int nv = (valid + VW - 1) / VW * VW;
@@ -273,6 +285,7 @@ inline void row_dot(const Problem& p, const float* q, int64_t ri, int valid,
     storev(s + j0, lane_sums(acc) * splat(p.scale));
   }
   for (int j = valid; j < nv; ++j) s[j] = -INFINITY;
+  for (int j = 0; j < first; ++j) s[j] = -INFINITY;
   vf mx = loadv(s);
   for (int c = VW; c < nv; c += VW) {
     const vf x = loadv(s + c);
@@ -297,7 +310,7 @@ inline void row_dot(const Problem& p, const float* q, int64_t ri, int valid,
     // block long (not the whole sequence), which keeps long contexts at float32 accuracy
     vf oa[kTile];
     for (int c = 0; c < kTile; ++c) oa[c] = vf{};
-    for (int j = 0; j < valid; ++j) {
+    for (int j = first; j < valid; ++j) {
       const vf pj = splat(s[j]);
       for (int c = 0; c < kTile; ++c) oa[c] += pj * loadv(vp[j] + d0 + c * VW);
     }
@@ -367,7 +380,7 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
   float* mrow = sc.mrow.data();
   float* lrow = sc.lrow.data();
   float* arow = sc.arow.data();
-  int64_t min_limit = std::numeric_limits<int64_t>::max(), max_limit = -1;
+  int64_t min_limit = std::numeric_limits<int64_t>::max(), max_limit = -1, max_lower = 0;
   for (int r = 0; r < rp; ++r) {
     if (r < nrows) {
       const float* q = &sc.qbuf[static_cast<int64_t>(r) * D];
@@ -376,6 +389,7 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
       lrow[r] = p.l[sc.row_index[r]];
       min_limit = std::min(min_limit, sc.row_limit[r]);
       max_limit = std::max(max_limit, sc.row_limit[r]);
+      max_lower = std::max(max_lower, sc.row_lower[r]);
     } else {
       for (int i = 0; i < D; ++i) qt[i * rp + r] = 0.f;
       mrow[r] = -INFINITY;
@@ -414,6 +428,13 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
         }
       }
     }
+    // sliding window: keys before a row's first visible one
+    if (kb < max_lower) {
+      for (int r = 0; r < nrows; ++r) {
+        const int64_t below = std::min<int64_t>(nk, sc.row_lower[r] - kb);
+        for (int64_t j = 0; j < below; ++j) st[j * rp + r] = -INFINITY;
+      }
+    }
     // online softmax, elementwise over rows
     for (int64_t r0 = 0; r0 < rp; r0 += VW) {
       vf mx = ninf;
@@ -441,7 +462,8 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
     float al[2];
     int n = 0;
     for (int r = 0; r < nrows; ++r) {
-      if (sc.row_limit[r] < kb) continue;  // sees nothing of this block (P = 0, alpha = 1)
+      // sees nothing of this block: P = 0, and alpha = 1 (or O = 0 while it has seen nothing)
+      if (sc.row_limit[r] < kb || sc.row_lower[r] >= kb + nk) continue;
       col[n] = r;
       ri[n] = sc.row_index[r];
       al[n] = arow[r];
@@ -459,11 +481,17 @@ void attend_tiled(const Problem& p, const int32_t* table, int64_t h, int64_t lo,
   }
 }
 
-// Attend rows (qbuf, row_index, row_limit in sc) of KV head h to keys [lo, hi) of `table`,
-// continuing each row's running (m, l, out) state.
+// Attend rows (qbuf, row_index, row_limit, row_lower in sc) of KV head h to keys [lo, hi) of
+// `table`, continuing each row's running (m, l, out) state. Keys before every row's sliding window
+// are not read: the walk starts at the rows' first visible key.
 template <int DT, KV T>
 void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64_t hi, int nrows,
             Scratch& sc) {
+  if (p.window > 0 && nrows > 0) {
+    int64_t min_lower = sc.row_lower[0];
+    for (int r = 1; r < nrows; ++r) min_lower = std::min(min_lower, sc.row_lower[r]);
+    lo = std::max(lo, min_lower);
+  }
   if constexpr (DT != 0 && DT % (kTile * VW) == 0) {
     if (nrows >= 2 * VW) {
       attend_tiled<DT, T>(p, table, h, lo, hi, nrows, sc);
@@ -495,10 +523,11 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
       }
       for (int j = nk; j < (nk + VW - 1) / VW * VW; ++j) kp[j] = kp[0];
       for (int r = 0; r < nrows; ++r) {
-        const int64_t lim = sc.row_limit[r] - kb;
-        if (lim < 0) continue;
-        row_dot<DT>(p, &sc.qbuf[static_cast<int64_t>(r) * DT], sc.row_index[r],
-                    static_cast<int>(std::min<int64_t>(nk, lim + 1)), kp, vp);
+        const int valid = static_cast<int>(std::clamp<int64_t>(sc.row_limit[r] - kb + 1, 0, nk));
+        const int first = static_cast<int>(std::clamp<int64_t>(sc.row_lower[r] - kb, 0, nk));
+        if (first >= valid) continue;
+        row_dot<DT>(p, &sc.qbuf[static_cast<int64_t>(r) * DT], sc.row_index[r], first, valid, kp,
+                    vp);
       }
       continue;
     }
@@ -522,9 +551,9 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
       }
     }
     for (int r = 0; r < nrows; ++r) {
-      const int64_t lim = sc.row_limit[r] - kb;
-      if (lim < 0) continue;
-      const int valid = static_cast<int>(std::min<int64_t>(nk, lim + 1));
+      const int valid = static_cast<int>(std::clamp<int64_t>(sc.row_limit[r] - kb + 1, 0, nk));
+      const int first = static_cast<int>(std::clamp<int64_t>(sc.row_lower[r] - kb, 0, nk));
+      if (first >= valid) continue;
       const float* qr = &sc.qbuf[static_cast<int64_t>(r) * D];
       // S = q K^T over the block (vectorised over keys)
       vf acc[kKV];
@@ -537,14 +566,14 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
       const vf sv = splat(p.scale);
       for (int c = 0; c < kKV; ++c) storev(s + c * VW, acc[c] * sv);
       float bmax = -INFINITY;
-      for (int j = 0; j < valid; ++j) bmax = std::max(bmax, s[j]);
+      for (int j = first; j < valid; ++j) bmax = std::max(bmax, s[j]);
       const int64_t ri = sc.row_index[r];
       const float m_old = p.m[ri];
       const float m_new = std::max(m_old, bmax);
       const vf mv = splat(m_new), l2e = splat(kLog2e);
       for (int c = 0; c < kKV; ++c) storev(s + c * VW, exp2v((loadv(s + c * VW) - mv) * l2e));
       float lsum = 0.f;
-      for (int j = 0; j < valid; ++j) lsum += s[j];
+      for (int j = first; j < valid; ++j) lsum += s[j];
       const float alpha = m_old == -INFINITY ? 0.f : std::exp2((m_old - m_new) * kLog2e);
       p.l[ri] = p.l[ri] * alpha + lsum;
       p.m[ri] = m_new;
@@ -555,7 +584,7 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
         for (int c0 = 0; c0 < D; c0 += kDChunk) {
           vf oa[kDV];
           for (int c = 0; c < kDV; ++c) oa[c] = av * loadv(o + c0 + c * VW);
-          for (int j = 0; j < valid; ++j) {
+          for (int j = first; j < valid; ++j) {
             const vf pj = splat(s[j]);
             const float* vr = vb + j * D + c0;
             for (int c = 0; c < kDV; ++c) oa[c] += pj * loadv(vr + c * VW);
@@ -564,7 +593,7 @@ void attend(const Problem& p, const int32_t* table, int64_t h, int64_t lo, int64
         }
       } else {
         for (int i = 0; i < D; ++i) o[i] *= alpha;
-        for (int j = 0; j < valid; ++j) {
+        for (int j = first; j < valid; ++j) {
           const float pj = s[j];
           const float* vr = vb + j * D;
           for (int i = 0; i < D; ++i) o[i] += pj * vr[i];
@@ -593,6 +622,7 @@ int fill_rows(const Problem& p, int64_t b, int64_t t0, int64_t nt, int64_t h, in
       const int64_t ri = (start + t) * p.hq + h * G + g;
       sc.row_index[n] = ri;
       sc.row_limit[n] = std::min(prefix + t, limit_cap);
+      sc.row_lower[n] = first_key(p, prefix + t);
       const float* src = p.q + ri * D;
       float* dst = &sc.qbuf[static_cast<int64_t>(n) * D];
       std::memcpy(dst, src, D * sizeof(float));
@@ -644,12 +674,19 @@ void run_item(const Problem& p, const Groups& gr, const Item& it, Scratch& sc) {
   }
 }
 
+// The head dims of common models get code for their size (96: Phi-3-mini; 256: Gemma 3): the
+// tiled and dot-product paths where the dim is a multiple of kTile * VW; others (80: Phi-2,
+// StableLM) take the generic path, which reads K transposed.
 template <KV T>
 void run_any(const Problem& p, const Groups& gr, const Item& it, Scratch& sc) {
   if (p.d == 64) {
     run_item<64, T>(p, gr, it, sc);
   } else if (p.d == 128) {
     run_item<128, T>(p, gr, it, sc);
+  } else if (p.d == 96) {
+    run_item<96, T>(p, gr, it, sc);
+  } else if (p.d == 256) {
+    run_item<256, T>(p, gr, it, sc);
   } else {
     run_item<0, T>(p, gr, it, sc);
   }
@@ -666,6 +703,7 @@ void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV 
     sc.qbuf.resize(max_rows * p.d);
     sc.row_index.resize(max_rows);
     sc.row_limit.resize(max_rows);
+    sc.row_lower.resize(max_rows);
     const int64_t padded = (max_rows + 2 * VW - 1) / (2 * VW) * (2 * VW);
     sc.qt.resize(padded * p.d);
     sc.st.resize(padded * kKeyBlock);
@@ -684,7 +722,7 @@ void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV 
       hi = (*gr.shared)[it.id];
     } else {
       table = p.page_table + it.id * p.table_stride;
-      lo = it.lo;
+      lo = std::max(it.lo, first_key(p, (*p.prefix)[it.id] + it.r0));  // the window's start
       hi = (*p.prefix)[it.id] + it.r0 + it.nr;
     }
     const int nk = static_cast<int>(std::min<int64_t>(kKeyBlock, hi - lo));
@@ -722,8 +760,9 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
                                std::vector<int64_t> extend_starts, double sm_scale,
                                std::vector<int64_t> group_members,
                                std::vector<int64_t> group_offsets,
-                               std::vector<int64_t> group_shared) {
+                               std::vector<int64_t> group_shared, int64_t window) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention_f32: tensors must be on the CPU");
+  TORCH_CHECK(window >= 0, "paged_attention_f32: window must be >= 0 (0: full attention)");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention_f32: q must be float32");
   KV kv;
   if (k_cache.scalar_type() == at::kFloat) {
@@ -806,6 +845,7 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
   p.prefix = &prefix_lens;
   p.ext = &extend_lens;
   p.start = &extend_starts;
+  p.window = window;
   Groups gr{&group_members, &group_offsets, &group_shared};
   auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
   // Phase A: shared parts, kRowBlock stacked rows per item and KV head.
@@ -825,24 +865,27 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
     const int64_t max_block = std::max<int64_t>(p.group, kRowBlock / p.group * p.group);
     const int64_t n_blocks = (rows + max_block - 1) / max_block;
     const int64_t block = (rows / p.group + n_blocks - 1) / n_blocks * p.group;
+    // (a window caps the keys a row sees, and so the keys an item reads, at about W)
+    const int64_t keys = window > 0 ? std::min(group_shared[g], window) : group_shared[g];
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
       const int64_t nr = std::min(block, rows - r0);
       for (int64_t h = 0; h < hkv; ++h) {
-        items.push_back(
-            Item{0, i32(g), i32(r0), i32(nr), i32(h), 0, group_shared[g] * (nr + 8)});
+        items.push_back(Item{0, i32(g), i32(r0), i32(nr), i32(h), 0, keys * (nr + 8)});
       }
     }
   }
   run_items(p, gr, items, kv);
-  // Phase B: own parts (keys shared .. prefix + t, causal), blocks of query tokens per KV head.
+  // Phase B: own parts (keys shared .. prefix + t, causal; from the first token's window start
+  // with a window), blocks of query tokens per KV head.
   items.clear();
   const int64_t tok_per_item = 128;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = extend_lens[b];
     for (int64_t t0 = 0; t0 < n; t0 += tok_per_item) {
       const int64_t nt = std::min(tok_per_item, n - t0);
+      const int64_t lo = std::max(shared_of[b], first_key(p, prefix_lens[b] + t0));
       for (int64_t h = 0; h < hkv; ++h) {
-        const int64_t keys = prefix_lens[b] + t0 + nt - shared_of[b];
+        const int64_t keys = prefix_lens[b] + t0 + nt - lo;
         items.push_back(Item{1, i32(b), i32(t0), i32(nt), i32(h), shared_of[b], keys * (nt + 8)});
       }
     }
