@@ -1,12 +1,14 @@
 """Paged decode attention (one query token per request) with GQA and split-K (flash-decoding).
 
 Stage 1: grid ``(B, Hkv, num_splits)``. A program takes every query head of one KV group (so the
-group's K/V is read once) and one contiguous chunk of the request's sequence, reads K/V block by
-block through the page table (``slot = page_table[b, pos // P] * P + pos % P``, so any page size
+group's K/V is read once) and one contiguous chunk of the request's keys (its last ``window`` of
+them under a sliding window: the pages before are never read), reads K/V block by block through
+the page table (``slot = page_table[b, pos // P] * P + pos % P``, so any page size
 works) and runs an online softmax. With one split it writes the normalised output directly;
 otherwise it writes the chunk's normalised partial output and its log-sum-exp (base 2).
 Stage 2: grid ``(B, Hq)``, merges the splits' partial outputs weighted by their log-sum-exp.
-All accumulation is float32.
+All accumulation is float32. A head dim that is not a power of two (80, 96) runs in tiles of the
+next power of two, the extra columns masked (:func:`.store_kv.block_d`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .store_kv import (
+    block_d,
     check_kv_cache,
     check_query,
     dot_config,
@@ -68,6 +71,7 @@ def _decode_stage1_kernel(
     MidLse,
     Out,
     sm_scale_log2,
+    window,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -85,6 +89,7 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -100,17 +105,20 @@ def _decode_stage1_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    per_split = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * per_split
+    # the query (position seq_len - 1) sees keys first .. seq_len - 1
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    per_split = tl.cdiv(seq_len - first, NUM_SPLITS)
+    start = first + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
     heads = kvh * GROUP + offs_h
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_hd = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(
         Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None],
+        mask=mask_hd,
         other=0.0,
     )
     pt_row = PageTable + b.to(tl.int64) * stride_pt
@@ -119,7 +127,7 @@ def _decode_stage1_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -132,6 +140,7 @@ def _decode_stage1_kernel(
             mask_n,
             q,
             HEAD_DIM,
+            BLOCK_D,
             True,
             KV_QUANT,
             KV_FP8,
@@ -151,6 +160,7 @@ def _decode_stage1_kernel(
             mask_n,
             q,
             HEAD_DIM,
+            BLOCK_D,
             False,
             KV_QUANT,
             KV_FP8,
@@ -164,7 +174,7 @@ def _decode_stage1_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
         o_ptr = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mask_h[:, None])
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mask_hd)
     else:
         mo_ptr = (
             MidO
@@ -173,7 +183,7 @@ def _decode_stage1_kernel(
             + split * stride_mos
             + offs_d[None, :]
         )
-        tl.store(mo_ptr, out, mask=mask_h[:, None])
+        tl.store(mo_ptr, out, mask=mask_hd)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         ml_ptr = MidLse + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split
         tl.store(ml_ptr, lse, mask=mask_h)
@@ -194,12 +204,14 @@ def _decode_stage2_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
     lse = tl.load(
         MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=mask_s, other=float("-inf")
     )
@@ -208,12 +220,14 @@ def _decode_stage2_kernel(
     w = tl.exp2(lse - m)
     part = tl.load(
         MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-        mask=mask_s[:, None],
+        mask=mask_s[:, None] & mask_d[None, :],
         other=0.0,
     )
     denom = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d
+    )
 
 
 def decode_attention(
@@ -227,6 +241,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Paged decode attention: ``o[b] = softmax(q[b] K_b^T * sm_scale) V_b``.
 
@@ -243,6 +258,9 @@ def decode_attention(
         num_kv_splits: force the number of sequence splits (default: ``choose_num_kv_splits``).
         max_seq_len: ``max(seq_lens)`` if the caller knows it (avoids a device sync); only
             used to choose the number of splits.
+        window: a sliding window (None or 0: full attention): each query sees its request's
+            last ``window`` keys (itself included, transformers' ``sliding_window``), and only
+            those are read.
 
     Returns:
         ``o [B, Hq, D]`` in ``q``'s dtype (accumulated in float32).
@@ -267,10 +285,13 @@ def decode_attention(
     if batch == 0:
         return out
 
+    window = int(window or 0)
+    assert window >= 0, f"window must be >= 0 (0: full attention), got {window}"
     if num_kv_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item())
-        num_kv_splits = choose_num_kv_splits(max_seq_len, batch, hkv, q.device)
+        keys = min(max_seq_len, window) if window else max_seq_len  # the most keys one reads
+        num_kv_splits = choose_num_kv_splits(keys, batch, hkv, q.device)
     assert num_kv_splits >= 1, f"num_kv_splits must be >= 1, got {num_kv_splits}"
 
     if num_kv_splits > 1:
@@ -280,7 +301,7 @@ def decode_attention(
         mid_o = out
         mid_lse = out
 
-    block_n = 64 if d <= 128 else 32
+    block_n = 64 if block_d(d) <= 128 else 32
     dot_precision, dot_upcast = dot_config(q.dtype)
     _decode_stage1_kernel[(batch, hkv, num_kv_splits)](
         q,
@@ -292,6 +313,7 @@ def decode_attention(
         mid_lse,
         out,
         sm_scale * _LOG2E,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(1),
@@ -309,6 +331,7 @@ def decode_attention(
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
+        BLOCK_D=block_d(d),
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_kv_splits,
@@ -333,6 +356,7 @@ def decode_attention(
             NUM_SPLITS=num_kv_splits,
             BLOCK_S=triton.next_power_of_2(num_kv_splits),
             HEAD_DIM=d,
+            BLOCK_D=block_d(d),
             num_warps=4 if d >= 128 else 2,
         )
     return out

@@ -9,6 +9,12 @@ request for one query head. Keys are visited in two phases with an online softma
    beyond the bound);
 2. positions ``[prefix + start_m, min(prefix + start_m + BLOCK_M, seq_len))``: the diagonal block,
    with the causal mask ``key_pos <= query_pos``.
+
+Under a sliding window ``W`` (transformers' ``sliding_window``: ``key_pos > query_pos - W``) phase
+1 starts at the block's first row's first visible key, ``prefix + start_m - W + 1``, so the keys
+(and pages) before it are never read, and both phases mask ``key_pos > query_pos - W`` too. A head
+dim that is not a power of two (80, 96) runs in tiles of the next power of two, the extra columns
+masked (:func:`.store_kv.block_d`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .store_kv import (
+    block_d,
     check_kv_cache,
     check_query,
     dot_config,
@@ -46,10 +53,13 @@ def _extend_inner(
     lo,
     hi,
     sm_scale_log2,
+    window,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     KV_QUANT: tl.constexpr,
@@ -57,7 +67,8 @@ def _extend_inner(
     KV_ROUND_BF16: tl.constexpr,
     KV_ALIGN: tl.constexpr,
 ):
-    """Online-softmax pass over key positions ``[lo, hi)`` of one request."""
+    """Online-softmax pass over key positions ``[lo, hi)`` of one request (under a window, a row
+    may see none of a block: its max stays -inf, and it gets P = 0, alpha 0, not NaN)."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -70,6 +81,7 @@ def _extend_inner(
             mask_n,
             q,
             HEAD_DIM,
+            BLOCK_D,
             True,
             KV_QUANT,
             KV_FP8,
@@ -81,10 +93,17 @@ def _extend_inner(
             allowed = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         else:
             allowed = mask_n[None, :]
+        if WINDOWED:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
         qk = tl.where(allowed, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        if WINDOWED:  # a row that has seen no key yet: exponents against 0, not -inf - -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_kv_tile(
             v_head,
@@ -93,6 +112,7 @@ def _extend_inner(
             mask_n,
             q,
             HEAD_DIM,
+            BLOCK_D,
             False,
             KV_QUANT,
             KV_FP8,
@@ -115,6 +135,7 @@ def _extend_kernel(
     ExtendLens,
     ExtendStarts,
     sm_scale_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -126,9 +147,11 @@ def _extend_kernel(
     stride_pt,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     KV_QUANT: tl.constexpr,
@@ -148,11 +171,12 @@ def _extend_kernel(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     mask_m = offs_m < ext_len
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_md = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = row0 + offs_m
     q = tl.load(
         Q + rows[:, None] * stride_qt + hq.to(tl.int64) * stride_qh + offs_d[None, :],
-        mask=mask_m[:, None],
+        mask=mask_md,
         other=0.0,
     )
     q_pos = prefix + offs_m
@@ -162,9 +186,12 @@ def _extend_kernel(
     v_head = V + kvh.to(tl.int64) * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     full_end = prefix + start_m
+    first = 0  # the first key a row of the block sees (its first row's window start)
+    if WINDOWED:
+        first = tl.maximum(full_end - window + 1, 0)
     acc, l_i, m_i = _extend_inner(
         acc,
         l_i,
@@ -176,13 +203,16 @@ def _extend_kernel(
         v_head,
         stride_ks,
         stride_vs,
-        0,
+        first,
         full_end,
         sm_scale_log2,
+        window,
         HEAD_DIM,
+        BLOCK_D,
         PAGE_SIZE,
         BLOCK_N,
         False,
+        WINDOWED,
         DOT_PRECISION,
         DOT_UPCAST,
         KV_QUANT,
@@ -205,10 +235,13 @@ def _extend_kernel(
         full_end,
         diag_end,
         sm_scale_log2,
+        window,
         HEAD_DIM,
+        BLOCK_D,
         PAGE_SIZE,
         BLOCK_N,
         True,
+        WINDOWED,
         DOT_PRECISION,
         DOT_UPCAST,
         KV_QUANT,
@@ -217,9 +250,10 @@ def _extend_kernel(
         KV_ALIGN,
     )
 
-    out = acc / l_i[:, None]  # every row sees at least key ``full_end`` (itself or earlier)
+    # every row sees itself at least (rows past the request's tokens are never stored)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptr = Out + rows[:, None] * stride_ot + hq.to(tl.int64) * stride_oh + offs_d[None, :]
-    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mask_m[:, None])
+    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mask_md)
 
 
 def extend_attention(
@@ -234,6 +268,7 @@ def extend_attention(
     *,
     out: torch.Tensor | None = None,
     max_extend_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Paged extend attention, causal over the new tokens and full over the cached prefix.
 
@@ -252,6 +287,9 @@ def extend_attention(
         out: optional ``[T, Hq, D]`` output of ``q``'s dtype; the rows of every request's new
             tokens are written (rows belonging to no request are left as they are).
         max_extend_len: ``max(extend_lens)`` if the caller knows it (avoids a device sync).
+        window: a sliding window (None or 0: full attention): the new token at position ``p``
+            sees keys ``p - window + 1 .. p`` (transformers' ``sliding_window``); the keys before
+            a block's windows are not read.
 
     Returns:
         ``o [T, Hq, D]`` in ``q``'s dtype (accumulated in float32).
@@ -283,10 +321,13 @@ def extend_attention(
     if max_extend_len == 0:
         return out
 
+    window = int(window or 0)
+    assert window >= 0, f"window must be >= 0 (0: full attention), got {window}"
+    bd = block_d(d)
     if q.device.type == "cuda":
         # fp32 tiles are twice the shared memory: halve the key block past D=64
         block_m = 64
-        block_n = 64 if d * q.element_size() <= 256 else 32
+        block_n = 64 if bd * q.element_size() <= 256 else 32
     else:  # interpreter: bigger tiles are cheaper, but keep padding small for short tests
         block_m, block_n = 32, 64
     dot_precision, dot_upcast = dot_config(q.dtype)
@@ -301,6 +342,7 @@ def extend_attention(
         extend_lens,
         extend_starts,
         sm_scale * _LOG2E,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(1),
@@ -312,13 +354,15 @@ def extend_attention(
         page_table.stride(0),
         GROUP=hq // hkv,
         HEAD_DIM=d,
+        BLOCK_D=bd,
         PAGE_SIZE=page_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        WINDOWED=window > 0,
         DOT_PRECISION=dot_precision,
         DOT_UPCAST=dot_upcast,
         **kv_read_config(k_cache, q.dtype, v_cache),
-        num_warps=4 if d <= 64 else 8,
+        num_warps=4 if bd <= 64 else 8,
         num_stages=2,
     )
     return out

@@ -138,8 +138,10 @@ def decode_attention_ref(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention: one query per request over its ``seq_lens[b]`` cached tokens.
+    """Decode attention: one query per request over its ``seq_lens[b]`` cached tokens (its last
+    ``window`` of them with a sliding window).
 
     ``q [B, Hq, D]`` -> ``o [B, Hq, D]`` (dtype of q).
     """
@@ -147,6 +149,8 @@ def decode_attention_ref(
     for b, length in enumerate(seq_lens.tolist()):
         k, v = gather_kv_ref(k_cache, v_cache, page_table[b], int(length))
         allowed = torch.ones(1, int(length), dtype=torch.bool, device=q.device)
+        if window:
+            allowed[:, : max(0, int(length) - window)] = False
         out[b] = _attend_ref(q[b : b + 1], k, v, allowed, sm_scale)[0].to(q.dtype)
     return out
 
@@ -160,12 +164,15 @@ def extend_attention_ref(
     extend_lens: torch.Tensor,
     extend_starts: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Extend (prefill) attention over a cached prefix plus the new tokens (already in the cache).
 
     New token ``i`` of request ``b`` (row ``extend_starts[b] + i`` of ``q [T, Hq, D]``) sits at
-    absolute position ``prefix_lens[b] + i`` and attends to positions ``0 ..= prefix_lens[b] + i``.
-    Rows of ``q`` not covered by any request are returned as zeros.
+    absolute position ``prefix_lens[b] + i`` and attends to positions ``0 ..= prefix_lens[b] + i``
+    (with a sliding ``window``: the positions above ``prefix_lens[b] + i - window``, as
+    transformers' ``sliding_window`` mask). Rows of ``q`` not covered by any request are returned
+    as zeros.
     """
     out = torch.zeros_like(q)
     for b, (prefix, ext, start) in enumerate(
@@ -178,6 +185,8 @@ def extend_attention_ref(
         q_pos = torch.arange(prefix, prefix + ext, device=q.device)
         k_pos = torch.arange(prefix + ext, device=q.device)
         allowed = k_pos[None, :] <= q_pos[:, None]
+        if window:
+            allowed &= k_pos[None, :] > q_pos[:, None] - window
         out[start : start + ext] = _attend_ref(q[start : start + ext], k, v, allowed, sm_scale).to(
             q.dtype
         )

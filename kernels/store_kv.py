@@ -36,6 +36,7 @@ from .reference import KV_QMAX, KV_SCALE_BYTES, is_quantized_cache
 __all__ = [
     "QUANTIZED_DTYPES",
     "SUPPORTED_DTYPES",
+    "block_d",
     "check_head_dim",
     "check_kv_cache",
     "code_to_float",
@@ -96,10 +97,16 @@ def check_query(q: torch.Tensor, k_cache: torch.Tensor, rows: str) -> tuple[int,
 
 
 def check_head_dim(head_dim: int) -> None:
-    """Assert that ``head_dim`` is a power of two of at least 16 (what the kernels' tiles need)."""
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
-        f"head_dim must be a power of two >= 16 (e.g. 64 or 128), got {head_dim}"
-    )
+    """Assert that ``head_dim`` is at least 16 (what ``tl.dot``'s tiles need). A head dim that
+    is not a power of two (80, 96) runs in tiles of :func:`block_d` columns, the columns past it
+    masked: loaded as 0 (adding nothing to a dot product), never stored."""
+    assert head_dim >= 16, f"head_dim must be at least 16, got {head_dim}"
+
+
+def block_d(head_dim: int) -> int:
+    """The head-dim width of the kernels' tiles: ``head_dim`` rounded up to a power of two
+    (``tl.arange`` takes powers of two)."""
+    return triton.next_power_of_2(head_dim)
 
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -197,6 +204,7 @@ def load_kv_tile(
     mask_n,
     like,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     TRANSPOSED: tl.constexpr,
     KV_QUANT: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -204,17 +212,18 @@ def load_kv_tile(
     KV_ALIGN: tl.constexpr,
 ):
     """K or V of the tokens at ``slot [N]`` (masked by ``mask_n``) of one KV head, as a
-    ``[D, N]`` tile (``TRANSPOSED``) or ``[N, D]``; masked tokens read as 0. A quantized cache's
-    rows are dequantized, ``code * scale``, into ``like``'s dtype (the query's); the constexprs
-    are :func:`kv_read_config`'s (``KV_ALIGN``: bytes that divide every quantized row's
-    address)."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    ``[BLOCK_D, N]`` tile (``TRANSPOSED``) or ``[N, BLOCK_D]``; masked tokens, and the columns
+    past ``HEAD_DIM`` (:func:`block_d`), read as 0. A quantized cache's rows are dequantized,
+    ``code * scale``, into ``like``'s dtype (the query's); the constexprs are
+    :func:`kv_read_config`'s (``KV_ALIGN``: bytes that divide every quantized row's address)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
     if TRANSPOSED:
         ptrs = head_ptr + slot[None, :] * stride_s + offs_d[:, None]
-        mask = mask_n[None, :]
+        mask = mask_n[None, :] & mask_d[:, None]
     else:
         ptrs = head_ptr + slot[:, None] * stride_s + offs_d[None, :]
-        mask = mask_n[:, None]
+        mask = mask_n[:, None] & mask_d[None, :]
     if KV_QUANT:
         # rows of D + 2 bytes leave Triton's analysis one byte of alignment: it then loads
         # byte by byte and, on an H100, spilled to local memory (50-70x slower than aligned
@@ -251,13 +260,14 @@ def _store_kvcache_kernel(
     NUM_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One program per new token: copy its ``[Hkv, D]`` K and V rows to its slot."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_h < NUM_HEADS)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     kc_ptr = KCache + slot * stride_kc_s + offs_h[:, None] * stride_kc_h + offs_d[None, :]
@@ -273,11 +283,13 @@ def _quantize_store(
     mask_h,
     scale_mul,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     QMAX: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    """Quantize rows ``x [BLOCK_H, D]`` and store codes and scale at byte pointers
-    ``row_ptr [BLOCK_H]`` (see the module docstring for how each step matches torch)."""
+    """Quantize rows ``x [BLOCK_H, BLOCK_D]`` (columns past ``HEAD_DIM`` zero) and store codes
+    and scale at byte pointers ``row_ptr [BLOCK_H]`` (see the module docstring for how each step
+    matches torch)."""
     x = x.to(tl.float32)
     bits = (tl.max(tl.abs(x), axis=1) * scale_mul).to(tl.int32, bitcast=True)
     scale_bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to bfloat16, nearest even
@@ -297,8 +309,12 @@ def _quantize_store(
     else:
         rounded = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: half to even, as torch.round
         codes = tl.minimum(tl.maximum(rounded, -QMAX), QMAX).to(tl.int8)
-    offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(row_ptr[:, None] + offs_d[None, :], codes, mask=mask_h[:, None])
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(
+        row_ptr[:, None] + offs_d[None, :],
+        codes,
+        mask=mask_h[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
     scale_ptr = (row_ptr + HEAD_DIM).to(tl.pointer_type(tl.int16))
     tl.store(scale_ptr, scale_bits.to(tl.int16), mask=mask_h)
 
@@ -322,6 +338,7 @@ def _store_kvcache_quant_kernel(
     NUM_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     QMAX: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
@@ -329,22 +346,19 @@ def _store_kvcache_quant_kernel(
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < NUM_HEADS
+    mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(
-        K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
-        mask=mask_h[:, None],
-        other=0.0,
+        K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0
     )
     v = tl.load(
-        V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
-        mask=mask_h[:, None],
-        other=0.0,
+        V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0
     )
     k_rows = KCache + slot * stride_kc_s + offs_h * stride_kc_h
     v_rows = VCache + slot * stride_vc_s + offs_h * stride_vc_h
-    _quantize_store(k, k_rows, mask_h, scale_mul, HEAD_DIM, QMAX, KV_FP8)
-    _quantize_store(v, v_rows, mask_h, scale_mul, HEAD_DIM, QMAX, KV_FP8)
+    _quantize_store(k, k_rows, mask_h, scale_mul, HEAD_DIM, BLOCK_D, QMAX, KV_FP8)
+    _quantize_store(v, v_rows, mask_h, scale_mul, HEAD_DIM, BLOCK_D, QMAX, KV_FP8)
 
 
 def store_kvcache(
@@ -399,6 +413,7 @@ def store_kvcache(
             NUM_HEADS=hkv,
             BLOCK_H=triton.next_power_of_2(hkv),
             HEAD_DIM=d,
+            BLOCK_D=block_d(d),
             QMAX=qmax,
             KV_FP8=k_cache.dtype == torch.uint8,
             num_warps=4 if hkv * d >= 1024 else 1,
@@ -422,5 +437,6 @@ def store_kvcache(
         NUM_HEADS=hkv,
         BLOCK_H=triton.next_power_of_2(hkv),
         HEAD_DIM=d,
+        BLOCK_D=block_d(d),
         num_warps=4 if hkv * d >= 1024 else 1,
     )

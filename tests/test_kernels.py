@@ -359,9 +359,9 @@ def test_wrappers_reject_bad_inputs() -> None:
     kv = PagedKV([4], 16, 1, 64, torch.float32)
     q = torch.randn(1, 2, 64, device=DEVICE)
     seq_lens = _i32([4])
-    with pytest.raises(AssertionError, match="power of two"):
-        bad = torch.zeros(2, 16, 1, 48, device=DEVICE)
-        decode_attention(q[..., :48], bad, bad, kv.page_table, seq_lens, 1.0)
+    with pytest.raises(AssertionError, match="at least 16"):
+        bad = torch.zeros(2, 16, 1, 8, device=DEVICE)
+        decode_attention(q[..., :8], bad, bad, kv.page_table, seq_lens, 1.0)
     with pytest.raises(AssertionError, match="dtype"):
         decode_attention(q.half(), kv.k_cache, kv.v_cache, kv.page_table, seq_lens, 1.0)
     with pytest.raises(AssertionError, match="multiple of Hkv"):

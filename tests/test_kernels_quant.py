@@ -350,7 +350,7 @@ def test_wrappers_check_quantized_caches() -> None:
     q = torch.randn(1, 2, 64, device=DEVICE)
     page_table, seq_lens = _i32([[0]]), _i32([4])
     cache = torch.zeros(1, 16, 1, 66, dtype=torch.int8, device=DEVICE)
-    with pytest.raises(AssertionError, match="power of two"):  # a D + 2 = 64 row is D = 62
+    with pytest.raises(AssertionError, match="cache head_dim 62"):  # a D + 2 = 64 row: D = 62
         bad = torch.zeros(1, 16, 1, 64, dtype=torch.int8, device=DEVICE)
         decode_attention(q, bad, bad, page_table, seq_lens, 1.0)
     with pytest.raises(AssertionError, match="q dtype"):
