@@ -15,6 +15,13 @@ dequantized in registers) against bf16 pages, and the bf16 kernel with the cache
 each call (as in a decode step, where the linears evict the K/V between two layers' attention);
 ``--groups-only`` runs that section alone.
 
+The sliding-window decode (:func:`bench_cpu_window`, ``--window-only``): one layer of decodes over a
+4,096-token context with a window of 256 (Mistral's heads: Hq=32, Hkv=8, D=128) through the
+float32-math kernel, against the same kernel with full attention and against the torch gather of
+:mod:`radixkv.model.attention.window` that windowed layers ran through before the kernels took
+windows. ``--process-time`` times the CPU this process used (``time.process_time``) instead of
+the wall clock: steadier on a shared host, and with ``OMP_NUM_THREADS=1`` the kernel's own time.
+
 Run from the repository root: ``python bench/bench_kernels.py`` (``--iters N`` to change repeats).
 """
 
@@ -199,22 +206,28 @@ def bench_gpu(iters: int) -> None:
 # ----------------------------------------------------------------------------- CPU
 
 
+#: the CPU timings' clock: wall time, or the process's CPU time (``--process-time``)
+CLOCK: dict[str, Callable[[], float]] = {"now": time.perf_counter}
+
+
 def cpu_time_ms(
     fn: Callable[[], object],
     iters: int,
     warmup: int = 1,
     before: Callable[[], object] | None = None,
 ) -> float:
-    """Median wall time of ``fn`` in milliseconds (``before``, untimed, ahead of each call)."""
+    """Median time of ``fn`` in milliseconds on ``CLOCK`` (``before``, untimed, ahead of each
+    call)."""
+    now = CLOCK["now"]
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         if before is not None:
             before()
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((now() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -308,14 +321,69 @@ def _i32(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-def bench_cpu(iters: int, groups_only: bool = False) -> None:
-    if groups_only:
-        bench_cpu_groups(iters)
+def bench_cpu(iters: int, groups_only: bool = False, window_only: bool = False) -> None:
+    if groups_only or window_only:
+        (bench_cpu_groups if groups_only else bench_cpu_window)(iters)
         return
     for backend in load_cpu_backends():
         bench_cpu_backend(iters, *backend)
     print("ratio = paged backend time / naive contiguous time (lower is better; 1.0 = parity)")
     bench_cpu_groups(iters)
+    bench_cpu_window(iters)
+
+
+def bench_cpu_window(iters: int, window: int = 256, context: int = 4096) -> None:
+    """Decode attention of one layer, ``batch`` requests at ``context`` tokens, Mistral's heads,
+    bf16 and float32 pages: the float32-math kernel under a ``window`` (reads the last
+    ``window`` keys), the same kernel over the whole context, and window.py's torch gather."""
+    from radixkv.model import native
+    from radixkv.model.attention.base import ForwardBatch
+    from radixkv.model.attention.window import plan_window, windowed_attention
+
+    module = native.load()
+    if module is None:
+        return
+    hq, hkv, d, page = 32, 8, 128, 16
+    print()
+    print(
+        f"sliding-window decode, one layer: context {context}, window {window}, Hq={hq}, "
+        f"Hkv={hkv}, D={d}, page {page}, float32-math kernel ({module.kernel_isa()}), "
+        f"{torch.get_num_threads()} threads; hot caches; "
+        f"{'process CPU' if CLOCK['now'] is time.process_time else 'wall'} time"
+    )
+    for dtype in (torch.bfloat16, torch.float32):
+        for batch in (1, 16):
+            prob = make_problem([context] * batch, page, hkv, d, dtype, torch.device("cpu"))
+            q = torch.randn(batch, hq, d)
+            lens = ([context - 1] * batch, [1] * batch, list(range(batch)), d**-0.5, [], [], [])
+            table = prob.page_table
+
+            def kernel(w: int, table=table, prob=prob, q=q, lens=lens) -> torch.Tensor:
+                return module.paged_attention_f32(q, prob.k_cache, prob.v_cache, table, *lens, w)
+
+            full = cpu_time_ms(lambda kernel=kernel: kernel(0), iters)
+            windowed = cpu_time_ms(lambda kernel=kernel: kernel(window), iters)
+            # window.py: the step's plan once, then per layer the gather and SDPA (it stores the
+            # new rows first: here the last token's, already in place)
+            pos = torch.full((batch,), context - 1)
+            flat = table.long()[torch.arange(batch), pos // page] * page + pos % page
+            fb = ForwardBatch(pos, pos, [1] * batch, [context - 1] * batch, table, flat, page)
+            plan = plan_window(fb, window)
+            assert plan is not None
+            kv = [c.view(-1, hkv, d)[flat] for c in (prob.k_cache, prob.v_cache)]
+            qd = q.to(dtype)
+
+            def gather(plan=plan, kv=kv, prob=prob, qd=qd) -> torch.Tensor:
+                return windowed_attention(qd, *kv, prob.k_cache, prob.v_cache, plan, d**-0.5)
+
+            torch_ms = cpu_time_ms(gather, iters)
+            err = (kernel(window) - gather().float()).abs().max().item()
+            print(
+                f"{str(dtype).removeprefix('torch.'):>9} pages, batch {batch:>2}: full "
+                f"{full:.3f} ms, window {windowed:.3f} ms ({full / windowed:.1f}x faster); "
+                f"torch gather {torch_ms:.3f} ms ({torch_ms / windowed:.1f}x the kernel's; "
+                f"max |diff| {err:.1e})"
+            )
 
 
 def bench_cpu_groups(iters: int) -> None:
@@ -478,12 +546,24 @@ def main() -> None:
         action="store_true",
         help="CPU: only the shared-prefix decode burst (bf16 vs quantized pages)",
     )
+    parser.add_argument(
+        "--window-only",
+        action="store_true",
+        help="CPU: only the sliding-window decode (window 256 over 4,096 tokens vs full)",
+    )
+    parser.add_argument(
+        "--process-time",
+        action="store_true",
+        help="CPU: time the process's CPU time, not the wall clock (a shared host)",
+    )
     args = parser.parse_args()
+    if args.process_time:
+        CLOCK["now"] = time.process_time
     torch.manual_seed(0)
     if torch.cuda.is_available() and not args.cpu:
         bench_gpu(args.iters or 20)
     else:
-        bench_cpu(args.iters or 5, args.groups_only)
+        bench_cpu(args.iters or 5, args.groups_only, args.window_only)
 
 
 if __name__ == "__main__":
