@@ -5,7 +5,8 @@ The layer is Llama's (RMSNorm, RoPE, grouped-query attention, a gated MLP) with 
 :class:`~radixkv.model.model_config.ModelConfig` switches on: q/k RMSNorm per head or over the
 projection (Qwen3, Gemma 3, OLMo 2), norms before and/or after each sub-layer (Gemma 3's
 sandwich, OLMo 2's post-norms), GeGLU, biases, a residual multiplier, a softmax scale, per-layer
-sliding windows (:mod:`radixkv.model.attention.window`) and RoPE (global, local, none), partial
+sliding windows (in the native and Triton kernels; :mod:`radixkv.model.attention.window` for the
+torch backends) and RoPE (global, local, none), partial
 rotary (:mod:`radixkv.model.rope`), scaled embeddings, logit division and soft-capping. Q/K/V are
 fused into one ``Linear`` and gate/up into another, so a layer runs four matmuls.
 
@@ -144,6 +145,8 @@ class DecoderLayer(nn.Module):
         plan = windows.get(self.window) if self.window is not None else None
         if plan is not None:
             o = windowed_attention(q, k, v, k_cache, v_cache, plan, self.sm_scale)
+        elif self.window is not None and backend.windows_in_kernel:
+            o = backend.forward(q, k, v, k_cache, v_cache, meta, self.sm_scale, self.window)
         else:
             o = backend.forward(q, k, v, k_cache, v_cache, meta, self.sm_scale)
         a = self.o_proj(o.reshape(t, self.q_size))
@@ -195,8 +198,9 @@ class DecoderLayer(nn.Module):
             q, k, v = split_qkv(qkv, heads)
             o = windowed_attention(q, k, v, k_cache, v_cache, plan, self.sm_scale)
         else:
+            window = self.window if backend.windows_in_kernel else None
             o = backend.forward_qkv(
-                ops, qkv, tables[0], tables[1], heads, k_cache, v_cache, meta, self.sm_scale
+                ops, qkv, tables[0], tables[1], heads, k_cache, v_cache, meta, self.sm_scale, window
             )
         a = self.o_proj(o.reshape(t, self.q_size))
         if self.residual_multiplier != 1.0:
@@ -308,9 +312,14 @@ class LlamaModel(nn.Module):
             tables["none"] = (ones, torch.zeros_like(ones))
         return tables
 
-    def _window_plans(self, batch: ForwardBatch) -> dict[int, WindowPlan]:
-        """The step's plan of each layer window that a request's span exceeds."""
-        plans = {}
+    def _window_plans(
+        self, batch: ForwardBatch, backend: AttentionBackend
+    ) -> dict[int, WindowPlan]:
+        """The step's plan of each layer window that a request's span exceeds, for a backend
+        whose kernels do not take windows (none for one that does: it is given the window)."""
+        plans: dict[int, WindowPlan] = {}
+        if backend.windows_in_kernel:
+            return plans
         for w in {layer.window for layer in self.layers if layer.window is not None}:
             plan = plan_window(batch, w)
             if plan is not None:
@@ -348,7 +357,7 @@ class LlamaModel(nn.Module):
         float32 copy is exact, so a consumer may make it when it needs one)."""
         dtype = self.embed_tokens.weight.dtype
         meta = backend.prepare(batch, dtype)
-        windows = self._window_plans(batch)
+        windows = self._window_plans(batch, backend)
         ops = self._fused_ops(backend)
         if ops is not None:
             logits = self._forward_fused(

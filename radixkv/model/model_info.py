@@ -43,7 +43,7 @@ def _windows(config: ModelConfig) -> str:
     sizes = sorted({w for w in windows if w is not None})
     return (
         f"{', '.join(map(str, sizes))} tokens on {len(sliding)} of {config.num_layers} "
-        "layers (pages kept; a windowed layer attends in torch once a request is longer)"
+        "layers (pages kept; the native and Triton kernels read each query's window only)"
     )
 
 

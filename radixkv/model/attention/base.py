@@ -179,9 +179,18 @@ def read_rows(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> t
 
 
 class AttentionBackend:
-    """Interface: ``prepare`` once per forward, then ``forward`` per layer."""
+    """Interface: ``prepare`` once per forward, then ``forward`` per layer.
+
+    Sliding-window layers: a backend whose kernels take the window (:attr:`windows_in_kernel`,
+    the native and Triton ones) is passed it, ``window`` (None or 0: full attention), and
+    attends each query over its last ``window`` keys, reading only those. The others are never
+    passed one: the model attends their windowed layers through
+    :mod:`radixkv.model.attention.window` (a torch gather) once a request outgrows the window.
+    """
 
     name = "base"
+    #: whether ``forward`` takes a sliding ``window`` (else the model's torch gather runs them)
+    windows_in_kernel = False
 
     def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> Any:
         """Build the per-forward metadata."""
@@ -196,8 +205,10 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: Any,
         sm_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Store ``k, v [T, Hkv, D]`` in the caches and attend: ``q [T, Hq, D] -> [T, Hq, D]``."""
+        """Store ``k, v [T, Hkv, D]`` in the caches and attend: ``q [T, Hq, D] -> [T, Hq, D]``
+        (over the last ``window`` keys of each query, where the backend takes windows)."""
         raise NotImplementedError
 
     def forward_qkv(
@@ -211,6 +222,7 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: Any,
         sm_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` from the fused QKV projection's bf16 rows ``qkv [T, (Hq + 2 Hkv) D]``
         (``heads = (Hq, Hkv, D)``), RoPE not yet applied: the native fused ops' ``rope_`` on the
@@ -218,4 +230,7 @@ class AttentionBackend:
         ``forward``. Backends that change the basis of q, k, v fold it into this pass."""
         hq, hkv, d = heads
         ops.rope_(qkv, cos, sin, hq + hkv, d)
-        return self.forward(*split_qkv(qkv, heads), k_cache, v_cache, meta, sm_scale)
+        q, k, v = split_qkv(qkv, heads)
+        if window:
+            return self.forward(q, k, v, k_cache, v_cache, meta, sm_scale, window)
+        return self.forward(q, k, v, k_cache, v_cache, meta, sm_scale)

@@ -171,6 +171,7 @@ class NativeAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
+    windows_in_kernel = True
 
     def __init__(self, isa: str | None = None) -> None:
         self.module = native.load(isa)
@@ -208,6 +209,7 @@ class NativeAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: Any,
         sm_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots, self.module)
         return native_paged_attention(
@@ -221,6 +223,7 @@ class NativeAttentionBackend(AttentionBackend):
             sm_scale,
             self.module,
             meta.groups,
+            window,
         )
 
 
@@ -282,6 +285,7 @@ class NativeCascadeBackend(NativeAttentionBackend):
         v_cache: torch.Tensor,
         meta: Any,
         sm_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         torch_store_kvcache(k, v, k_cache, v_cache, meta.out_slots, self.module)
         out = native_paged_attention_f32(
@@ -295,5 +299,6 @@ class NativeCascadeBackend(NativeAttentionBackend):
             sm_scale,
             meta.groups,
             self.module,
+            window,
         )
         return out if out.dtype == q.dtype else out.to(q.dtype)

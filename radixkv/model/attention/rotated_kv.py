@@ -33,6 +33,7 @@ class RotatedKVBackend(AttentionBackend):
         self.inner = inner
         self.name = inner.name
         self.module = getattr(inner, "module", None)  # the fused ops follow the inner build
+        self.windows_in_kernel = inner.windows_in_kernel
         self.rotation = hadamard(head_dim)
         self.block = float(self.rotation[0].abs().sum())
         self._by_dtype: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -56,7 +57,10 @@ class RotatedKVBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: Any,
         sm_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        scale = sm_scale / self.block
+        extra = (window,) if window else ()  # only a backend that takes windows is given one
         module = native_module_for(q)
         if module is not None:  # butterflies in one pass each (csrc/cpu_kv_store.cpp)
             qkv = _fused_rows(q, k, v)
@@ -66,10 +70,10 @@ class RotatedKVBackend(AttentionBackend):
                 q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
             else:
                 q, k, v = (module.hadamard_rows(x.contiguous(), 1.0) for x in (q, k, v))
-            out = self.inner.forward(q, k, v, k_cache, v_cache, meta, sm_scale / self.block)
+            out = self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, *extra)
             return self._rotate_back(module, out)
         h = self._h(q)
-        out = self.inner.forward(q @ h, k @ h, v @ h, k_cache, v_cache, meta, sm_scale / self.block)
+        out = self.inner.forward(q @ h, k @ h, v @ h, k_cache, v_cache, meta, scale, *extra)
         return (out @ self._h(out).T).mul_(1.0 / self.block)
 
     def forward_qkv(
@@ -83,16 +87,20 @@ class RotatedKVBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: Any,
         sm_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """RoPE and the rotation of q, k and v in one in-place pass over the fused QKV rows
         (``ops.rope_hadamard_``: the bits of ``rope_`` then the rotation, without the copies
         and the second pass), the inner backend, then the output rotated back in place."""
         if qkv.dtype != torch.bfloat16:  # float32 rows: RoPE, then forward's rotation pass
-            return super().forward_qkv(ops, qkv, cos, sin, heads, k_cache, v_cache, meta, sm_scale)
+            return super().forward_qkv(
+                ops, qkv, cos, sin, heads, k_cache, v_cache, meta, sm_scale, window
+            )
         hq, hkv, d = heads
         ops.rope_hadamard_(qkv, cos, sin, hq + hkv, hq + 2 * hkv, d)
         q, k, v = split_qkv(qkv, heads)
-        out = self.inner.forward(q, k, v, k_cache, v_cache, meta, sm_scale / self.block)
+        extra = (window,) if window else ()
+        out = self.inner.forward(q, k, v, k_cache, v_cache, meta, sm_scale / self.block, *extra)
         return self._rotate_back(ops, out)
 
     def _rotate_back(self, module: Any, out: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 
 Over a quantized pool (int8 / fp8 pages, :mod:`radixkv.model.kv_quant`) the kernels quantize the
 new rows as they store them and dequantize the rows they read, attending in the queries' dtype.
+Sliding-window layers pass their window to both kernels, which read only the keys inside it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Calls ``radixkv.kernels`` (store_kvcache, decode_attention, extend_attention)."""
 
     name = "triton"
+    windows_in_kernel = True
 
     def __init__(self) -> None:
         from radixkv import kernels
@@ -70,6 +72,7 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: TritonAttnMeta,
         sm_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         kern = self.kernels
         if not is_quantized(k_cache):  # a quantized cache takes the rows as they are
@@ -78,7 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
         qc = q.contiguous()
         if meta.all_decode:
             return kern.decode_attention(
-                qc, k_cache, v_cache, meta.page_table, meta.seq_lens, sm_scale
+                qc, k_cache, v_cache, meta.page_table, meta.seq_lens, sm_scale, window=window
             )
         return kern.extend_attention(
             qc,
@@ -89,4 +92,5 @@ class TritonAttentionBackend(AttentionBackend):
             meta.extend_lens,
             meta.extend_starts,
             sm_scale,
+            window=window,
         )

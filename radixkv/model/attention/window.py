@@ -1,17 +1,21 @@
-"""Sliding-window attention over the paged KV pool (Mistral, Gemma 3's local layers, Phi-3).
+"""Sliding-window attention over the paged KV pool for the torch backends (Mistral, Gemma 3's local
+layers, Phi-3).
 
 A query at position ``p`` sees the keys at positions ``p - w + 1 .. p`` (transformers'
-``sliding_window`` mask: ``kv > q - w``). While no request of a step is longer than ``w``, that is
-plain causal attention, and the layer runs on the model's attention backend (the native kernels,
-the cascade, Triton) unchanged; :func:`plan_window` returns None then. Once a request's span
-exceeds the window, every windowed layer of that step runs here instead: each request's
-window of keys is gathered from its pages (dequantized where the pool is quantized) and attended
-with ``scaled_dot_product_attention`` under the window's mask, in the queries' dtype, as
-transformers' SDPA path computes it.
+``sliding_window`` mask: ``kv > q - w``). The native and Triton backends take the window in their
+kernels (``AttentionBackend.windows_in_kernel``) and never come here. For the others (the torch
+cascade, the plain backend, the virtual layout's): while no request of a step is longer than
+``w``, that is plain causal attention, and the layer runs on the backend unchanged;
+:func:`plan_window` returns None then. Once a request's span exceeds the window, every windowed
+layer of that step runs here instead: each request's window of keys is gathered from its pages
+(dequantized where the pool is quantized) and attended with ``scaled_dot_product_attention`` under
+the window's mask, in the queries' dtype, as transformers' SDPA path computes it.
 
 Pages wholly outside every layer's window stay in the pool and the radix tree: full-attention
-layers (Gemma 3's global layers) still read them, a later request that shares the prefix reuses
-them as any other, and the tree's eviction frees them under pressure like any cached page.
+layers (Gemma 3's global layers) still read them (one page id holds every layer's K/V), a later
+request that shares the prefix reuses them as any other, and the tree's eviction frees them under
+pressure like any cached page (docs/design.md, "Sliding-window layers", weighs this against
+SGLang's SWA pool with tombstones).
 """
 
 from __future__ import annotations
