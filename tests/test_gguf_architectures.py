@@ -183,3 +183,26 @@ def test_info_reads_a_gguf_without_dequantising_it(tmp_path, capsys, weight_cach
     assert info["architecture"] == "llama" and info["head dim"] == 32
     assert info["rope"] == "theta 50000, llama3 scaling"
     assert not weight_cache.exists()
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["cold-cache", "warm-cache"])
+def test_a_gguf_loaded_as_a_transformers_model_serves_cold_or_warm(tmp_path, weight_cache, cold):
+    """``load_model(FILE.gguf)`` (the transformers-model path) then ``Engine``: the model the
+    first load dequantises serves as its cached copy does (its config said GGUF-quantized and
+    the engine refused it on a cold cache)."""
+    from radixkv import Engine
+    from radixkv.model import loader
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(_model("llama3"), path)
+    if not cold:
+        loader.load_model(str(path))  # makes the cache
+    loaded = loader.load_model(str(path), dtype=torch.float32)
+    assert getattr(loaded.config, "quantization_config", None) is None
+    engine = Engine(model=loaded, dtype="float32", page_size=16, kv_cache_tokens=256)
+    try:
+        (out,) = engine.generate([[5, 6, 7, 8]], None)
+        assert out.finish_reason is not None
+        engine.check_integrity()
+    finally:
+        engine.close()

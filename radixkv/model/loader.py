@@ -194,6 +194,10 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     tokenizer = _quiet_from_pretrained(
         AutoTokenizer.from_pretrained, str(path.parent), gguf_file=path.name
     )
+    if getattr(model.config, "quantization_config", None) is not None:
+        # the weights are dequantised: the model is a plain one now (as the weight cache's copy
+        # is), and radixkv refuses a config that still says it is quantized
+        del model.config.quantization_config
     return model, tokenizer
 
 
