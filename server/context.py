@@ -114,7 +114,7 @@ class ServerContext:
             raise APIError(503, str(exc), type="server_error", code="pinned_capacity") from exc
         except ValueError as exc:
             self.metrics.rejected.labels(reason="invalid").inc()
-            raise APIError(400, str(exc), param=named_field(str(exc))) from exc
+            raise APIError(400, str(exc), param=named_field(exc)) from exc
         except OwnerLimitError as exc:
             self.metrics.rejected.labels(reason="key_limit").inc()
             raise APIError(429, str(exc), type="rate_limit_error", code="key_limit") from exc

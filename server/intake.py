@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from radixkv.engine.chat_template import encode_rendered, render_chat_text
+from radixkv.engine.errors import ParamError
 from radixkv.engine.template_sandbox import TemplateBusyError, TemplateLimitError
 
 from .protocol import APIError
@@ -174,15 +174,15 @@ def make_sampling_params(kwargs: dict[str, Any]) -> Any:
         if callable(validate):
             validate()
     except (ValueError, TypeError) as exc:
-        raise APIError(400, str(exc), param=named_field(str(exc))) from exc
+        raise APIError(400, str(exc), param=named_field(exc)) from exc
     return params
 
 
-def named_field(message: str) -> str | None:
-    """The field an engine validation message names (``"invalid NAME=…"`` or ``"invalid
-    NAME: …"``), or None."""
-    match = re.match(r"invalid (\w+)[=:]", message)
-    return match.group(1) if match else None
+def named_field(exc: BaseException) -> str | None:
+    """The request field an engine validation error names: a
+    :class:`~radixkv.engine.errors.ParamError`'s ``field``; None for any other error (an empty
+    prompt, a prompt over the context, an unknown keyword: the message says what is wrong)."""
+    return exc.field if isinstance(exc, ParamError) else None
 
 
 def new_id(prefix: str) -> str:

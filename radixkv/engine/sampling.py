@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixkv.engine.errors import ParamError
 from radixkv.engine.logits_fields import check_logits_fields
 from radixkv.engine.structured import StructuredOutputs
 
@@ -64,10 +65,11 @@ class SamplingParams:
     min_tokens: int = 0
 
     def validate(self) -> SamplingParams:
-        """Raise ``ValueError`` naming the first bad field; returns ``self`` when valid."""
+        """Raise :class:`~radixkv.engine.errors.ParamError` (a ``ValueError``) naming the first
+        bad field; returns ``self`` when valid."""
 
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"invalid {name}={getattr(self, name)!r}: {why}")
+        def bad(name: str, why: str) -> ParamError:
+            return ParamError(name, f"invalid {name}={getattr(self, name)!r}: {why}")
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
