@@ -20,7 +20,8 @@ from radixkv.engine.beam_search import BeamSearchParams
 from radixkv.engine.chat_template import render_chat
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.grammar import StructuredRuntime
-from radixkv.engine.lifecycle import SequenceLifecycle
+from radixkv.engine.integrity_report import check_engine_integrity, integrity_report
+from radixkv.engine.lifecycle import SequenceLifecycle, finish_reason
 from radixkv.engine.lifetime import track, untrack
 from radixkv.engine.logits_fields import check_token_ids
 from radixkv.engine.logprobs import TokenTexts, collect_prompt_logprobs
@@ -63,6 +64,7 @@ class Engine:
         self.max_model_len, self.kv_capacity_tokens = p.max_model_len, p.kv_capacity_tokens
         self.eos_token_ids, self.vocab_size = p.eos_token_ids, p.vocab_size
         cfg = self.config
+        self.max_running_requests = cfg.max_running_requests
         self.lifecycle = SequenceLifecycle(self.scheduler, self.kv, self.tokenizer)
         self.token_texts = TokenTexts(self.tokenizer)
         self.grammars = StructuredRuntime(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -212,6 +214,20 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def next_request_id(self, prefix: str) -> str:
+        """A request id of the engine's own making, ``PREFIX-N`` (N counts up)."""
+        return f"{prefix}-{next(self._ids)}"
+
+    def defer_outputs(self, outputs: list[StepOutput]) -> None:
+        """Hand ``outputs`` back: the next :meth:`step` returns them first."""
+        self._pending[:0] = outputs
+
+    def drop_outputs(self, request_id: str) -> list[StepOutput]:
+        """Take ``request_id``'s outputs out of those the next :meth:`step` returns."""
+        mine = [o for o in self._pending if o.request_id == request_id]
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        return mine
+
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one batch: schedule, forward, sample, publish. Returns what each sequence made."""
@@ -353,7 +369,7 @@ class Engine:
                 if entry is not None:
                     seq.output_logprobs.append(entry)
                 self.counters["generated_tokens"] += 1
-                reason = self._finish_reason(seq, token)
+                reason = finish_reason(seq, token, self.eos_token_ids, self.max_model_len)
                 delta, stopped = seq.detok.update(seq.output_ids, final=reason is not None)
                 if stopped:
                     reason, seq.stop_reason = "stop", seq.detok.stop_reason
@@ -368,21 +384,7 @@ class Engine:
         for request_id, why in failed.items():
             outputs[:] = [o for o in outputs if o.request_id != request_id]
             self.fail_request(request_id, why)
-            outputs.extend(o for o in self._pending if o.request_id == request_id)
-            self._pending = [o for o in self._pending if o.request_id != request_id]
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if seq.grammar is not None and seq.grammar.accept(token, seq.output_ids):
-            return "stop"  # the grammar is complete and its stop token was sampled
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if p.stop_token_ids and token in p.stop_token_ids:
-            seq.stop_reason = token
-            return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+            outputs.extend(self.drop_outputs(request_id))
 
     # -- offline API -------------------------------------------------------------------------
     def generate(
@@ -407,7 +409,7 @@ class Engine:
             if len(params_list) != len(prompts):
                 raise ValueError("give one SamplingParams, or one per prompt")
         self.grammars.wait_all(params_list)  # a constraint that does not compile: ValueError
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        ids = [self.next_request_id("gen") for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p, salt=salt)
         seqs = {rid: self.lifecycle.live(rid) for rid in ids}
@@ -465,14 +467,16 @@ class Engine:
         *,
         budget: int | None = None,
         namespace_budget: int | None = None,
+        compute: bool = True,
     ) -> int:
         """Pin the cached part of ``prompt`` so it is never evicted (until ``ttl`` seconds pass).
 
-        The prompt is computed first when it is not cached yet. Returns the tokens pinned. A
-        pin past ``budget`` / ``namespace_budget`` tokens raises
-        :class:`~radixkv.cache.pins.PinBudgetError` (see :meth:`RadixTree.pin`).
+        The prompt is computed first when it is not cached yet (unless ``compute`` is False:
+        then only what is cached is pinned). Returns the tokens pinned. A pin past ``budget`` /
+        ``namespace_budget`` tokens raises :class:`~radixkv.cache.pins.PinBudgetError` (see
+        :meth:`RadixTree.pin`).
         """
-        return pin_prompt(self, prompt, salt, ttl, budget, namespace_budget)
+        return pin_prompt(self, prompt, salt, ttl, budget, namespace_budget, compute)
 
     def unpin_prefix(self, prompt: Prompt, salt: str | None = None) -> int:
         """Remove every pin on the cached path of ``prompt``; returns the pins removed."""
@@ -486,13 +490,9 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the tree, allocator or page tables is broken."""
-        live = [s for s in self.scheduler.running]
-        for s in self.scheduler.waiting:
-            assert not s.pages and s.lock_node is None, "a waiting sequence holds pages"
-        self.kv.check_integrity(live)
-        queued = {id(s) for s in (*self.scheduler.running, *self.scheduler.waiting)}
-        self.lifecycle.check_integrity(lambda s: id(s) in queued, self.beams.searches)
-        if self.virtual_layout is not None:
-            self.virtual_layout.check_integrity(live)
-        if self.tiers is not None:
-            self.tiers.check_integrity()
+        check_engine_integrity(self)
+
+    def integrity_report(self) -> dict[str, Any]:
+        """:meth:`check_integrity` and the pages nobody owns, as a report (never raises; see
+        :func:`~radixkv.engine.integrity_report.integrity_report`)."""
+        return integrity_report(self)

@@ -12,7 +12,22 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["integrity_report"]
+__all__ = ["check_engine_integrity", "integrity_report"]
+
+
+def check_engine_integrity(engine: Any) -> None:
+    """The body of :meth:`radixkv.Engine.check_integrity`: raise AssertionError if any invariant
+    of the tree, allocator, page tables, lifecycle, virtual layout or tiers is broken."""
+    live = list(engine.scheduler.running)
+    for s in engine.scheduler.waiting:
+        assert not s.pages and s.lock_node is None, "a waiting sequence holds pages"
+    engine.kv.check_integrity(live)
+    queued = {id(s) for s in (*engine.scheduler.running, *engine.scheduler.waiting)}
+    engine.lifecycle.check_integrity(lambda s: id(s) in queued, engine.beams.searches)
+    if engine.virtual_layout is not None:
+        engine.virtual_layout.check_integrity(live)
+    if engine.tiers is not None:
+        engine.tiers.check_integrity()
 
 
 def integrity_report(engine: Any) -> dict[str, Any]:

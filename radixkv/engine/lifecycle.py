@@ -17,14 +17,14 @@ Invariants (``check_integrity`` asserts them):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Set
 
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.request import SeqStatus, Sequence
 from radixkv.engine.scheduler import Scheduler
 
-__all__ = ["SequenceLifecycle"]
+__all__ = ["SequenceLifecycle", "finish_reason"]
 
 
 class SequenceLifecycle:
@@ -127,3 +127,22 @@ class SequenceLifecycle:
             )
             for s in seqs:
                 assert not (s.is_finished and in_queues(s)), f"{rid}/{s.index} ended but queued"
+
+
+def finish_reason(
+    seq: Sequence, token: int, eos_token_ids: Set[int], max_model_len: int
+) -> str | None:
+    """Why ``seq`` ends with the ``token`` it just sampled (``"stop"``, ``"length"``), or None
+    (it goes on). A stop token id is noted as ``seq.stop_reason``; a grammar that the token
+    completes ends it. Stop strings are the detokenizer's (:mod:`radixkv.engine.detokenizer`)."""
+    p = seq.params
+    if seq.grammar is not None and seq.grammar.accept(token, seq.output_ids):
+        return "stop"  # the grammar is complete and its stop token was sampled
+    if not p.ignore_eos and token in eos_token_ids:
+        return "stop"
+    if p.stop_token_ids and token in p.stop_token_ids:
+        seq.stop_reason = token
+        return "stop"
+    if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= max_model_len:
+        return "length"
+    return None

@@ -38,21 +38,21 @@ def check_fits_beside_pins(engine: Any, ids: list[int], total: int, salt: str | 
 
 def compute_prompt(engine: Any, ids: list[int], salt: str | None, request_id: str) -> None:
     """Step ``engine`` until the request ``request_id`` over ``ids`` has run its prefill (its
-    pages then sit in the tree). Outputs of other requests stay queued in ``engine._pending``
-    for the next ``step()``; after 8 steps without progress the request is aborted (bounded)."""
+    pages then sit in the tree). Outputs of other requests are handed back to the engine
+    (``defer_outputs``) for the next ``step()``; after 8 steps without progress the request is
+    aborted (bounded)."""
     engine.add_request(
         request_id, ids + [ids[-1]], SamplingParams(max_tokens=1, temperature=0.0), salt
     )
     idle = 0
     while request_id in engine.lifecycle:
         before = engine.counters["steps"]
-        # step() hands back (and replaces) engine._pending: keep the others' outputs for later
-        others = [o for o in engine.step() if o.request_id != request_id]
-        engine._pending = others + engine._pending
+        # step() returns the outputs queued so far with this step's: keep the others' for later
+        engine.defer_outputs([o for o in engine.step() if o.request_id != request_id])
         idle = idle + 1 if engine.counters["steps"] == before else 0
-        if idle > 8 or not engine.scheduler.has_work():  # no progress: give up, bounded
+        if idle > 8 or not engine.has_unfinished():  # no progress: give up, bounded
             engine.abort(request_id)
-            engine._pending = [o for o in engine._pending if o.request_id != request_id]
+            engine.drop_outputs(request_id)
             return
 
 
@@ -63,6 +63,7 @@ def pin_prompt(
     ttl: float | None,
     budget: int | None,
     namespace_budget: int | None,
+    compute: bool = True,
 ) -> int:
     """The body of :meth:`radixkv.Engine.pin_prefix` (see there); returns the tokens pinned."""
     ids = engine.tokenize(prompt)
@@ -71,8 +72,8 @@ def pin_prompt(
     if not engine.config.enable_prefix_cache:
         raise ValueError("the prefix cache is disabled")
     page = engine.page_size
-    if engine.tree.match_prefix(ids, salt=salt).num_tokens < len(ids) // page * page:
-        compute_prompt(engine, ids, salt, f"pin-{next(engine._ids)}")
+    if compute and engine.tree.match_prefix(ids, salt=salt).num_tokens < len(ids) // page * page:
+        compute_prompt(engine, ids, salt, engine.next_request_id("pin"))
     return engine.tree.pin(
         ids, salt=salt, ttl=ttl, budget=budget, namespace_budget=namespace_budget
     )
