@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,11 +55,14 @@ from .streaming import ClientDisconnected
 from .tenancy import REQUEST_CALLER, REQUEST_TENANT_SALT, KeyRing
 from .tool_calls import TOOL_CALL_PARSERS
 
+if TYPE_CHECKING:
+    from radixkv.engine.api import EngineAPI
+
 DEFAULT_MAX_WAITING = 1024
 
 
 def create_app(
-    engine: Any,
+    engine: EngineAPI,
     *,
     api_key: str | Sequence[str] | None = None,
     admin_key: str | None = None,
@@ -131,11 +134,11 @@ def create_app(
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     keyring = KeyRing(api_keys, admin_key, tenants=salt_from_api_key)
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
-    own_name = str(getattr(engine, "model_name", None) or "default")
+    own_name = str(engine.model_name or "default")
     served_names = list(dict.fromkeys(names or [own_name]))
     served_name = served_names[0]
     accepted_names = {*served_names, own_name}
-    metrics = ServerMetrics(served_name, getattr(engine, "max_model_len", 8192))
+    metrics = ServerMetrics(served_name, engine.max_model_len)
     engine_loop = EngineLoop(
         engine,
         metrics=metrics,
@@ -179,9 +182,8 @@ def create_app(
             await asyncio.to_thread(engine_loop.stop)
             # graceful shutdown (uvicorn's lifespan end: SIGTERM, SIGINT): make the disk tier
             # durable, in bounded time; never while a step may still be running
-            close = getattr(engine, "close", None)
-            if callable(close) and not engine_loop.alive:
-                await asyncio.to_thread(close)
+            if not engine_loop.alive:
+                await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="radixkv", version=__version__, lifespan=lifespan)
     app.state.engine = engine

@@ -193,11 +193,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"radixkv serve: cannot build the engine: {exc}", file=sys.stderr)
         return 2
-    runner = getattr(engine, "runner", None)
-    if runner is not None:
-        from radixkv.model.platform_info import format_platform_info, platform_info
+    from radixkv.model.platform_info import format_platform_info, platform_info
 
-        logger.info("platform: %s", format_platform_info(platform_info(runner=runner)))
+    logger.info("platform: %s", format_platform_info(platform_info(runner=engine.runner)))
     try:
         app = create_app(
             engine,
@@ -228,7 +226,7 @@ def run_serve(args: argparse.Namespace) -> int:
         app.state.model_name,
         args.host,
         args.port,
-        getattr(engine, "max_model_len", "?"),
+        engine.max_model_len,
     )
     if getattr(args, "fastapi_docs", True) is False:  # vLLM's --disable-fastapi-docs
         docs = {"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}

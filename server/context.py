@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -24,6 +24,10 @@ from .protocol import APIError, error_body
 from .streaming import SSE_DONE, ClientDisconnected, Collected, Seq, sse, unless_disconnected
 from .tenancy import REQUEST_CALLER, effective_salt
 
+if TYPE_CHECKING:
+    from radixkv.engine.api import EngineAPI
+    from radixkv.engine.sampling import SamplingParams
+
 
 @dataclass
 class ServerContext:
@@ -35,7 +39,7 @@ class ServerContext:
     key's waiting limit and usage).
     """
 
-    engine: Any
+    engine: EngineAPI
     engine_loop: EngineLoop
     metrics: ServerMetrics
     served_name: str
@@ -99,7 +103,7 @@ class ServerContext:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: Any,
+        params: SamplingParams,
         salt: str | None,
         arrival: float,
     ) -> RequestStream:
@@ -172,7 +176,7 @@ class ServerContext:
                     self.engine_loop.abort(stream.request_id)
 
     def token_str(self, token_id: int) -> str:
-        tokenizer = getattr(self.engine, "tokenizer", None)
+        tokenizer = self.engine.tokenizer
         if tokenizer is None:
             return f"<{token_id}>"
         return str(tokenizer.decode([token_id]))

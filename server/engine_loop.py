@@ -29,7 +29,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from radixkv.engine.structured import CompileQueueFullError
 from radixkv.model.omp_threads import release_omp_workers
@@ -44,6 +44,11 @@ from .request_stream import (
     RequestStream,
     StreamFailure,
 )
+
+if TYPE_CHECKING:
+    from radixkv.engine.api import EngineAPI
+    from radixkv.engine.request import StepOutput
+    from radixkv.engine.sampling import SamplingParams
 
 __all__ = [
     "EngineLoop",
@@ -70,7 +75,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineAPI,
         *,
         metrics: ServerMetrics | None = None,
         max_waiting: int | None = None,
@@ -150,7 +155,7 @@ class EngineLoop:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: Any,
+        params: SamplingParams,
         *,
         salt: str | None = None,
         arrival: float | None = None,
@@ -178,7 +183,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         stream = RequestStream(
             request_id=request_id,
-            n=max(1, int(getattr(params, "n", 1) or 1)),
+            n=max(1, int(params.n or 1)),
             arrival=arrival if arrival is not None else time.monotonic(),
         )
         accepted: asyncio.Future[None] = loop.create_future()
@@ -211,7 +216,7 @@ class EngineLoop:
         """Forget a request whose stream completed normally."""
         self._forget(request_id)
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
+    async def call(self, fn: Callable[[EngineAPI], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
         if not self.alive:
             raise EngineRequestError(503, "the engine thread is not running")
@@ -229,7 +234,7 @@ class EngineLoop:
         self._submit(command)
         return await result
 
-    def call_sync(self, fn: Callable[[Any], T], timeout: float | None = 60.0) -> T:
+    def call_sync(self, fn: Callable[[EngineAPI], T], timeout: float | None = 60.0) -> T:
         """Run ``fn(engine)`` on the engine thread from any *other* thread and wait for it.
 
         For tests, tooling and the CLI; never call it from the event loop (it blocks).
@@ -350,7 +355,7 @@ class EngineLoop:
         self,
         stream: RequestStream,
         prompt: str | list[int],
-        params: Any,
+        params: SamplingParams,
         salt: str | None,
         accepted: asyncio.Future[None],
         owner: str | None = None,
@@ -370,7 +375,7 @@ class EngineLoop:
             return
         self._tracked[rid] = TrackedRequest(
             stream=stream, n=stream.n, arrival=stream.arrival, owner=owner,
-            max_tokens=getattr(params, "max_tokens", None),
+            max_tokens=params.max_tokens,
         )  # fmt: skip
         if owner is not None:
             self._usage.setdefault(owner, Counter())["requests"] += 1
@@ -401,26 +406,27 @@ class EngineLoop:
         if outputs:
             self._dispatch(outputs)
 
-    def _dispatch(self, outputs: list[Any]) -> None:
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
         now = time.monotonic()
-        batch: list[tuple[RequestStream, Any]] = []
+        batch: list[tuple[RequestStream, StepOutput | StreamFailure]] = []
         m = self.metrics
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue  # aborted meanwhile
-            error = getattr(out, "error", None)
-            if error:  # the engine failed this request alone; the others go on
+            if out.error:  # the engine failed this request alone; the others go on
                 del self._tracked[out.request_id]
                 m.requests.labels(finish_reason="error").inc()
                 batch.append(
                     (
                         tracked.stream,
-                        StreamFailure(500, internal_error(f"request {out.request_id}: {error}")),
+                        StreamFailure(
+                            500, internal_error(f"request {out.request_id}: {out.error}")
+                        ),
                     )
                 )
                 continue
-            index = int(getattr(out, "index", 0) or 0)
+            index = int(out.index or 0)
             new_tokens = len(out.new_token_ids or ())
             if not tracked.prompt_recorded:
                 tracked.prompt_recorded = True
@@ -429,7 +435,7 @@ class EngineLoop:
                 m.record_prompt(
                     int(out.prompt_tokens or 0),
                     int(out.cached_tokens or 0),
-                    getattr(out, "cached_tokens_by_tier", None),
+                    out.cached_tokens_by_tier,
                 )
                 if tracked.owner is not None:
                     usage = self._usage[tracked.owner]  # made by _do_add
@@ -442,9 +448,9 @@ class EngineLoop:
                     self._usage[tracked.owner]["completion_tokens"] += new_tokens
                 m.record_token(tracked, index, now)
             if tracked.queue_time is None:
-                tracked.queue_time = getattr(out, "queue_time", None)
+                tracked.queue_time = out.queue_time
             if tracked.prefill_time is None:
-                tracked.prefill_time = getattr(out, "prefill_time", None)
+                tracked.prefill_time = out.prefill_time
             if out.finished:
                 tracked.finished.add(index)
                 tracked.reasons.append(str(out.finish_reason or "stop"))
@@ -458,7 +464,7 @@ class EngineLoop:
         if batch:
             self._call_in_loop(lambda: self._deliver(batch))
 
-    def _deliver(self, batch: list[tuple[RequestStream, Any]]) -> None:
+    def _deliver(self, batch: list[tuple[RequestStream, StepOutput | StreamFailure]]) -> None:
         """Event-loop side of :meth:`_dispatch`."""
         for stream, item in batch:
             self._started(stream.request_id)
@@ -468,7 +474,7 @@ class EngineLoop:
         """Fail every tracked request and abort it in the engine (engine thread)."""
         failed = list(self._tracked.items())
         self._tracked.clear()
-        batch: list[tuple[RequestStream, Any]] = []
+        batch: list[tuple[RequestStream, StepOutput | StreamFailure]] = []
         for rid, tracked in failed:
             try:
                 self.engine.abort(rid)

@@ -10,13 +10,17 @@ import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from radixkv.engine.chat_template import encode_rendered, render_chat_text
 from radixkv.engine.errors import ParamError
 from radixkv.engine.template_sandbox import TemplateBusyError, TemplateLimitError
 
 from .protocol import APIError
+
+if TYPE_CHECKING:
+    from radixkv.engine.api import EngineAPI, Tokenizer
+    from radixkv.engine.sampling import SamplingParams
 
 __all__ = [
     "FinishReason",
@@ -76,16 +80,13 @@ def resolve_max_tokens(
     return requested
 
 
-def tokenize_text(engine: Any, text: str) -> list[int]:
+def tokenize_text(engine: EngineAPI, text: str) -> list[int]:
     """Token ids of ``text`` as the engine would tokenize it."""
-    tokenize = getattr(engine, "tokenize", None)
-    if callable(tokenize):
-        return [int(t) for t in tokenize(text)]
-    return [int(t) for t in engine.tokenizer.encode(text)]
+    return [int(t) for t in engine.tokenize(text)]
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: list[dict[str, Any]], **options: Any
+    tokenizer: Tokenizer | None, messages: list[dict[str, Any]], **options: Any
 ) -> list[int]:
     """Token ids of the rendered conversation (:func:`render_chat_text` with ``options``, then
     :func:`encode_rendered`: the engine's own path); a model without a template or a template
@@ -94,7 +95,7 @@ def apply_chat_template(
     return encode_rendered(tokenizer, render_text(tokenizer, messages, **options))
 
 
-def render_text(tokenizer: Any, messages: list[dict[str, Any]], **options: Any) -> str:
+def render_text(tokenizer: Tokenizer | None, messages: list[dict[str, Any]], **options: Any) -> str:
     """:func:`~radixkv.engine.chat_template.render_chat_text`, its errors as HTTP errors (see
     :func:`apply_chat_template`)."""
     try:
@@ -115,9 +116,9 @@ refused before tokenizing: it cannot fit, and tokenizing it would hold the token
 engine thread needs (tokens of this tokenizer are rarely over 16 characters)."""
 
 
-def check_text_length(engine: Any, num_chars: int, param: str) -> None:
+def check_text_length(engine: EngineAPI, num_chars: int, param: str) -> None:
     """Refuse (400, naming the bound) text too long to fit the context, before tokenizing."""
-    max_model_len = int(getattr(engine, "max_model_len", 0) or 0)
+    max_model_len = int(engine.max_model_len or 0)
     if max_model_len and num_chars > MAX_CHARS_PER_TOKEN * max_model_len:
         raise APIError(
             400,
@@ -130,7 +131,7 @@ def check_text_length(engine: Any, num_chars: int, param: str) -> None:
 
 
 async def prompt_token_ids(
-    engine: Any, prompt: str | list[int], param: str = "prompt"
+    engine: EngineAPI, prompt: str | list[int], param: str = "prompt"
 ) -> list[int]:
     """The prompt as token ids, tokenized once per request and off the event loop (a thread of
     its own; the engine's tokenizer is locked for this), so the engine never tokenizes it again.
@@ -148,7 +149,9 @@ def conversation_chars(messages: list[dict[str, Any]], extra: Any = None) -> int
     return len(json.dumps([messages, extra], ensure_ascii=False, default=str))
 
 
-async def chat_token_ids(engine: Any, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+async def chat_token_ids(
+    engine: EngineAPI, messages: list[dict[str, Any]], **options: Any
+) -> list[int]:
     """The conversation's token ids as the chat endpoint renders it: the length check of all it
     holds (:func:`conversation_chars`, :func:`check_text_length`), the template rendered off the
     event loop and off the tokenizer lock (:func:`render_text`; a request's own template in the
@@ -157,25 +160,21 @@ async def chat_token_ids(engine: Any, messages: list[dict[str, Any]], **options:
     ``chat_template`` (``--chat-template``), else the model's."""
     extra = [options.get("chat_template_kwargs"), options.get("tools")]
     check_text_length(engine, conversation_chars(messages, extra), "messages")
-    tokenizer = getattr(engine, "tokenizer", None)
-    options.setdefault("chat_template", getattr(engine, "chat_template", None))
+    tokenizer = engine.tokenizer
+    options.setdefault("chat_template", engine.chat_template)
     text = await asyncio.to_thread(render_text, tokenizer, messages, **options)
     check_text_length(engine, len(text), "messages")  # the template may have multiplied it
     return await asyncio.to_thread(encode_rendered, tokenizer, text)
 
 
-def make_sampling_params(kwargs: dict[str, Any]) -> Any:
+def make_sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
     """Build the engine's ``SamplingParams``; a bad value becomes a 400 naming the field."""
     from radixkv.engine.sampling import SamplingParams
 
     try:
-        params = SamplingParams(**kwargs)
-        validate = getattr(params, "validate", None)
-        if callable(validate):
-            validate()
+        return SamplingParams(**kwargs).validate()
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc), param=named_field(exc)) from exc
-    return params
 
 
 def named_field(exc: BaseException) -> str | None:

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.engine.request import StepOutput
 
 __all__ = ["EngineRequestError", "OwnerLimitError", "QueueFullError", "RequestStream"]
 
@@ -48,7 +51,7 @@ class RequestStream:
     request_id: str
     n: int
     arrival: float
-    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[StepOutput | StreamFailure] = field(default_factory=asyncio.Queue)
     finished_indices: set[int] = field(default_factory=set)
     failed: bool = False
 
@@ -57,7 +60,7 @@ class RequestStream:
         """True once every sequence finished (or the request failed)."""
         return self.failed or len(self.finished_indices) >= self.n
 
-    async def outputs(self) -> AsyncIterator[Any]:
+    async def outputs(self) -> AsyncIterator[StepOutput]:
         """Yield the request's ``StepOutput``s in order, ending after the last sequence ends."""
         while not self.finished:
             item = await self.queue.get()
@@ -65,5 +68,5 @@ class RequestStream:
                 self.failed = True
                 raise EngineRequestError(item.status_code, item.message)
             if item.finished:
-                self.finished_indices.add(int(getattr(item, "index", 0) or 0))
+                self.finished_indices.add(int(item.index or 0))
             yield item

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Body, Query
 from fastapi.encoders import jsonable_encoder
@@ -31,6 +31,9 @@ from .engine_loop import EngineRequestError
 from .intake import check_prompt_not_empty, make_sampling_params, new_id, prompt_token_ids
 from .protocol import APIError, PinRequest, UnpinRequest, error_body
 from .tenancy import REQUEST_CALLER, effective_salt
+
+if TYPE_CHECKING:
+    from radixkv.engine.api import EngineAPI
 
 DEFAULT_MAX_PIN_TTL = 86400.0
 
@@ -135,7 +138,7 @@ def admin_routes(ctx: ServerContext, pins: PinPolicy | None = None) -> APIRouter
         if not isinstance(drop_pins, bool):
             raise APIError(400, "drop_pins must be true or false", param="drop_pins")
 
-        def do_flush(e: Any) -> tuple[bool, int]:
+        def do_flush(e: EngineAPI) -> tuple[bool, int]:
             ok = bool(e.flush_cache(drop_pins=drop_pins))
             return ok, 0 if ok else _in_flight(e)
 
@@ -173,14 +176,16 @@ def admin_routes(ctx: ServerContext, pins: PinPolicy | None = None) -> APIRouter
                 engine_loop.release(stream.request_id)
         salt = effective_salt(body.salt)  # the tenant's namespace (submit applies it itself)
 
-        def do_pin(e: Any) -> int:
+        def do_pin(e: EngineAPI) -> int:
             everything, one = policy.budgets(e.stats())
-            bounds = {"budget": everything, "namespace_budget": one}
             # never let pin_prefix step the engine inside a command while others run (it would
             # hold the engine thread and their outputs): busy, pin what the warm-up cached
-            if e.has_unfinished() and e.config.enable_prefix_cache:
-                return int(e.tree.pin(list(ids), salt=salt, ttl=ttl, **bounds))
-            return int(e.pin_prefix(ids, salt=salt, ttl=ttl, **bounds))
+            computes = not e.has_unfinished()
+            return int(
+                e.pin_prefix(
+                    ids, salt, ttl, budget=everything, namespace_budget=one, compute=computes
+                )
+            )
 
         try:
             pinned = await engine_loop.call(do_pin)
@@ -200,15 +205,13 @@ def admin_routes(ctx: ServerContext, pins: PinPolicy | None = None) -> APIRouter
     @router.get("/cache/integrity", dependencies=admin)
     async def cache_integrity() -> dict[str, Any]:
         """``engine.check_integrity()`` and the pages nobody owns, checked on the engine thread
-        between two steps (:func:`radixkv.engine.integrity_report.integrity_report`)."""
-        from radixkv.engine.integrity_report import integrity_report
-
-        return await engine_loop.call(integrity_report)
+        between two steps (``engine.integrity_report()``)."""
+        return await engine_loop.call(lambda e: e.integrity_report())
 
     return router
 
 
-def _in_flight(engine: Any) -> int:
+def _in_flight(engine: EngineAPI) -> int:
     """Running + waiting requests according to ``engine.stats()`` (best effort)."""
     try:
         stats = engine.stats()

@@ -16,7 +16,7 @@ the script drops it from the address bar) or from a prompt. A key in the query s
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -24,6 +24,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from .context import ServerContext
 from .dashboard import render_page
 from .protocol import APIError
+
+if TYPE_CHECKING:
+    from radixkv.engine.api import EngineAPI
 
 DASHBOARD_TEXT = ("show", "hide")
 MAX_TREE_NODES = 5000
@@ -44,12 +47,12 @@ def dashboard_routes(ctx: ServerContext, *, text: str = "show") -> APIRouter:
         max_nodes: int = Query(500, ge=1, le=MAX_TREE_NODES, description="real nodes shown"),
         min_tokens: int = Query(0, ge=0, description="fold subtrees with fewer tokens"),
     ) -> Response:
-        def snapshot(engine: Any) -> dict[str, Any] | None:
-            tree = getattr(engine, "tree", None)
+        def snapshot(engine: EngineAPI) -> dict[str, Any] | None:
+            tree = engine.tree
             if tree is None:
                 return None
             decode = None
-            tokenizer = getattr(engine, "tokenizer", None)
+            tokenizer = engine.tokenizer
             if text == "show" and tokenizer is not None:
                 decode = tokenizer.decode
             return tree_view(
@@ -58,7 +61,7 @@ def dashboard_routes(ctx: ServerContext, *, text: str = "show") -> APIRouter:
                 min_tokens=min_tokens,
                 decode=decode,
                 salt_key=salt_key,
-                tiers=getattr(engine, "tiers", None),
+                tiers=engine.tiers,
             )
 
         doc = await engine_loop.call(snapshot)

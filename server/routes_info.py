@@ -21,7 +21,7 @@ decoding (a context's worth at most).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 from fastapi.responses import Response
@@ -33,6 +33,9 @@ from .context import ServerContext
 from .intake import chat_token_ids, check_text_length
 from .protocol import APIError, ChatMessage, RequestBody
 from .protocol_fields import ChatTemplateFields
+
+if TYPE_CHECKING:
+    from radixkv.engine.api import Tokenizer
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "info_routes"]
 
@@ -71,8 +74,8 @@ def info_routes(ctx: ServerContext) -> APIRouter:
     engine = ctx.engine
     router = APIRouter()
 
-    def tokenizer() -> Any:
-        tok = getattr(engine, "tokenizer", None)
+    def tokenizer() -> Tokenizer:
+        tok = engine.tokenizer
         if tok is None:
             raise APIError(
                 400, "this model has no tokenizer: it takes token ids only", code="no_tokenizer"
@@ -103,7 +106,7 @@ def info_routes(ctx: ServerContext) -> APIRouter:
         ids = [int(t) for t in ids]
         out: dict[str, Any] = {
             "count": len(ids),
-            "max_model_len": getattr(engine, "max_model_len", None),
+            "max_model_len": engine.max_model_len,
             "tokens": ids,
         }
         if body.return_token_strs:
@@ -121,7 +124,7 @@ def info_routes(ctx: ServerContext) -> APIRouter:
         if any(t < 0 for t in body.tokens):
             raise APIError(400, "tokens must be token ids (>= 0)", param="tokens")
         # a decode holds the tokenizer lock the engine thread needs: no more than a context
-        limit = int(getattr(engine, "max_model_len", 0) or 0)
+        limit = int(engine.max_model_len or 0)
         if limit and len(body.tokens) > limit:
             raise APIError(
                 400,
@@ -140,8 +143,8 @@ def info_routes(ctx: ServerContext) -> APIRouter:
 
     def describe_model() -> dict[str, Any]:
         return {
-            "model_path": str(getattr(engine, "model_name", ctx.served_name)),
-            "tokenizer_path": str(getattr(engine, "model_name", ctx.served_name)),
+            "model_path": str(engine.model_name),
+            "tokenizer_path": str(engine.model_name),
             "served_model_name": ctx.served_name,
             "is_generation": True,
             "preferred_sampling_params": None,
@@ -151,16 +154,14 @@ def info_routes(ctx: ServerContext) -> APIRouter:
     async def server_info() -> dict[str, Any]:
         stats = await ctx.engine_loop.call(lambda e: e.stats())
         pages = int(stats.get("pages_total", 0))
-        page_size = int(stats.get("page_size", 0) or getattr(engine, "page_size", 0))
+        page_size = int(stats.get("page_size", 0) or engine.page_size)
         return {
             **describe_model(),
             "version": __version__,
-            "context_length": getattr(engine, "max_model_len", None),
+            "context_length": engine.max_model_len,
             "page_size": page_size,
             "max_total_num_tokens": pages * page_size,
-            "max_running_requests": getattr(
-                getattr(engine, "config", engine), "max_running_requests", None
-            ),
+            "max_running_requests": engine.max_running_requests,
             "dp_size": 1,
             "tp_size": 1,
         }

@@ -119,7 +119,7 @@ def native_routes(ctx: ServerContext) -> APIRouter:
             async for out in stream.outputs():
                 result.add(out)
                 if out.new_token_ids or out.finished:
-                    yield sse(item(result, int(getattr(out, "index", 0) or 0)))
+                    yield sse(item(result, int(out.index or 0)))
             yield SSE_DONE
 
         return SSEResponse(guarded_stream(stream, body_iter))

@@ -44,7 +44,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
 
     async def echo_text(ids: list[int]) -> str:
-        tokenizer = getattr(engine, "tokenizer", None)
+        tokenizer = engine.tokenizer
         if tokenizer is None:
             return ""
         return str(await asyncio.to_thread(tokenizer.decode, ids))
@@ -169,16 +169,16 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                 echo_due.clear()
             async for p, out in merged([st.outputs() for st in streams]):
                 result = results[p]
-                local = int(getattr(out, "index", 0) or 0)
+                local = int(out.index or 0)
                 seq = result.seqs[local]
                 offset = len(echoed[p]) + len(seq.text) if echo_lp else len(seq.text)
                 result.add(out)
                 if p in echo_due:
                     echo_due.discard(p)
                     for i in range(n):
-                        lp = echo_logprobs(plans[p][0], result.prompt_logprobs, [], [], top,
-                                           token_str)  # fmt: skip
-                        yield sse(text_chunk(p * n + i, echoed[p], lp))
+                        elp = echo_logprobs(plans[p][0], result.prompt_logprobs, [], [], top,
+                                            token_str)  # fmt: skip
+                        yield sse(text_chunk(p * n + i, echoed[p], elp))
                 if zero:  # the one token run is not the answer
                     if out.finished:
                         yield sse(text_chunk(p * n + local, "", None, "length"))
@@ -202,7 +202,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                         out.new_text or "",
                         lp,
                         out.finish_reason if out.finished else None,
-                        getattr(out, "stop_reason", None),
+                        out.stop_reason,
                     )
                 )
             if include_usage:
@@ -324,7 +324,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             tool_stream = ToolCallStream(tools) if tools else None
             thinking = [ReasoningStream(reasoner) for _ in range(body.n)] if reasoner else None
             async for out in stream.outputs():
-                index = int(getattr(out, "index", 0) or 0)
+                index = int(out.index or 0)
                 result.add(out)
                 text = out.new_text or ""
                 if thinking is not None:  # the <think> block's deltas go as reasoning_content
@@ -335,7 +335,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                     if thought:
                         yield chunk(index, {"reasoning_content": thought}, None, None)
                 if tool_stream is not None:  # tool-call deltas instead of content
-                    stop = getattr(out, "stop_reason", None)
+                    stop = out.stop_reason
                     for delta, end in tool_stream.deltas(
                         index, text, out.finished, out.finish_reason
                     ):
@@ -351,9 +351,7 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                 if text or lp is not None:
                     yield chunk(index, {"content": text}, None, lp)
                 if out.finished:
-                    yield chunk(
-                        index, {}, out.finish_reason, None, getattr(out, "stop_reason", None)
-                    )
+                    yield chunk(index, {}, out.finish_reason, None, out.stop_reason)
             if include_usage:
                 yield sse(
                     {
@@ -379,8 +377,8 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                     "object": "model",
                     "created": ctx.created,
                     "owned_by": "radixkv",
-                    "root": str(getattr(engine, "model_name", served_name)),
-                    "max_model_len": getattr(engine, "max_model_len", None),
+                    "root": str(engine.model_name),
+                    "max_model_len": engine.max_model_len,
                 }
                 for name in ctx.served_names or [served_name]
             ],

@@ -37,9 +37,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from radixkv.engine.api import EngineAPI
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ def _int(value: Any) -> int:
     return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
 
 
-def collect_sample(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
+def collect_sample(engine: EngineAPI, metrics: ServerMetrics) -> dict[str, Any]:
     """One sample (without ``seq``) of ``engine`` (read on the engine thread) and ``metrics``."""
     stats = engine.stats()
     page = _int(stats.get("page_size")) or 1
@@ -81,7 +84,7 @@ def collect_sample(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
     remote = t.get("remote")
     if isinstance(remote, dict):
         tiers["remote"] = {k: v for k, v in remote.items() if isinstance(v, int | float | bool)}
-    tree = getattr(engine, "tree", None)
+    tree = engine.tree
     return {
         "t": time.time(),
         "prompt_tokens": metrics.prompt_tokens_seen,
@@ -94,8 +97,8 @@ def collect_sample(engine: Any, metrics: ServerMetrics) -> dict[str, Any]:
         "waiting": _int(stats.get("waiting")),
         "tiers": tiers,
         "evicted_tokens": {
-            "device": _int(getattr(tree, "num_evicted_tokens", 0)),
-            "host": _int(getattr(tree, "num_host_evicted_tokens", 0)),
+            "device": _int(tree.num_evicted_tokens if tree is not None else 0),
+            "host": _int(tree.num_host_evicted_tokens if tree is not None else 0),
         },
         "loads": {k: _int(t.get(f"{k}_loads")) for k in ("host", "disk", "remote")},
         "load_pages": {k: _int(t.get(f"{k}_load_pages")) for k in ("host", "disk", "remote")},

@@ -8,7 +8,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -16,6 +16,9 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from .intake import usage_dict
+
+if TYPE_CHECKING:
+    from radixkv.engine.request import StepOutput
 
 T = TypeVar("T")
 
@@ -111,24 +114,24 @@ class Collected:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: list[Any] | None = None  # None at position 0, then dicts as above
 
-    def update_meta(self, out: Any) -> None:
+    def update_meta(self, out: StepOutput) -> None:
         self.prompt_tokens = max(self.prompt_tokens, int(out.prompt_tokens or 0))
         self.cached_tokens = max(self.cached_tokens, int(out.cached_tokens or 0))
-        for tier, count in (getattr(out, "cached_tokens_by_tier", None) or {}).items():
+        for tier, count in (out.cached_tokens_by_tier or {}).items():
             self.cached_by_tier[tier] = max(self.cached_by_tier.get(tier, 0), int(count))
 
-    def add(self, out: Any) -> Seq:
+    def add(self, out: StepOutput) -> Seq:
         self.update_meta(out)
-        seq = self.seqs[int(getattr(out, "index", 0) or 0)]
+        seq = self.seqs[int(out.index or 0)]
         seq.text += out.new_text or ""
         seq.token_ids.extend(out.new_token_ids or ())
         if out.logprobs:
             seq.logprobs.extend(out.logprobs)
-        if getattr(out, "prompt_logprobs", None) is not None:
+        if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             seq.finish_reason = out.finish_reason
-            seq.stop_reason = getattr(out, "stop_reason", None)
+            seq.stop_reason = out.stop_reason
         return seq
 
     @property

@@ -11,11 +11,15 @@ worker threads, never on the event loop or the engine thread.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixkv.engine.structured import CompileQueueFullError, StructuredOutputs
 
 from .protocol import APIError
+
+if TYPE_CHECKING:
+    from radixkv.engine.api import EngineAPI
+    from radixkv.engine.sampling import SamplingParams
 
 __all__ = ["compile_constraint", "structured_kwargs"]
 
@@ -72,16 +76,18 @@ def structured_kwargs(body: Any, extra: tuple[str, StructuredOutputs] | None = N
     return {"structured_outputs": spec}
 
 
-async def compile_constraint(engine: Any, params: Any, owner: str | None = None) -> None:
+async def compile_constraint(
+    engine: EngineAPI, params: SamplingParams, owner: str | None = None
+) -> None:
     """Compile ``params.structured_outputs`` (if any) on the engine's grammar workers and wait
     for it here, off the engine thread: a 400 naming the problem when it does not compile or
     takes longer than the engine's bound (the compile is stopped there), a 429 when ``owner``
     (the caller's key) already has its compiles in flight. The engine then finds it in its
     compile cache."""
-    spec = getattr(params, "structured_outputs", None)
+    spec = params.structured_outputs
     if spec is None:
         return
-    grammars = getattr(engine, "grammars", None)
+    grammars = engine.grammars
     if grammars is None:
         raise APIError(400, "this engine does not support structured outputs")
     from radixkv.engine.grammar import WAIT_FACTOR

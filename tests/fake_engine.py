@@ -1,7 +1,7 @@
 """A small deterministic stand-in for :class:`radixkv.Engine`, implementing the step API.
 
-It follows docs/design.md ("Engine step API") exactly, so the server can be tested without a
-model: a byte-level tokenizer, an echoing "model" (sequence ``i`` of a request emits the prompt's
+It implements :class:`radixkv.engine.api.EngineAPI` (checked by mypy, tests/test_typecheck.py),
+so the server can be tested without a model: a byte-level tokenizer, an echoing "model" (sequence ``i`` of a request emits the prompt's
 tokens starting at offset ``i``), and page accounting with a toy prefix cache, so leak checks
 (``pages_used == pages_cached`` when idle) and ``check_integrity()`` mean something.
 
@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from server_thread import ServerThread
 
 from radixkv.engine.request import Logprob, PositionLogprobs, StepOutput
+
+if TYPE_CHECKING:
+    from radixkv.engine.api import EngineAPI
+
+__all__ = ["EOS_ID", "FakeEngine", "FakeTokenizer", "ServerThread"]
 
 EOS_ID = 2
 _OFFSET = 3
@@ -35,7 +43,7 @@ class FakeTokenizer:
         """Token ids of ``text``."""
         return [b + _OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True, **_: object) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, **_: object) -> str:
         """Text of ``ids`` (special tokens dropped)."""
         return bytes(i - _OFFSET for i in ids if _OFFSET <= i < VOCAB_SIZE).decode(
             "utf-8", errors="replace"
@@ -85,6 +93,12 @@ def _param(params: Any, name: str, default: Any) -> Any:
 
 class FakeEngine:
     """Deterministic engine with the step API of ``radixkv.Engine``."""
+
+    #: the model's own template (the tokenizer's); EngineAPI's optional capabilities: none
+    chat_template: str | None = None
+    tree: None = None
+    tiers: None = None
+    grammars: None = None
 
     def __init__(
         self,
@@ -338,9 +352,10 @@ class FakeEngine:
         *,
         budget: int | None = None,
         namespace_budget: int | None = None,
+        compute: bool = True,
     ) -> int:
         """Pin the cached full pages of ``prompt``; returns the tokens pinned (no ttl, no
-        budgets: the real engine's pins are tested on the real tree)."""
+        budgets, never computes: the real engine's pins are tested on the real tree)."""
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt to pin is empty")
@@ -350,6 +365,20 @@ class FakeEngine:
             self._pinned.add(self._cache[self._key(probe, pinned + 1)])
             pinned += 1
         return pinned * self.page_size
+
+    def unpin_prefix(self, prompt: str | list[int], salt: str | None = None) -> int:
+        """Unpin the cached full pages of ``prompt``; returns the pages unpinned."""
+        ids = self.tokenize(prompt)
+        probe = _Seq("unpin", 0, ids, None, salt)
+        removed = 0
+        for i in range(len(ids) // self.page_size):
+            page = self._cache.get(self._key(probe, i + 1))
+            if page is None:
+                break
+            if page in self._pinned:
+                self._pinned.discard(page)
+                removed += 1
+        return removed
 
     def stats(self) -> dict[str, Any]:
         """Counters and page usage, with the keys of ``radixkv.Engine.stats()``."""
@@ -386,72 +415,28 @@ class FakeEngine:
         for page, count in self._locks.items():
             assert count > 0 and page in set(cached), "a lock on a page outside the cache"
 
+    def integrity_report(self) -> dict[str, Any]:
+        """:meth:`check_integrity` as ``radixkv.Engine.integrity_report()`` answers it (a page
+        nobody owns fails the check: none is ever counted leaked beside it)."""
+        error = None
+        try:
+            self.check_integrity()
+        except AssertionError as exc:
+            error = f"AssertionError: {exc}"
+        stats = self.stats()
+        return {
+            "ok": error is None,
+            "error": error,
+            "leaked_pages": 0,
+            "leaked_host_pages": 0,
+            **{k: stats[k] for k in ("pages_used", "pages_cached", "running", "waiting")},
+        }
 
-# ------------------------------------------------------------------------------------------
-# A real uvicorn server on a free loopback port, in a background thread (used by the tests).
-# ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Nothing outlives the process here."""
 
 
-class ServerThread:
-    """Runs ``app`` with uvicorn on ``127.0.0.1:<free port>`` in a daemon thread.
-
-    ``start()`` returns once ``/health`` answers 200; ``stop()`` shuts uvicorn down (its lifespan
-    stops the engine thread). Usable as a context manager.
-    """
-
-    def __init__(self, app: Any, host: str = "127.0.0.1") -> None:
-        import socket
-
-        import uvicorn
-
-        self.app = app
-        self.host = host
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self.port = int(self._sock.getsockname()[1])
-        config = uvicorn.Config(
-            app, host=host, port=self.port, log_level="warning", lifespan="on", access_log=False
-        )
-        self.server = uvicorn.Server(config)
-        self._thread: Any = None
-
-    @property
-    def base_url(self) -> str:
-        """``http://host:port``."""
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> ServerThread:
-        """Start uvicorn and wait until ``/health`` answers."""
-        import threading
-
-        import httpx
-
-        self._thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self._thread.is_alive():
-                raise RuntimeError("uvicorn exited during startup")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"server on {self.base_url} did not become healthy in {timeout} s")
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Ask uvicorn to exit and wait for the thread."""
-        self.server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self._sock.close()
-
-    def __enter__(self) -> ServerThread:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+def _implements_engine_api(engine: FakeEngine) -> EngineAPI:
+    """Never called: mypy (tests/test_typecheck.py) checks here that FakeEngine is an
+    :class:`~radixkv.engine.api.EngineAPI`."""
+    return engine
