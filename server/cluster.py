@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from radixkv.cache.kv_mac import KEY_FILE_NAME, create_secret_file
@@ -86,7 +86,7 @@ def split_cores(n: int, cores: Sequence[int] | None = None) -> list[list[int]]:
     return out
 
 
-def _pin(cores: Sequence[int]):  # -> Callable[[], None]
+def _pin(cores: Sequence[int]) -> Callable[[], None]:
     def pin() -> None:
         os.sched_setaffinity(0, set(cores))
         os.setpgrp()  # Ctrl-C goes to the cluster, which stops the replicas in order

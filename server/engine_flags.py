@@ -224,7 +224,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, entry.knob, None)
         if entry.knob == "dtype" and value in DTYPE_ALIASES:
             value = DTYPE_ALIASES[value]
-        if entry.knob == "attention_backend":
+        if entry.knob == "attention_backend" and value is not None:
             value = ATTENTION_ALIASES.get(value, value)
         if value is not None:
             kwargs[entry.knob] = value

@@ -307,7 +307,7 @@ class CompletionRequest(SamplingFields, OpenAIAccepted, SGLangAccepted, Structur
                     "choices one request may ask for; split the batch",
                     param="prompt",
                 )
-            return list(prompt)  # type: ignore[arg-type]
+            return list(prompt)
         return [prompt]  # type: ignore[list-item]
 
 

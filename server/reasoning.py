@@ -68,7 +68,8 @@ class ReasoningStream:
     def feed(self, delta: str) -> tuple[str, str]:
         """The ``(reasoning, content)`` text that ``delta`` completes."""
         text, self._held = self._held + delta, ""
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while text:
             if self.state == "after":
                 content.append(text)

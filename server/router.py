@@ -348,7 +348,7 @@ def create_router_app(
 
                 async def relay(
                     first: bytes = first, chunks: Any = chunks, resp: Any = resp, i: int = i
-                ) -> AsyncIterator[bytes]:
+                ) -> AsyncIterator[bytes | str]:
                     try:
                         yield first
                         async for chunk in chunks:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from radixkv.server.key_flags import add_key_flags
 from radixkv.server.router_policy import POLICIES
@@ -96,7 +97,7 @@ def fix_mmap_threshold(threshold: int = 128 * 1024) -> bool:
         return False
 
 
-def serve_router_app(app: object, host: str, port: int, log_level: str) -> None:
+def serve_router_app(app: Any, host: str, port: int, log_level: str) -> None:
     """Serve a router app with uvicorn until interrupted, the mmap threshold pinned first
     (:func:`fix_mmap_threshold`): ``radixkv router`` and ``radixkv cluster`` both run it."""
     import uvicorn

@@ -172,7 +172,9 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def select(self, replicas: Sequence[ReplicaState], key: RouteKey, exclude: Iterable[int] = ()):
+    def select(
+        self, replicas: Sequence[ReplicaState], key: RouteKey, exclude: Iterable[int] = ()
+    ) -> tuple[int | None, int]:
         """``(replica index, matched units)``; index ``None`` when no replica can take it."""
         skip = set(exclude)
         live = [i for i, r in enumerate(replicas) if r.healthy and i not in skip]
@@ -201,7 +203,9 @@ class CacheAwarePolicy:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
 
-    def select(self, replicas: Sequence[ReplicaState], key: RouteKey, exclude: Iterable[int] = ()):
+    def select(
+        self, replicas: Sequence[ReplicaState], key: RouteKey, exclude: Iterable[int] = ()
+    ) -> tuple[int | None, int]:
         """``(replica index, matched units)``; index ``None`` when no replica can take it."""
         skip = set(exclude)
         live = [i for i, r in enumerate(replicas) if r.healthy and i not in skip]

@@ -202,7 +202,9 @@ def sgl_router_key(keys: dict[str, Any]) -> str:
     return str(api_keys[0])
 
 
-def serve_sgl_router(urls: Sequence[str], port: int, policy: str, keys: dict[str, Any], args: Any):
+def serve_sgl_router(
+    urls: Sequence[str], port: int, policy: str, keys: dict[str, Any], args: Any
+) -> None:
     """``radixkv cluster --router sglang``'s front: sgl-router on ``port`` over ``urls`` until
     it exits (raises ``RuntimeError``) or this process is interrupted (it is stopped then)."""
     router = SglRouter(urls, port, policy, sgl_router_key(keys), args.log_dir, args.log_level)

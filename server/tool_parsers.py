@@ -71,7 +71,8 @@ def _objects(text: str, sep: str) -> list[Any] | None:
     """The JSON values of ``text`` one after another (``sep`` and whitespace between), or None
     when anything else is there."""
     decoder = json.JSONDecoder()
-    values, i = [], 0
+    values: list[Any] = []
+    i = 0
     while True:
         while i < len(text) and (text[i].isspace() or text[i] == sep):
             i += 1
