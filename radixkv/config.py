@@ -11,6 +11,19 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # radixkv.model.kv_quant.KV_CACHE_DTYPES
 WRITE_POLICIES = ("write_back", "write_through")
 KV_LAYOUTS = ("paged", "virtual")
+
+
+def kv_layout_clash(kv_layout: str, kv_cache_dtype: str) -> str | None:
+    """Why ``kv_layout`` cannot hold pages of ``kv_cache_dtype`` (None: it can). The one rule
+    that :meth:`EngineConfig.validate` and :class:`radixkv.model.runner.RunnerSpec` apply."""
+    if kv_cache_dtype != "auto" and kv_layout == "virtual":
+        return (
+            "quantized pages need kv_layout='paged' (the virtual layout stores the model's "
+            "dtype); use kv_layout='paged', or kv_cache_dtype='auto'"
+        )
+    return None
+
+
 #: URL schemes of ``remote_cache_url`` (radixkv/cache/remote_conn.py parses them).
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 
@@ -136,12 +149,9 @@ class EngineConfig:
                 "kv_cache_dtype",
                 f"choose one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)",
             )
-        if self.kv_cache_dtype != "auto" and self.kv_layout == "virtual":
-            raise bad(
-                "kv_cache_dtype",
-                "quantized pages need kv_layout='paged' (the virtual layout stores the model's "
-                "dtype); use kv_layout='paged', or kv_cache_dtype='auto'",
-            )
+        clash = kv_layout_clash(self.kv_layout, self.kv_cache_dtype)
+        if clash is not None:
+            raise bad("kv_cache_dtype", clash)
         if not isinstance(self.host_cache_tokens, int) or self.host_cache_tokens < 0:
             raise bad("host_cache_tokens", "must be an integer >= 0 (0 turns the host tier off)")
         if self.host_write_policy not in WRITE_POLICIES:

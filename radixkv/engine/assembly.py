@@ -30,7 +30,7 @@ from radixkv.engine.sampler import Sampler
 from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.tokenizer_lock import LockedTokenizer
 from radixkv.engine.virtual_layout import VirtualLayout
-from radixkv.model.kv_quant import is_quantized, is_rotated
+from radixkv.model.kv_quant import is_quantized, is_rotated, kv_storage_dtype
 
 if TYPE_CHECKING:
     from radixkv.cache.tiers import TieredCache
@@ -68,7 +68,7 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
     """Load ``model`` (a name, or a loaded model) and build every part ``cfg`` asks for."""
     template = load_chat_template(cfg.chat_template) if cfg.chat_template else None  # fail fast
     from radixkv.model.loader import load_model, load_tokenizer
-    from radixkv.model.runner import ModelRunner, default_dtype
+    from radixkv.model.runner import ModelRunner, RunnerSpec, default_dtype
 
     # a name is streamed into radixkv's layout (no transformers model is built)
     loaded = load_model(model, hf_model=False) if isinstance(model, str) else model
@@ -76,20 +76,22 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         loaded = dataclasses.replace(loaded, tokenizer=load_tokenizer(cfg.tokenizer))
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
+    kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, dtype)  # the pool's element type, once
     context = getattr(loaded.config, "max_position_embeddings", None) or 2048
     max_model_len = min(cfg.max_model_len or context, context)
-    pool = size_kv_pool(cfg, device, loaded, dtype, max_model_len)
-    runner = ModelRunner(
-        loaded,
+    pool = size_kv_pool(cfg, device, loaded, dtype, kv_dtype, max_model_len)
+    spec = RunnerSpec(  # the runner takes it as resolved here: no knob read twice
         num_pages=pool.tokens // cfg.page_size,
         page_size=cfg.page_size,
         dtype=dtype,
+        kv_dtype=kv_dtype,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         device=device,
         attention_backend=cfg.attention_backend,
         kv_layout=cfg.kv_layout,
-        max_model_len=cfg.max_model_len,
-        kv_cache_dtype=cfg.kv_cache_dtype,
+        max_model_len=max_model_len,
     )
+    runner = ModelRunner(loaded, spec=spec)
     num_pages = runner.num_pages
     logger.info(
         "KV pool: %d tokens (%d pages of %d, %.2f GiB of %s; %s), touched on first use",

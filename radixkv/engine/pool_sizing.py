@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from radixkv.config import EngineConfig
-from radixkv.model.kv_quant import kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 __all__ = [
@@ -96,17 +95,23 @@ def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype) -> int:
 
 
 def size_kv_pool(
-    cfg: EngineConfig, device: torch.device, loaded: Any, dtype: torch.dtype, context: int
+    cfg: EngineConfig,
+    device: torch.device,
+    loaded: Any,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    context: int,
 ) -> PoolSize:
-    """The pool's tokens (a multiple of ``cfg.page_size``) for ``cfg``: ``kv_cache_tokens`` as
-    given; else ``kv_cache_memory_gb``; else ``kv_cache_memory_fraction``; else the default share
-    of memory (:data:`DEFAULT_KV_MEMORY_FRACTION`), capped at ``max_running_requests`` sequences
-    of ``context`` tokens (at least :data:`DEFAULT_MIN_CAP_TOKENS`). Raises ``ValueError`` when the
+    """The pool's tokens (a multiple of ``cfg.page_size``) for ``cfg``, pages stored as
+    ``kv_dtype`` (the weights in ``dtype``): ``kv_cache_tokens`` as given; else
+    ``kv_cache_memory_gb``; else ``kv_cache_memory_fraction``; else the default share of memory
+    (:data:`DEFAULT_KV_MEMORY_FRACTION`), capped at ``max_running_requests`` sequences of
+    ``context`` tokens (at least :data:`DEFAULT_MIN_CAP_TOKENS`). Raises ``ValueError`` when the
     budget holds no page."""
     P = cfg.page_size
     if cfg.kv_cache_tokens is not None:
         return PoolSize(cfg.kv_cache_tokens // P * P, "kv_cache_tokens")
-    per_token = kv_bytes_per_token(loaded.config, kv_storage_dtype(cfg.kv_cache_dtype, dtype))
+    per_token = kv_bytes_per_token(loaded.config, kv_dtype)
     if cfg.kv_cache_memory_gb is not None:
         budget_gb, how, knob = cfg.kv_cache_memory_gb, "kv_cache_memory_gb", "kv_cache_memory_gb"
         cap = None

@@ -3,6 +3,7 @@
 Typical use (the engine's view)::
 
     runner = ModelRunner(load_model("smollm2"), kv_cache_tokens=65536, page_size=16)
+    # the engine's: ModelRunner(loaded, spec=RunnerSpec(...)), resolved once by its assembly
     batch = runner.build_batch([
         RequestSlice(token_ids=prompt_ids, prefix_len=0, pages=[7, 3, 9]),     # prefill
         RequestSlice(token_ids=[last_tok], prefix_len=130, pages=[1, 4, ...]),  # decode
@@ -15,11 +16,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from radixkv.config import KV_LAYOUTS, kv_layout_clash
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch
 from radixkv.model.attention.factory import make_attention_backend
 from radixkv.model.host_cpu import has_native_bf16
@@ -130,6 +132,67 @@ def build_forward_batch(
     )
 
 
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything a :class:`ModelRunner` is built with besides its weights, resolved: the engine's
+    assembly makes it from an :class:`~radixkv.config.EngineConfig` (the pool sized, the context
+    clamped to the model's, the storage dtype derived once: :func:`radixkv.engine.assembly.
+    assemble`); direct users (tests, benches) from knobs with :meth:`of`.
+
+    ``num_pages`` pages of ``page_size`` tokens in the KV pool; ``dtype``: weights and
+    activations; ``kv_cache_dtype``: ``"auto"`` (pages in ``dtype``), ``"int8"`` or
+    ``"fp8_e4m3"`` (codes with a scale per token and head, :mod:`radixkv.model.kv_quant`), stored
+    as ``kv_dtype``; ``attention_backend``: ``"torch"``, ``"triton"`` or None (triton on CUDA,
+    else torch); ``kv_layout``: ``"paged"`` or ``"virtual"`` (memfd pool, contiguous
+    per-sequence ranges, :mod:`radixkv.model.virtual_kv`; falls back to paged with a warning
+    where the OS page does not divide a KV page, or off Linux/CPU); ``max_model_len``: the
+    longest sequence (sizes the virtual ranges; None: the model's context); ``num_threads``:
+    intra-op CPU threads (None leaves torch's setting).
+    """
+
+    num_pages: int
+    page_size: int
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    attention_backend: str | None = None
+    kv_layout: str = "paged"
+    max_model_len: int | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown kv_layout {self.kv_layout!r}: use 'paged' or 'virtual'")
+        clash = kv_layout_clash(self.kv_layout, self.kv_cache_dtype)
+        if clash is not None:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: {clash}")
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        num_pages: int | None = None,
+        kv_cache_tokens: int | None = None,
+        page_size: int = 16,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "auto",
+        **rest: Any,
+    ) -> RunnerSpec:
+        """A spec from knobs: the pool holds ``num_pages`` pages, or ``kv_cache_tokens``
+        rounded up to pages (one of them is needed); ``dtype`` None is the device's
+        :func:`default_dtype`; ``rest``: the fields as they are."""
+        if num_pages is None:
+            if kv_cache_tokens is None:
+                raise TypeError("give num_pages or kv_cache_tokens (the KV pool's size)")
+            num_pages = max(1, -(-kv_cache_tokens // page_size))
+        device = torch.device(device)
+        dtype = dtype if dtype is not None else default_dtype(device)
+        kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+        return cls(num_pages, page_size, dtype, kv_dtype, kv_cache_dtype, device, **rest)
+
+
 class ModelRunner:
     """Owns the model, its KV pool and the attention backend.
 
@@ -137,19 +200,10 @@ class ModelRunner:
         model: a :class:`~radixkv.model.loader.LoadedModel` (or anything with ``hf_model`` /
             ``config``), or a transformers config when ``state_dict`` is given.
         state_dict: weights in transformers' naming (only with a config as ``model``).
-        kv_cache_tokens: KV capacity in tokens (rounded up to pages); or give ``num_pages``.
-        num_pages: KV capacity in pages (overrides ``kv_cache_tokens``).
-        page_size: tokens per page.
-        dtype: weights/activations/KV dtype; ``None`` picks :func:`default_dtype`.
-        device: ``"cpu"`` or ``"cuda"``.
-        attention_backend: ``"torch"``, ``"triton"`` or ``None`` (triton on CUDA, else torch).
-        num_threads: intra-op CPU threads (``None`` leaves torch's setting).
-        kv_layout: ``"paged"`` or ``"virtual"`` (memfd pool, contiguous per-sequence ranges:
-            :mod:`radixkv.model.virtual_kv`; falls back to paged with a warning where the OS
-            page does not divide a KV page, or off Linux/CPU). ``self.virtual`` is set when on.
-        max_model_len: longest sequence (sizes the virtual ranges; default the model's context).
-        kv_cache_dtype: ``"auto"`` (pages in ``dtype``), ``"int8"`` or ``"fp8_e4m3"`` (codes
-            with a scale per token and head, :mod:`radixkv.model.kv_quant`).
+        spec: the pool, dtypes, device and layout (:class:`RunnerSpec`), or
+        knobs: :meth:`RunnerSpec.of`'s (``num_pages`` or ``kv_cache_tokens``, ``page_size``,
+            ``dtype``, ``device``, ``kv_cache_dtype``, ``attention_backend``, ``kv_layout``,
+            ``max_model_len``, ``num_threads``) for a spec made here.
     """
 
     def __init__(
@@ -157,29 +211,22 @@ class ModelRunner:
         model: Any,
         state_dict: dict[str, torch.Tensor] | None = None,
         *,
-        kv_cache_tokens: int = 16384,
-        num_pages: int | None = None,
-        page_size: int = 16,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str = "cpu",
-        attention_backend: str | None = None,
-        num_threads: int | None = None,
-        kv_layout: str = "paged",
-        max_model_len: int | None = None,
-        kv_cache_dtype: str = "auto",
+        spec: RunnerSpec | None = None,
+        **knobs: Any,
     ) -> None:
-        self.device = torch.device(device)
-        self.dtype = dtype if dtype is not None else default_dtype(self.device)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.kv_dtype = kv_storage_dtype(kv_cache_dtype, self.dtype)
-        if kv_layout == "virtual" and is_quantized(self.kv_dtype):
-            raise ValueError(
-                f"kv_cache_dtype={kv_cache_dtype!r} needs kv_layout='paged' (the virtual layout "
-                "stores K/V in the model's dtype); use kv_layout='paged', or kv_cache_dtype='auto'"
-            )
+        if spec is None:
+            spec = RunnerSpec.of(**knobs)
+        elif knobs:
+            raise TypeError(f"give a spec or knobs, not both (got {sorted(knobs)} too)")
+        self.spec = spec
+        self.device = spec.device
+        self.dtype = spec.dtype
+        self.kv_cache_dtype = spec.kv_cache_dtype
+        self.kv_dtype = spec.kv_dtype
+        kv_layout, max_model_len, page_size = spec.kv_layout, spec.max_model_len, spec.page_size
         warn_if_emulated_bf16(self.dtype, self.device)
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
+        if spec.num_threads is not None:
+            torch.set_num_threads(spec.num_threads)
         if state_dict is None and getattr(model, "weights", None) is not None:
             hf_config, state_dict = model.config, model.weights  # streamed (loader.py)
         elif state_dict is None:
@@ -194,15 +241,13 @@ class ModelRunner:
             raise ValueError(
                 f"{self.config.model_type} has sliding-window layers, which radixkv attends over "
                 f"paged pages in the model's dtype: use kv_layout='paged' and "
-                f"kv_cache_dtype='auto' (got {kv_layout!r}, {kv_cache_dtype!r})"
+                f"kv_cache_dtype='auto' (got {kv_layout!r}, {spec.kv_cache_dtype!r})"
             )
         self.model = LlamaModel.from_hf_state_dict(self.config, state_dict, self.dtype, self.device)
         self.page_size = page_size
-        if num_pages is None:
-            num_pages = max(1, -(-kv_cache_tokens // page_size))
         pool_args = (
             self.config.num_layers,
-            num_pages,
+            spec.num_pages,
             page_size,
             self.config.num_kv_heads,
             self.config.head_dim,
@@ -218,8 +263,6 @@ class ModelRunner:
             if problem is not None:
                 log.warning("%s; falling back to kv_layout='paged'", problem)
                 self.kv_layout = "paged"
-        elif kv_layout != "paged":
-            raise ValueError(f"unknown kv_layout {kv_layout!r}: use 'paged' or 'virtual'")
         if self.kv_layout == "virtual":
             from radixkv.model.attention.virtual_backend import VirtualAttentionBackend
             from radixkv.model.virtual_kv import VirtualKV, VirtualKVPool
@@ -231,7 +274,7 @@ class ModelRunner:
         else:
             self.pool = KVPool(*pool_args)
             self.backend = make_attention_backend(
-                attention_backend, self.device, self.dtype, self.config.head_dim, self.kv_dtype
+                spec.attention_backend, self.device, self.dtype, self.config.head_dim, self.kv_dtype
             )
             # quantized pages hold rotated rows (kv_quant's docstring)
             if is_rotated(self.kv_dtype):
