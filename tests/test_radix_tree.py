@@ -389,10 +389,10 @@ def test_integrity_catches_corruption() -> None:
     alloc, tree = make()
     put(tree, alloc, [1, 2, 3])
     put(tree, alloc, [1, 2, 4])
-    tree._evictable_size += 1
+    tree.eviction._evictable += 1  # corrupt the count the index keeps
     with pytest.raises(IntegrityError, match="evictable_size"):
         tree.check_integrity()
-    tree._evictable_size -= 1
+    tree.eviction._evictable -= 1
     leaf = tree.match_prefix([1, 2, 3]).node
     leaf.last_access += 100  # changed without re-sorting
     with pytest.raises(IntegrityError, match="stale"):

@@ -5,7 +5,8 @@ it to the token: the match stops at the last whole shared page, and the next pag
 that shared it first begins with the tokens the two still share. :meth:`PartialPages.partial_page`
 finds that page, so a request can copy its first rows instead of computing them
 (:meth:`radixkv.engine.kv_manager.KVManager.admit`; the simulator counts them the same way).
-:class:`PartialPages` is a mixin of :class:`radixkv.cache.radix_tree.RadixTree`.
+:class:`PartialPages` is the tree's ``partial`` part; ``RadixTree.partial_page`` and
+``RadixTree.reusable_rows`` are its methods.
 """
 
 from __future__ import annotations
@@ -25,11 +26,18 @@ PARTIAL_PAGE_SCAN = 256
 
 
 class PartialPages:
-    """Mixin: :meth:`partial_page` over a ``RadixTree``'s nodes (reads only)."""
+    """:meth:`partial_page` over a tree's nodes. Reads only, and owns no state: ``root``,
+    ``page_size`` and ``namespace`` (salt -> the namespace node, or ``None`` when there is
+    none; never creates one) are the tree's, given at construction."""
 
-    root: TreeNode
-    page_size: int
-    _namespace: Callable[[Hashable, bool], TreeNode | None]
+    __slots__ = ("root", "page_size", "namespace")
+
+    def __init__(
+        self, root: TreeNode, page_size: int, namespace: Callable[[Hashable], TreeNode | None]
+    ) -> None:
+        self.root = root
+        self.page_size = page_size
+        self.namespace = namespace
 
     def partial_page(
         self, node: TreeNode, tokens: Sequence[int], pos: int, limit: int, salt: Hashable = None
@@ -42,7 +50,7 @@ class PartialPages:
         (:meth:`KVManager.admit`). Scans at most ``PARTIAL_PAGE_SCAN`` children; changes
         nothing."""
         if node is self.root:
-            node = self._namespace(salt, create=False) or self.root
+            node = self.namespace(salt) or self.root
             if node is self.root and salt is not None:
                 return -1, 0
         if len(node.children) > PARTIAL_PAGE_SCAN or limit < 1:

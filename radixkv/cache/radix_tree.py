@@ -30,10 +30,8 @@ Locking
 nodes included). Hence ``lock_ref(n) >= sum(lock_ref(c) for c in children)`` (strictly more when
 ``n`` itself is a lock handle or pinned). A node is *protected* when ``lock_ref > 0`` and
 *evictable* otherwise; ``protected_size`` / ``evictable_size`` are the token sums of those nodes
-and ``total_size`` is their sum. Only evictable *leaves* can be evicted; they are kept in a
-sortedcontainers ``SortedList`` ordered by policy (``lru``: last access; ``lfu``: hit count then
-last access; ``fifo``: creation order), updated incrementally as nodes change
-(:mod:`radixkv.cache.eviction`).
+and ``total_size`` is their sum. Only evictable *leaves* can be evicted, in policy order (``lru``,
+``lfu``, ``fifo``: :mod:`radixkv.cache.eviction`).
 
 ``last_access`` is a logical timestamp (an operation counter), not wall time: eviction order is
 deterministic; the ``clock`` is only for pin expiry. The offload tiers hook evictions and inserts
@@ -41,22 +39,23 @@ through :meth:`RadixTree.observe` (:class:`TreeEvents`), once, at assembly.
 
 Where the pieces live
 ---------------------
-``RadixTree`` is the tree proper (walk, split, match, insert, lock, flush) plus three mixins, one
-idea each: :mod:`radixkv.cache.eviction` (the evictable-leaf index per policy and ``evict``),
-:mod:`radixkv.cache.residency` (host residency for the offload tiers: ``set_host_value``,
-``host_protect``, ``evict_host``; its docstring states the residency invariants),
-:mod:`radixkv.cache.pins` (``pin`` / ``unpin``: locks with an expiry). The plain data types are in
-:mod:`radixkv.cache.tree_node`, ``check_integrity`` in :mod:`radixkv.cache.tree_integrity`.
+``RadixTree`` is the tree proper (nodes, walk, split, match, insert, lock, flush) and owns four
+parts, each the one owner of its state (invariants in its docstring): ``eviction``
+(:class:`~radixkv.cache.eviction.EvictionIndex`: device leaves in policy order, the device sizes,
+the eviction loop), ``residency`` (:class:`~radixkv.cache.residency.HostResidency`: host leaves,
+``host_size``, device <-> host moves, host eviction), ``pins`` (:class:`~radixkv.cache.pins.Pins`)
+and ``partial`` (:class:`~radixkv.cache.partial_page.PartialPages`, reads only). They reach the
+tree only through what it hands them. Node types and structural helpers are in
+:mod:`radixkv.cache.tree_node`; ``check_integrity`` is :mod:`radixkv.cache.tree_integrity`,
+through the parts' read-only views.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
-
-from sortedcontainers import SortedList
 
 from radixkv.cache.allocator import BlockAllocator
 from radixkv.cache.eviction import EVICTION_POLICIES, EvictionIndex
@@ -70,15 +69,18 @@ from radixkv.cache.tree_node import (
     TreeEvents,
     TreeNode,
     add_subtree_counts,
+    child_key,
     collect_pages,
     common_prefix_len,
     count_nodes,
+    drop_unlocked,
+    split_edge,
 )
 
 __all__ = ["EVICTION_POLICIES", "MatchResult", "RadixTree", "TreeEvents", "TreeNode"]
 
 
-class RadixTree(EvictionIndex, HostResidency, Pins, PartialPages):
+class RadixTree:
     """Page-granular radix tree prefix cache; see the module docstring for the invariants.
 
     Args:
@@ -108,53 +110,74 @@ class RadixTree(EvictionIndex, HostResidency, Pins, PartialPages):
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self.clock = clock
-        self.on_evict = self.on_host_evict = self.on_insert = None  # set once, by observe()
-        self.host_allocator: BlockAllocator | None = None
+        #: The observer's device hooks (set once, by :meth:`observe`).
+        self.on_evict: Callable[[TreeNode, list[int]], None] | None = None
+        self.on_insert: Callable[[TreeNode], None] | None = None
         self._observed = False
-        #: Device tokens evicted so far; host tokens evicted so far.
-        self.num_evicted_tokens = 0
-        self.num_host_evicted_tokens = 0
         self._uids = itertools.count(1)
         self._tick = 0
         self.root = TreeNode([], [], None, 0)
-        self._leaves: SortedList = SortedList()
-        self._host_leaves: SortedList = SortedList()
-        self._host_size = 0
-        self._evictable_size = 0
-        self._protected_size = 0
-        self._pin_heap: list[tuple[float, int, TreeNode]] = []
-        self._num_pins = 0
+        self.eviction = EvictionIndex(eviction_policy, self.root, page_size, allocator)
+        self.residency = HostResidency(page_size, self.root, self.eviction)
+        namespace = functools.partial(self._namespace, create=False)
+        walk = functools.partial(self._walk, hit=False)
+        self.pins = Pins(
+            self.root, page_size, clock, self.lock, self.unlock, self.match_prefix, namespace, walk
+        )
+        self.partial = PartialPages(self.root, page_size, namespace)
 
     def observe(self, events: TreeEvents) -> None:
         """Hook the tree's one observer (the offload tiers); a second raises ``RuntimeError``."""
         if self._observed:
             raise RuntimeError("this tree already has an observer (one tier stack per tree)")
-        self._observed, self.host_allocator = True, events.host_allocator
-        self.on_evict, self.on_host_evict = events.on_evict, events.on_host_evict
-        self.on_insert = events.on_insert
+        self._observed = True
+        self.residency.attach(events.host_allocator, events.on_host_evict)
+        self.on_evict, self.on_insert = events.on_evict, events.on_insert
 
     # ================================================================== sizes
     @property
     def evictable_size(self) -> int:
         """Tokens in unlocked, unpinned nodes (evictable once their descendants are gone)."""
-        self._expire_pins()
-        return self._evictable_size
+        self.pins.expire()
+        return self.eviction.evictable_size
 
     @property
     def protected_size(self) -> int:
         """Tokens in nodes with ``lock_ref > 0`` (locked by a request or pinned)."""
-        self._expire_pins()
-        return self._protected_size
+        self.pins.expire()
+        return self.eviction.protected_size
 
     @property
     def total_size(self) -> int:
         """Tokens cached in the tree (``evictable_size + protected_size``)."""
-        return self._evictable_size + self._protected_size
+        return self.eviction.evictable_size + self.eviction.protected_size
+
+    @property
+    def host_size(self) -> int:
+        """Tokens held in host pages (host-only nodes and nodes on both tiers)."""
+        return self.residency.host_size
+
+    @property
+    def num_evicted_tokens(self) -> int:
+        """Device tokens evicted so far."""
+        return self.eviction.num_evicted_tokens
+
+    @property
+    def num_host_evicted_tokens(self) -> int:
+        """Host tokens evicted so far."""
+        return self.residency.num_evicted_tokens
+
+    @property
+    def host_allocator(self) -> BlockAllocator | None:
+        """The host page pool of the observer's host tier (``None``: no host copies)."""
+        return self.residency.allocator
+
+    @property
+    def tick(self) -> int:
+        """The logical clock ``last_access`` is on (one tick per walk)."""
+        return self._tick
 
     # ================================================================== helpers
-    def _child_key(self, key: list[int]) -> Any:
-        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
-
     def _namespace(self, salt: Hashable, create: bool) -> TreeNode | None:
         if salt is None:
             return self.root
@@ -168,39 +191,10 @@ class RadixTree(EvictionIndex, HostResidency, Pins, PartialPages):
             self.root.sub_nodes += 1
         return ns
 
-    def _split(self, child: TreeNode, m: int) -> TreeNode:
+    def split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after ``m`` tokens (0 < m < len(key), page aligned); return the new
-        upper node. The cached prefixes, sizes and the evictable-leaf set do not change."""
-        P = self.page_size
-        parent = child.parent
-        assert parent is not None
-        value = child.value
-        mid = TreeNode(
-            child.key[:m],
-            None if value is None else value[: m // P],
-            parent,
-            next(self._uids),
-            child.salt,
-        )
-        mid.lock_ref = child.lock_ref
-        mid.last_access = child.last_access
-        mid.hit_count = child.hit_count
-        mid.created = child.created
-        mid.dev_children = 0 if value is None else 1
-        mid.sub_tokens = child.sub_tokens
-        mid.sub_nodes = child.sub_nodes + 1
-        child.sub_tokens -= m
-        add_subtree_counts(parent, 0, 1)
-        if child.host_value is not None:
-            mid.host_value = child.host_value[: m // P]
-            child.host_value = child.host_value[m // P :]
-        parent.children[self._child_key(child.key)] = mid
-        child.key = child.key[m:]
-        if value is not None:
-            child.value = value[m // P :]
-        child.parent = mid
-        mid.children[self._child_key(child.key)] = child
-        return mid
+        upper node. The cached prefixes, sizes and the evictable-leaf sets do not change."""
+        return split_edge(child, m, self.page_size, next(self._uids))
 
     def _walk(
         self,
@@ -234,21 +228,13 @@ class RadixTree(EvictionIndex, HostResidency, Pins, PartialPages):
             if partial:
                 m = common_prefix_len(key, tokens, pos, n - pos)
                 m -= m % P  # >= P: the first page matched
-                child = self._split(child, m)
+                child = split_edge(child, m, P, next(self._uids))
                 end = pos + m
             # touch (re-sort the node if it is an evictable leaf)
             if child.evict_entry is not None:
-                self._remove_leaf(child)
-                child.last_access = tick
-                if hit:
-                    child.hit_count += 1
-                self._add_leaf(child)
+                self.eviction.touch(child, tick, hit)
             elif child.host_entry is not None:
-                self._remove_host_leaf(child)
-                child.last_access = tick
-                if hit:
-                    child.hit_count += 1
-                self._add_host_leaf(child)
+                self.residency.touch(child, tick, hit)
             else:
                 child.last_access = tick
                 if hit:
@@ -344,105 +330,105 @@ class RadixTree(EvictionIndex, HostResidency, Pins, PartialPages):
             ret = at
             for hn in host_path:
                 k = len(hn.key)
-                self.set_device_value(hn, list(pages[at // P : (at + k) // P]))
+                self.residency.set_device_value(hn, list(pages[at // P : (at + k) // P]))
                 at += k
         if pos < n:
             leaf = TreeNode(
                 tokens[pos:n], list(pages[pos // P : n // P]), node, next(self._uids), salt
             )
             leaf.last_access = self._tick
-            if node.evict_entry is not None:
-                self._remove_leaf(node)
             node.dev_children += 1
-            node.children[self._child_key(leaf.key)] = leaf
+            node.children[child_key(leaf.key, P)] = leaf
             add_subtree_counts(node, n - pos, 1)
-            self._evictable_size += n - pos
-            self._add_leaf(leaf)
+            self.eviction.inserted(node, leaf)
             if self.on_insert is not None:
                 self.on_insert(leaf)
         return ret
 
     def lock(self, node: TreeNode | None) -> None:
         """Protect ``node`` and its ancestors from eviction (one lock count each)."""
-        root = self.root
         if node is not None and node.value is None:
             raise ValueError(f"cannot lock {node!r}: it is not on the device")
-        while node is not None and node is not root:
-            if node.lock_ref == 0:
-                k = len(node.key)
-                self._evictable_size -= k
-                self._protected_size += k
-                if node.evict_entry is not None:
-                    self._remove_leaf(node)
-            node.lock_ref += 1
-            node = node.parent
+        self.eviction.lock(node)
 
     def unlock(self, node: TreeNode | None) -> None:
         """Release one :meth:`lock` of ``node``. Raises ``ValueError`` if it is not locked."""
-        root = self.root
-        if node is not None and node is not root and node.lock_ref <= 0:
+        if node is not None and node is not self.root and node.lock_ref <= 0:
             raise ValueError(f"unlock of a node that is not locked: {node!r}")
-        while node is not None and node is not root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                k = len(node.key)
-                self._evictable_size += k
-                self._protected_size -= k
-                if node.dev_children == 0 and not node.is_namespace:
-                    self._add_leaf(node)
-            node = node.parent
+        self.eviction.unlock(node)
 
-    def _drop_node(self, node: TreeNode) -> None:
-        """Detach an unlocked leaf from its parent (no page handling)."""
-        parent = node.parent
-        assert parent is not None
-        if node.value is not None:
-            parent.dev_children -= 1
-        if node.is_namespace:
-            del parent.children[NamespaceKey(node.salt)]
-        else:
-            del parent.children[self._child_key(node.key)]
-        node.parent = None
-        add_subtree_counts(parent, -node.sub_tokens, -node.sub_nodes)
+    # ------------------------------------------------------------------ eviction, pins
+    def evict(self, num_tokens: int) -> int:
+        """Evict unlocked, unpinned device leaves in policy order until >= ``num_tokens`` device
+        tokens are gone or nothing is evictable (:meth:`EvictionIndex.evict
+        <radixkv.cache.eviction.EvictionIndex.evict>`: ``on_evict`` first, a node the hook gave
+        host pages stays host-only). Returns the number of device tokens evicted."""
+        self.pins.expire()
+        return self.eviction.evict(num_tokens, self.on_evict, self.residency.device_evicted)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Evict host leaves in policy order until >= ``num_tokens`` host tokens are gone or none
+        is left (:meth:`HostResidency.evict <radixkv.cache.residency.HostResidency.evict>`)."""
+        return self.residency.evict(num_tokens)
+
+    def pin(
+        self,
+        tokens: Sequence[int],
+        salt: Hashable = None,
+        ttl: float | None = None,
+        *,
+        budget: int | None = None,
+        namespace_budget: int | None = None,
+    ) -> int:
+        """Pin the cached prefix of ``tokens`` until ``ttl`` seconds pass (``None``: until
+        unpinned); returns the tokens pinned (:meth:`Pins.pin <radixkv.cache.pins.Pins.pin>`,
+        which raises ``PinBudgetError`` past ``budget`` / ``namespace_budget``)."""
+        return self.pins.pin(tokens, salt, ttl, budget=budget, namespace_budget=namespace_budget)
+
+    def unpin(self, tokens: Sequence[int], salt: Hashable = None) -> int:
+        """Remove every pin on the cached path of ``tokens``; returns the number of pins removed."""
+        return self.pins.unpin(tokens, salt)
+
+    def unpin_all(self) -> int:
+        """Remove every pin (a flush that drops pins); returns the number removed."""
+        return self.pins.unpin_all()
+
+    def pinned_tokens(self, salt: Hashable = None, *, whole_tree: bool = False) -> int:
+        """Tokens held by pins in the namespace of ``salt`` (``whole_tree``: everywhere)."""
+        return self.pins.pinned_tokens(salt, whole_tree=whole_tree)
+
+    @property
+    def num_pins(self) -> int:
+        """Number of pinned nodes."""
+        return self.pins.num_pins
+
+    def expire_pins(self) -> None:
+        """Drop pins whose ttl has passed (otherwise done lazily)."""
+        self.pins.expire()
+
+    # ------------------------------------------------------------------ partial pages
+    def partial_page(
+        self, node: TreeNode, tokens: Sequence[int], pos: int, limit: int, salt: Hashable = None
+    ) -> tuple[int, int]:
+        """:meth:`PartialPages.partial_page <radixkv.cache.partial_page.PartialPages.partial_page>`:
+        a device page below ``node`` that starts like ``tokens[pos : pos + limit]``."""
+        return self.partial.partial_page(node, tokens, pos, limit, salt)
+
+    def reusable_rows(
+        self, node: TreeNode, tokens: Sequence[int], pos: int, salt: Hashable = None
+    ) -> tuple[int, int]:
+        """:meth:`PartialPages.reusable_rows <radixkv.cache.partial_page.PartialPages.reusable_rows>`:
+        the partial page the engine and the simulator reuse, or ``(-1, 0)``."""
+        return self.partial.reusable_rows(node, tokens, pos, salt)
 
     # ------------------------------------------------------------------ flush
     def reset(self) -> int:
         """Flush: drop every unlocked node (pinned nodes are locked, so they stay). Pages go back
         to the allocator; ``on_evict`` is *not* called. Returns the number of tokens dropped."""
-        self._expire_pins()
-        alloc = self.allocator
-        halloc = self.host_allocator
-        dropped = 0
-        dropped_host = 0
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            for ck, child in list(node.children.items()):
-                if child.lock_ref == 0:
-                    del node.children[ck]
-                    sub = [child]
-                    while sub:
-                        x = sub.pop()
-                        sub.extend(x.children.values())
-                        x.parent = None
-                        x.evict_entry = None
-                        x.host_entry = None
-                        if x.value is not None:
-                            dropped += len(x.key)
-                            if alloc is not None and x.value:
-                                alloc.free(x.value)
-                        if x.host_value is not None:
-                            dropped_host += len(x.key)
-                            if halloc is not None and x.host_value:
-                                halloc.free(x.host_value)
-                else:
-                    stack.append(child)
-            # every child left is locked, hence device resident
-            node.dev_children = len(node.children)
-        self._leaves.clear()
-        self._host_leaves.clear()
-        self._evictable_size -= dropped
-        self._host_size -= dropped_host
+        self.pins.expire()
+        dropped, dropped_host = drop_unlocked(self.root, self.allocator, self.residency.allocator)
+        self.eviction.clear(dropped)
+        self.residency.clear(dropped_host)
         recount_subtrees(self.root)
         return dropped
 
@@ -460,23 +446,13 @@ class RadixTree(EvictionIndex, HostResidency, Pins, PartialPages):
         return count_nodes(self.root)
 
     def check_integrity(self) -> None:
-        """Recompute everything and compare; raise :class:`IntegrityError` on a mismatch.
-
-        Checks: key length == len(value) * page_size and page aligned (non-empty below
-        namespaces), child keys and parent links consistent, each page referenced once in the
-        tree and held (refcount >= 1) in the allocator, ``lock_ref >= sum(children lock_ref) +
-        pinned``, evictable/protected sizes equal the recomputed sums, the evictable-leaf set is
-        exactly the set of unlocked non-namespace leaves with up-to-date sort entries, and the
-        pin count matches, ``sub_tokens`` / ``sub_nodes`` equal the recomputed subtree sums.
-        Residency: every node is on the device or the host, device closure,
-        host-only nodes unlocked, ``dev_children`` counts, host pages (length, uniqueness, held in
-        ``host_allocator``), ``host_size`` and the host-leaf set.
-        """
+        """Recompute everything and compare; raise :class:`IntegrityError` on a mismatch (the
+        checks: :func:`~radixkv.cache.tree_integrity.check_tree_integrity`)."""
         check_tree_integrity(self)
 
     def __repr__(self) -> str:
         return (
             f"RadixTree(page_size={self.page_size}, policy={self.eviction_policy}, "
-            f"total={self.total_size}, evictable={self._evictable_size}, "
-            f"protected={self._protected_size})"
+            f"total={self.total_size}, evictable={self.eviction.evictable_size}, "
+            f"protected={self.eviction.protected_size})"
         )

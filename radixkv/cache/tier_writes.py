@@ -85,7 +85,7 @@ class TierWrites:
             return False
         if self.host is not None and self.kv_pool is not None:
             self.host.save(self.kv_pool, pages, hp)
-        self.tree.set_host_value(node, hp)
+        self.tree.residency.set_host_value(node, hp)
         self.counters["host_writes"] += len(pages)
         return True
 

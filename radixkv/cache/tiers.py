@@ -177,7 +177,7 @@ class TieredCache(TierDurability):
         for hn in host_nodes:
             k = len(hn.key) // P
             if k > left:
-                out.append(self.tree._split(hn, left * P))
+                out.append(self.tree.split(hn, left * P))
                 break
             out.append(hn)
             left -= k
@@ -264,7 +264,7 @@ class TieredCache(TierDurability):
         protected = host_nodes[-1] if host_nodes else None
         unloaded = 0
         if protected is not None:
-            tree.host_protect(protected)
+            tree.residency.protect(protected)
         try:
             if alloc is not None:
                 if not partial and alloc.num_free + tree.evictable_size // P < need + reserve_pages:
@@ -302,13 +302,13 @@ class TieredCache(TierDurability):
                 at = 0
                 for hn in host_nodes:
                     k = len(hn.key) // P
-                    tree.set_device_value(hn, dev_pages[at : at + k])
+                    tree.residency.set_device_value(hn, dev_pages[at : at + k])
                     at += k
                 self.counters["host_loads"] += 1
                 self.counters["host_load_pages"] += nh
         finally:
             if protected is not None:
-                tree.host_unprotect(protected)
+                tree.residency.unprotect(protected)
         total = dev + nh * P
         if payloads:  # disk -> device, then into the tree
             disk_pages = dev_pages[nh:]

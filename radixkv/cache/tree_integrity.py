@@ -1,52 +1,68 @@
 """``RadixTree.check_integrity``: recompute every invariant of the tree from scratch.
 
-The checker is the tree's own audit, so it reads the tree's private bookkeeping; :class:`TreeState`
+The audit walks the nodes and compares what it recounts with what the tree's parts keep, read
+through their public read-only views (``eviction.leaves()`` / ``evictable_size`` /
+``protected_size``, ``residency.leaves()`` / ``host_size``, ``pins.count``); :class:`TreeState`
 names exactly what it reads (and keeps this module free of an import of ``radix_tree``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from radixkv.cache.allocator import BlockAllocator, IntegrityError
-from radixkv.cache.tree_node import NamespaceKey, TreeNode
+from radixkv.cache.eviction import EvictionIndex
+from radixkv.cache.pins import Pins
+from radixkv.cache.residency import HostResidency
+from radixkv.cache.tree_node import NamespaceKey, TreeNode, child_key
 
 
 class TreeState(Protocol):
-    """The parts of a :class:`~radixkv.cache.radix_tree.RadixTree` the audit recomputes."""
+    """What the audit reads of a :class:`~radixkv.cache.radix_tree.RadixTree`."""
 
-    root: TreeNode
-    page_size: int
-    allocator: BlockAllocator
-    host_allocator: BlockAllocator | None
-    _leaves: Any
-    _host_leaves: Any
-    _host_size: int
-    _evictable_size: int
-    _protected_size: int
-    _num_pins: int
-    _child_key: Callable[[list[int]], Any]
-    _sort_entry: Callable[..., Any]
-    _expire_pins: Callable[[], Any]
+    @property
+    def root(self) -> TreeNode: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def allocator(self) -> BlockAllocator | None: ...
+    @property
+    def eviction(self) -> EvictionIndex: ...
+    @property
+    def residency(self) -> HostResidency: ...
+    @property
+    def pins(self) -> Pins: ...
 
 
 __all__ = ["TreeState", "check_tree_integrity", "recount_subtrees", "subtree_counts"]
 
 
 def check_tree_integrity(tree: TreeState) -> None:
-    """The body of :meth:`RadixTree.check_integrity` (its docstring lists the checks); raises
-    :class:`IntegrityError` on the first mismatch."""
-    tree._expire_pins()
+    """The body of :meth:`RadixTree.check_integrity`; raises :class:`IntegrityError` on the first
+    mismatch.
+
+    Checks: key length == len(value) * page_size and page aligned (non-empty below namespaces),
+    child keys and parent links consistent, each page referenced once in the tree and held
+    (refcount >= 1) in the allocator, ``lock_ref >= sum(children lock_ref) + pinned``,
+    evictable/protected sizes equal the recomputed sums, the evictable-leaf set is exactly the set
+    of unlocked non-namespace leaves with up-to-date sort entries, and the pin count matches,
+    ``sub_tokens`` / ``sub_nodes`` equal the recomputed subtree sums. Residency: every node is on
+    the device or the host, device closure, host-only nodes unlocked, ``dev_children`` counts,
+    host pages (length, uniqueness, held in the host allocator), ``host_size`` and the host-leaf
+    set.
+    """
+    eviction, residency, pins = tree.eviction, tree.residency, tree.pins
+    pins.expire()
     P = tree.page_size
     alloc = tree.allocator
-    halloc = tree.host_allocator
+    halloc = residency.allocator
+    entry = eviction.entry
     seen_pages: set[int] = set()
     seen_host: set[int] = set()
     evictable = 0
     protected = 0
     host_size = 0
-    pins = 0
+    num_pins = 0
     expected_leaves: set[int] = set()
     expected_host_leaves: set[int] = set()
 
@@ -71,7 +87,7 @@ def check_tree_integrity(tree: TreeState) -> None:
             else:
                 if not child.key:
                     fail(f"{child!r} has an empty key")
-                if ck != tree._child_key(child.key):
+                if ck != child_key(child.key, P):
                     fail(f"{child!r} stored under child key {ck!r}, expected first page")
             child_locks += child.lock_ref
             if child.value is not None:
@@ -117,13 +133,13 @@ def check_tree_integrity(tree: TreeState) -> None:
                 fail(f"host-only {node!r} is in the device evictable set")
             if not node.children and node.host_ref == 0:
                 expected_host_leaves.add(node.uid)
-            if node.host_entry is not None and node.host_entry != tree._sort_entry(node):
+            if node.host_entry is not None and node.host_entry != entry(node):
                 fail(f"{node!r}: stale host eviction entry")
             continue
         if node.host_entry is not None:
             fail(f"device-resident {node!r} is in the host evictable set")
         pinned = 1 if node.pin_expiry is not None else 0
-        pins += pinned
+        num_pins += pinned
         if node.lock_ref < child_locks + pinned:
             fail(
                 f"{node!r}: lock_ref {node.lock_ref} < children locks {child_locks} + pin {pinned}"
@@ -134,15 +150,15 @@ def check_tree_integrity(tree: TreeState) -> None:
             evictable += len(node.key)
             if node.dev_children == 0 and not node.is_namespace:
                 expected_leaves.add(node.uid)
-        if node.evict_entry is not None and node.evict_entry != tree._sort_entry(node):
+        if node.evict_entry is not None and node.evict_entry != entry(node):
             fail(f"{node!r}: stale eviction entry {node.evict_entry[:-1]}")
-    if evictable != tree._evictable_size:
-        fail(f"evictable_size {tree._evictable_size} != recomputed {evictable}")
-    if protected != tree._protected_size:
-        fail(f"protected_size {tree._protected_size} != recomputed {protected}")
-    if pins != tree._num_pins:
-        fail(f"num_pins {tree._num_pins} != recomputed {pins}")
-    actual = [e[-1] for e in tree._leaves]
+    if evictable != eviction.evictable_size:
+        fail(f"evictable_size {eviction.evictable_size} != recomputed {evictable}")
+    if protected != eviction.protected_size:
+        fail(f"protected_size {eviction.protected_size} != recomputed {protected}")
+    if num_pins != pins.count:
+        fail(f"num_pins {pins.count} != recomputed {num_pins}")
+    actual = eviction.leaves()
     actual_ids = {x.uid for x in actual}
     if len(actual_ids) != len(actual) or actual_ids != expected_leaves:
         fail(
@@ -152,10 +168,10 @@ def check_tree_integrity(tree: TreeState) -> None:
     for x in actual:
         if x.evict_entry is None or x.parent is None:
             fail(f"{x!r} in the evictable set but detached or without an entry")
-    tree._leaves._check()
-    if host_size != tree._host_size:
-        fail(f"host_size {tree._host_size} != recomputed {host_size}")
-    hactual = [e[-1] for e in tree._host_leaves]
+    eviction.check_order()
+    if host_size != residency.host_size:
+        fail(f"host_size {residency.host_size} != recomputed {host_size}")
+    hactual = residency.leaves()
     hids = {x.uid for x in hactual}
     if len(hids) != len(hactual) or hids != expected_host_leaves:
         fail(
@@ -165,7 +181,7 @@ def check_tree_integrity(tree: TreeState) -> None:
     for x in hactual:
         if x.host_entry is None or x.parent is None:
             fail(f"{x!r} in the host evictable set but detached or without an entry")
-    tree._host_leaves._check()
+    residency.check_order()
     for node, (tokens, nodes) in subtree_counts(tree.root).items():
         if node.sub_tokens != tokens or node.sub_nodes != nodes:
             fail(

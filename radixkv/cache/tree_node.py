@@ -1,9 +1,11 @@
 """The radix tree's node, match result and observer hooks (plain data; mutate only through
-``RadixTree``).
+``RadixTree`` and the parts it owns).
 
 A :class:`TreeNode` is one edge: ``key`` token ids, ``value`` device pages, ``host_value`` host
 pages, lock and eviction bookkeeping. :class:`NamespaceKey` is the child key under ``root`` of a
-salted namespace. :class:`TreeEvents` is what the offload tiers hook. See :mod:`radixkv.cache.radix_tree` for the invariants the tree keeps over them.
+salted namespace. :class:`TreeEvents` is what the offload tiers hook. :func:`child_key` and
+:func:`detach` are the two structural helpers the tree and its host residency share. See
+:mod:`radixkv.cache.radix_tree` for the invariants the tree keeps over them.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ __all__ = [
     "TreeEvents",
     "TreeNode",
     "add_subtree_counts",
+    "child_key",
     "collect_pages",
     "common_prefix_len",
     "count_nodes",
+    "detach",
+    "drop_unlocked",
+    "split_edge",
 ]
 
 
@@ -37,7 +43,7 @@ class NamespaceKey:
 class TreeNode:
     """One edge of the radix tree.
 
-    Fields (read them freely; mutate only through :class:`RadixTree`):
+    Fields (read them freely; mutate only through :class:`RadixTree` and its parts):
 
     * ``key``: token ids of this edge (``len(key) == len(value) * page_size``; empty only for the
       root and namespace nodes);
@@ -102,10 +108,10 @@ class TreeNode:
         self.pin_expiry: float | None = None
         self.salt = salt
         self.is_namespace = False
-        # The tuple currently stored in the tree's evictable-leaf SortedList, or None.
+        # The tuple currently stored in the tree's EvictionIndex (device leaves), or None.
         self.evict_entry: tuple | None = None
         self.host_value: list[int] | None = None
-        # The tuple currently stored in the tree's host-leaf SortedList, or None.
+        # The tuple currently stored in the tree's HostResidency (host leaves), or None.
         self.host_entry: tuple | None = None
         self.host_ref = 0
         self.dev_children = 0
@@ -143,6 +149,95 @@ def add_subtree_counts(node: TreeNode | None, tokens: int, nodes: int) -> None:
         node.sub_tokens += tokens
         node.sub_nodes += nodes
         node = node.parent
+
+
+def child_key(key: list[int], page_size: int) -> Any:
+    """The key of a child with edge ``key`` in its parent's ``children``: its first page (the
+    first token when ``page_size == 1``, else the tuple of the first ``page_size`` tokens)."""
+    return key[0] if page_size == 1 else tuple(key[:page_size])
+
+
+def detach(node: TreeNode, page_size: int) -> None:
+    """Take ``node`` (and its subtree) out of its parent's children, device-children count and
+    subtree counts. No page or eviction-index handling: that is the caller's."""
+    parent = node.parent
+    assert parent is not None
+    if node.value is not None:
+        parent.dev_children -= 1
+    if node.is_namespace:
+        del parent.children[NamespaceKey(node.salt)]
+    else:
+        del parent.children[child_key(node.key, page_size)]
+    node.parent = None
+    add_subtree_counts(parent, -node.sub_tokens, -node.sub_nodes)
+
+
+def split_edge(child: TreeNode, m: int, page_size: int, uid: int) -> TreeNode:
+    """Split ``child``'s edge after ``m`` tokens (0 < m < len(key), page aligned) with a new
+    upper node of id ``uid``, which is returned: it takes the first ``m`` tokens and their
+    device / host pages, and ``child``'s lock, access and creation marks. The cached prefixes and
+    every size stay the same; ``child`` keeps its eviction entries (its sort fields do not
+    change)."""
+    P = page_size
+    parent = child.parent
+    assert parent is not None
+    value = child.value
+    mid = TreeNode(
+        child.key[:m], None if value is None else value[: m // P], parent, uid, child.salt
+    )
+    mid.lock_ref = child.lock_ref
+    mid.last_access = child.last_access
+    mid.hit_count = child.hit_count
+    mid.created = child.created
+    mid.dev_children = 0 if value is None else 1
+    mid.sub_tokens = child.sub_tokens
+    mid.sub_nodes = child.sub_nodes + 1
+    child.sub_tokens -= m
+    add_subtree_counts(parent, 0, 1)
+    if child.host_value is not None:
+        mid.host_value = child.host_value[: m // P]
+        child.host_value = child.host_value[m // P :]
+    parent.children[child_key(child.key, P)] = mid
+    child.key = child.key[m:]
+    if value is not None:
+        child.value = value[m // P :]
+    child.parent = mid
+    mid.children[child_key(child.key, P)] = child
+    return mid
+
+
+def drop_unlocked(
+    root: TreeNode, allocator: BlockAllocator | None, host_allocator: BlockAllocator | None
+) -> tuple[int, int]:
+    """Detach every unlocked node under ``root`` (a flush), freeing its device pages to
+    ``allocator`` and its host pages to ``host_allocator``; the subtree counts are left to the
+    caller. Returns the device and the host tokens dropped."""
+    dropped = 0
+    dropped_host = 0
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for ck, child in list(node.children.items()):
+            if child.lock_ref == 0:
+                del node.children[ck]
+                sub = [child]
+                while sub:
+                    x = sub.pop()
+                    sub.extend(x.children.values())
+                    x.parent = None
+                    if x.value is not None:
+                        dropped += len(x.key)
+                        if allocator is not None and x.value:
+                            allocator.free(x.value)
+                    if x.host_value is not None:
+                        dropped_host += len(x.key)
+                        if host_allocator is not None and x.host_value:
+                            host_allocator.free(x.host_value)
+            else:
+                stack.append(child)
+        # every child left is locked, hence device resident
+        node.dev_children = len(node.children)
+    return dropped, dropped_host
 
 
 @dataclass

@@ -222,7 +222,7 @@ def tree_view(
             text = text[:snippet_chars] + "…"
         return text
 
-    tick = tree._tick
+    tick = tree.tick
     out: list[dict[str, Any]] = [
         {
             "id": root.uid,
