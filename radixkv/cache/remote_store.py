@@ -209,6 +209,10 @@ class RemoteStore(ShardHealth):
         t = self._recent.get(key)
         return t is None or time.monotonic() - t > self.recent_ttl
 
+    def known(self, key: bytes) -> bool:
+        """Held without asking the server: in the simulated LRU, or not :meth:`wants` (lately)."""
+        return key in self._sim if self._sim is not None else not self.wants(key)
+
     def to_send(self, keys: Sequence[bytes]) -> list[int]:
         """Indices of the ``keys`` worth snapshotting for :meth:`put`: wanted (:meth:`wants`),
         on a shard that is up (the others are counted in ``writes_skipped_down``), and no more
@@ -311,13 +315,9 @@ class RemoteStore(ShardHealth):
             except queue.Empty:
                 self.probe()
                 continue
-            items: list[tuple[bytes, Any]] = []
-            stop = False
+            items: list[tuple[bytes, Any]] = [] if item is None else [item]
+            stop = item is None
             done = 1
-            if item is None:
-                stop = True
-            else:
-                items.append(item)
             while not stop and len(items) < self.batch_pages:
                 try:
                     nxt = self._queue.get_nowait()

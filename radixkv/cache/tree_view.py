@@ -130,10 +130,6 @@ def salt_label(salt: Hashable, key: bytes | None = None) -> str:
     return digest[:SALT_LABEL_CHARS]
 
 
-def _not(fn: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
-    return lambda key: not fn(key)
-
-
 class _Stores:
     """The page stores beneath the host tier that residency is looked up in (disk, remote)."""
 
@@ -150,12 +146,10 @@ class _Stores:
                 continue
             if callable(getattr(store, "contains", None)):
                 self.stores[name] = store.contains
-            elif getattr(store, "_sim", None) is not None:  # a simulated remote store
-                self.stores[name] = store._sim.__contains__
-            elif callable(getattr(store, "wants", None)):
+            elif callable(getattr(store, "known", None)):
                 # a remote store is not asked over the network: a page it does not want is
-                # queued or was written recently by this process
-                self.stores[name] = _not(store.wants)
+                # queued or was written recently by this process (or is in a simulated LRU)
+                self.stores[name] = store.known
         self._last: dict[int, bytes] = {}  # node uid -> hash of its last page
 
     def residency(self, node: TreeNode, parent: TreeNode) -> dict[str, bool]:
