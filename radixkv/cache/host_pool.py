@@ -1,4 +1,5 @@
-"""Host-memory KV pages: the second tier under the device :class:`~radixkv.model.kv_pool.KVPool`.
+"""Host-memory KV pages: the second tier under the device pool (a
+:class:`~radixkv.cache.page_pool.PagePool`, the model's ``KVPool``).
 
 A :class:`HostPool` holds ``num_pages`` pages laid out like the device pool but with the layer as
 the leading dimension: ``k, v [num_layers, num_pages, page_size, num_kv_heads, head_dim]``, in
@@ -24,7 +25,7 @@ from radixkv.cache.allocator import BlockAllocator, IntegrityError
 if TYPE_CHECKING:
     import torch
 
-    from radixkv.model.kv_pool import KVPool
+    from radixkv.cache.page_pool import PagePool
 
 __all__ = ["HostPool", "pages_to_payloads", "payloads_to_pages"]
 
@@ -72,7 +73,7 @@ class HostPool:
             self.pinned = pin
 
     @classmethod
-    def like(cls, kv_pool: KVPool, num_pages: int) -> HostPool:
+    def like(cls, kv_pool: PagePool, num_pages: int) -> HostPool:
         """A host pool with ``kv_pool``'s page layout (pinned when the device is CUDA); a
         quantized pool's rows are kept as they are, codes and scale (``head_dim`` is then the
         row's ``D + 2``, :mod:`radixkv.model.kv_quant`)."""
@@ -81,7 +82,7 @@ class HostPool:
             kv_pool.page_size,
             kv_pool.num_layers,
             kv_pool.num_kv_heads,
-            getattr(kv_pool, "row_dim", kv_pool.head_dim),
+            kv_pool.row_dim,
             kv_pool.dtype,
             pin_memory=kv_pool.device.type == "cuda",
         )
@@ -109,7 +110,7 @@ class HostPool:
         return self.allocator.num_used
 
     # ------------------------------------------------------------------ copies
-    def save(self, kv_pool: KVPool, dev_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+    def save(self, kv_pool: PagePool, dev_pages: Sequence[int], host_pages: Sequence[int]) -> None:
         """Copy device pages ``dev_pages[i]`` of ``kv_pool`` into host pages ``host_pages[i]``."""
         if len(dev_pages) != len(host_pages):
             raise ValueError(f"save: {len(dev_pages)} device pages but {len(host_pages)} host")
@@ -122,7 +123,7 @@ class HostPool:
         self.k.index_copy_(1, hidx, k.to("cpu", self.dtype))
         self.v.index_copy_(1, hidx, v.to("cpu", self.dtype))
 
-    def load(self, kv_pool: KVPool, host_pages: Sequence[int], dev_pages: Sequence[int]) -> None:
+    def load(self, kv_pool: PagePool, host_pages: Sequence[int], dev_pages: Sequence[int]) -> None:
         """Copy host pages ``host_pages[i]`` into device pages ``dev_pages[i]`` of ``kv_pool``."""
         if len(dev_pages) != len(host_pages):
             raise ValueError(f"load: {len(host_pages)} host pages but {len(dev_pages)} device")

@@ -18,8 +18,8 @@ from radixkv.cache.radix_tree import RadixTree, TreeNode
 
 if TYPE_CHECKING:
     from radixkv.cache.host_pool import HostPool
+    from radixkv.cache.page_pool import PagePool
     from radixkv.cache.remote_store import RemoteStore
-    from radixkv.model.kv_pool import KVPool
 
 logger = logging.getLogger("radixkv.cache.tiers")
 
@@ -31,7 +31,7 @@ class TierWrites:
 
     tree: RadixTree
     allocator: BlockAllocator
-    kv_pool: KVPool | None
+    kv_pool: PagePool | None
     host: HostPool | None
     disk: DiskStore | None
     remote: RemoteStore | None

@@ -59,8 +59,8 @@ from radixkv.cache.tier_durability import CLOSE_TIMEOUT_S, TierDurability
 
 if TYPE_CHECKING:
     from radixkv.cache.host_pool import HostPool
+    from radixkv.cache.page_pool import PagePool
     from radixkv.cache.remote_store import RemoteStore
-    from radixkv.model.kv_pool import KVPool
 
 __all__ = ["CLOSE_TIMEOUT_S", "LoadResult", "TieredCache"]
 
@@ -88,7 +88,8 @@ class TieredCache(TierDurability):
     Args:
         tree: the device prefix cache; the tiers become its observer (``tree.observe``).
         allocator: the device page allocator.
-        kv_pool: the device KV tensors, or ``None`` for bookkeeping only (simulation).
+        kv_pool: the device KV pages (a :class:`~radixkv.cache.page_pool.PagePool`, the model's
+            ``KVPool``), or ``None`` for bookkeeping only (simulation).
         host: the host page pool, or ``None`` (no host tier).
         disk: the disk store, or ``None`` (no disk tier).
         write_policy: ``"write_back"`` (copy to the host on device eviction) or
@@ -108,7 +109,7 @@ class TieredCache(TierDurability):
         self,
         tree: RadixTree,
         allocator: BlockAllocator | None,
-        kv_pool: KVPool | None,
+        kv_pool: PagePool | None,
         host: HostPool | None,
         disk: DiskStore | None,
         write_policy: str = "write_back",
@@ -321,7 +322,7 @@ class TieredCache(TierDurability):
                     pool.num_layers,
                     P,
                     pool.num_kv_heads,
-                    getattr(pool, "row_dim", pool.head_dim),  # quantized: codes + scale
+                    pool.row_dim,  # quantized: codes + scale
                     pool.dtype,
                 )
                 pool.write_pages(disk_pages, k, v)
