@@ -1,18 +1,21 @@
 """The tiers' durability: flushing, persisting every cached page to disk, closing the writers.
 
-:class:`TierDurability` extends the write path (:class:`~radixkv.cache.tier_writes.TierWrites`) and
-is a base of :class:`~radixkv.cache.tiers.TieredCache`, which owns the state both read.
+:class:`TierDurability` is the ``durability`` part of :class:`~radixkv.cache.tiers.TieredCache`;
+it writes through the write path (:meth:`~radixkv.cache.tier_writes.TierWrites.write_disk`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radixkv.cache.disk_store import chain_hashes
-from radixkv.cache.radix_tree import TreeNode
+from radixkv.cache.disk_store import DiskStore, chain_hashes
+from radixkv.cache.radix_tree import RadixTree, TreeNode
 from radixkv.cache.tier_writes import TierWrites
+
+if TYPE_CHECKING:
+    from radixkv.cache.remote_store import RemoteStore
 
 logger = logging.getLogger("radixkv.cache.tiers")
 
@@ -23,8 +26,28 @@ __all__ = ["CLOSE_TIMEOUT_S", "TierDurability"]
 CLOSE_TIMEOUT_S = 60.0
 
 
-class TierDurability(TierWrites):
-    """Sync, flush, persist and shut down the disk and remote tiers (over the write path)."""
+class TierDurability:
+    """Sync, flush, persist and shut down the disk and remote tiers (over the write path).
+
+    Owns no state of its own: the tree, the write path, the disk and remote stores and the
+    disk-key ``fingerprint`` are given at construction and never reassigned. Pages it queues
+    for the disk are counted by the write path (``disk_write_pages``).
+    """
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        writes: TierWrites,
+        disk: DiskStore | None,
+        remote: RemoteStore | None,
+        fingerprint: bytes,
+    ) -> None:
+        self.tree = tree
+        self.writes = writes
+        self.disk = disk
+        self.remote = remote
+        self.page_size = tree.page_size
+        self.fingerprint = fingerprint
 
     # ------------------------------------------------------------------ administration
     def sync(self) -> None:
@@ -85,7 +108,7 @@ class TierDurability(TierWrites):
         disk = self.disk
         if disk is None:
             return {"pages": 0, "skipped": 0}
-        before = self.counters["disk_write_pages"]
+        before = self.writes.counters["disk_write_pages"]
         skipped = 0
         for node, keys in reversed(self._nodes_by_depth()):
             if time.monotonic() >= deadline:
@@ -97,8 +120,8 @@ class TierDurability(TierWrites):
                 pages, from_host = node.host_value, True
             else:  # pragma: no cover - every node is resident somewhere
                 continue
-            self._write_disk(node, pages, from_host, keys, wait=deadline - time.monotonic())
-        return {"pages": self.counters["disk_write_pages"] - before, "skipped": skipped}
+            self.writes.write_disk(node, pages, from_host, keys, wait=deadline - time.monotonic())
+        return {"pages": self.writes.counters["disk_write_pages"] - before, "skipped": skipped}
 
     def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
         """Make the disk tier durable and stop the writer threads: write every cached page not

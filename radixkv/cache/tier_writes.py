@@ -1,9 +1,8 @@
 """The tiers' write path: device pages copied to host pages, disk files and the remote store, from
 the radix tree's eviction and insert events (the policies are in :mod:`radixkv.cache.tiers`).
 
-:class:`TierWrites` is a mixin of :class:`~radixkv.cache.tiers.TieredCache`, which owns the state
-it reads (``tree``, ``allocator``, ``kv_pool``, ``host``, ``disk``, ``remote``, the policies and
-the counters).
+:class:`TierWrites` is the ``writes`` part of :class:`~radixkv.cache.tiers.TieredCache`: its
+``on_evict`` / ``on_host_evict`` / ``on_insert`` are the tree's observer hooks.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from radixkv.cache.allocator import BlockAllocator
 from radixkv.cache.disk_store import DiskStore, chain_hashes
 from radixkv.cache.radix_tree import RadixTree, TreeNode
 
@@ -23,24 +21,50 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("radixkv.cache.tiers")
 
-__all__ = ["TierWrites"]
+__all__ = ["WRITE_COUNTERS", "TierWrites"]
+
+#: The counters the write path keeps (pages), in :meth:`TieredCache.stats`.
+WRITE_COUNTERS = (
+    "host_writes",  # pages copied device -> host
+    "disk_write_pages",  # pages handed to the disk writer
+    "dropped_pages",  # device pages evicted with nowhere to go
+    "remote_write_pages",  # pages handed to the remote writer
+)
 
 
 class TierWrites:
-    """Copies out of the device tier, and the tree hooks that trigger them."""
+    """Copies out of the device tier, and the tree hooks that trigger them.
 
-    tree: RadixTree
-    allocator: BlockAllocator
-    kv_pool: PagePool | None
-    host: HostPool | None
-    disk: DiskStore | None
-    remote: RemoteStore | None
-    page_size: int
-    write_policy: str
-    disk_write_policy: str
-    remote_write_policy: str
-    fingerprint: bytes
-    counters: dict[str, int]
+    Owns: ``counters`` (:data:`WRITE_COUNTERS`; they only grow). Everything else it reads is
+    given at construction and never reassigned: the tree, the device pool (``None``:
+    bookkeeping only), the host pool, disk and remote stores, the disk-key ``fingerprint`` and
+    the three write policies. A node gets host pages only through
+    ``tree.residency.set_host_value``, after its KV was copied into them.
+    """
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        kv_pool: PagePool | None,
+        host: HostPool | None,
+        disk: DiskStore | None,
+        remote: RemoteStore | None,
+        fingerprint: bytes,
+        write_policy: str,
+        disk_write_policy: str,
+        remote_write_policy: str,
+    ) -> None:
+        self.tree = tree
+        self.kv_pool = kv_pool
+        self.host = host
+        self.disk = disk
+        self.remote = remote
+        self.page_size = tree.page_size
+        self.fingerprint = fingerprint
+        self.write_policy = write_policy
+        self.disk_write_policy = disk_write_policy
+        self.remote_write_policy = remote_write_policy
+        self.counters: dict[str, int] = dict.fromkeys(WRITE_COUNTERS, 0)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -89,7 +113,7 @@ class TierWrites:
         self.counters["host_writes"] += len(pages)
         return True
 
-    def _write_disk(
+    def write_disk(
         self,
         node: TreeNode,
         pages: list[int],
@@ -165,7 +189,7 @@ class TierWrites:
                 self.counters["remote_write_pages"] += 1
 
     # ------------------------------------------------------------------ tree hooks
-    def _on_evict(self, node: TreeNode, pages: list[int]) -> None:
+    def on_evict(self, node: TreeNode, pages: list[int]) -> None:
         """Device eviction of ``node``: keep its KV on the host (or the disk), and share it."""
         if self.remote is not None and self.remote_write_policy == "write_back":
             self._write_remote(node, pages)  # write-through sent them when they were cached
@@ -174,16 +198,16 @@ class TierWrites:
         if self.host is not None and self._copy_to_host(node, pages):
             return
         if self.disk is not None:
-            self._write_disk(node, pages, from_host=False)
+            self.write_disk(node, pages, from_host=False)
         elif self.remote is None:
             self.counters["dropped_pages"] += len(pages)
 
-    def _on_host_evict(self, node: TreeNode, host_pages: list[int]) -> None:
+    def on_host_evict(self, node: TreeNode, host_pages: list[int]) -> None:
         """``node`` leaves the host tier: its pages go to disk."""
         if self.disk is not None and host_pages:
-            self._write_disk(node, host_pages, from_host=True)
+            self.write_disk(node, host_pages, from_host=True)
 
-    def _on_insert(self, node: TreeNode) -> None:
+    def on_insert(self, node: TreeNode) -> None:
         """Write-through, as soon as ``node`` is cached: host write-through copies it to the
         host and queues it for the disk; disk write-through queues it for the disk; remote
         write-through queues it for the remote store."""
@@ -194,6 +218,6 @@ class TierWrites:
         if host_through and self.host is not None and node.host_value is None:
             self._copy_to_host(node, pages)
         if self.disk is not None and (host_through or self.disk_write_policy == "write_through"):
-            self._write_disk(node, pages, from_host=False)
+            self.write_disk(node, pages, from_host=False)
         if self.remote is not None and self.remote_write_policy == "write_through":
             self._write_remote(node, pages)

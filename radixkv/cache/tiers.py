@@ -42,20 +42,29 @@ another model's.
 
 Without tensors (``kv_pool=None``) the same code does pure bookkeeping: the simulator uses it to
 count hits per tier.
+
+Where the pieces live: :class:`TieredCache` wires three parts, each the one owner of its state:
+``loads`` (:class:`~radixkv.cache.tier_loads.TierLoads`: admission as plan -> evict -> copy, the
+load counters, ``min_load_tokens``), ``writes`` (:class:`~radixkv.cache.tier_writes.TierWrites`:
+the tree's hooks and the copies out of the device, the write counters) and ``durability``
+(:class:`~radixkv.cache.tier_durability.TierDurability`: sync, flush, persist, shutdown). The
+device KV pool is reached through :class:`~radixkv.cache.page_pool.PagePool`, a protocol the
+model's ``KVPool`` implements, so this layer never imports the model.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.allocator import BlockAllocator, IntegrityError
-from radixkv.cache.disk_store import DiskStore, chain_hashes
+from radixkv.cache.disk_store import DiskStore
 from radixkv.cache.kv_mac import REASONS
-from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeEvents, TreeNode
+from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeEvents
 from radixkv.cache.tier_durability import CLOSE_TIMEOUT_S, TierDurability
+from radixkv.cache.tier_loads import LoadResult, TierLoads
+from radixkv.cache.tier_writes import TierWrites
 
 if TYPE_CHECKING:
     from radixkv.cache.host_pool import HostPool
@@ -66,23 +75,28 @@ __all__ = ["CLOSE_TIMEOUT_S", "LoadResult", "TieredCache"]
 
 TIERS = ("device", "host", "disk", "remote")
 
+#: Every counter of :meth:`TieredCache.stats`, in its order (each kept by ``loads`` or ``writes``).
+COUNTERS = (
+    "host_writes",
+    "host_loads",
+    "host_load_pages",
+    "disk_loads",
+    "disk_load_pages",
+    "disk_write_pages",
+    "loads_skipped",
+    "dropped_pages",
+    "remote_loads",
+    "remote_load_pages",
+    "remote_write_pages",
+    "partial_loads",
+    "loads_waiting",
+    "partial_pages_recomputed",
+)
+
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class LoadResult:
-    """What :meth:`TieredCache.load_prefix` hands back: the device pages of the whole usable
-    prefix (``num_tokens`` tokens), the locked node holding it, and the tokens per tier."""
-
-    pages: list[int]
-    num_tokens: int
-    node: TreeNode | None
-    by_tier: dict[str, int] = field(default_factory=dict)
-    #: Pages of the cached continuation left on the host / disk for lack of device room.
-    unloaded_pages: int = 0
-
-
-class TieredCache(TierDurability):
+class TieredCache:
     """Host and disk tiers under a :class:`RadixTree`; see the module docstring.
 
     Args:
@@ -103,6 +117,10 @@ class TieredCache(TierDurability):
         remote_write_policy: ``"write_through"`` (every node the tree creates is queued for the
             remote store; eviction sends nothing more) or ``"write_back"`` (pages are sent when
             they leave the device).
+
+    The arguments stay as read-only attributes of the same names (``min_load_tokens`` may be
+    set: it is the load path's). State lives in the parts ``loads``, ``writes`` and
+    ``durability`` (module docstring); :attr:`counters` is the union of theirs.
     """
 
     def __init__(
@@ -136,23 +154,20 @@ class TieredCache(TierDurability):
         self.disk_write_policy = disk_write_policy
         self.remote_write_policy = remote_write_policy
         self.fingerprint = fingerprint
-        self.min_load_tokens = 2 * self.page_size if min_load_tokens is None else min_load_tokens
-        self.counters: dict[str, int] = {
-            "host_writes": 0,  # pages copied device -> host
-            "host_loads": 0,  # admissions that loaded host pages
-            "host_load_pages": 0,
-            "disk_loads": 0,  # admissions that loaded disk pages
-            "disk_load_pages": 0,
-            "disk_write_pages": 0,  # pages handed to the disk writer
-            "loads_skipped": 0,  # continuations below min_load_tokens or without room
-            "dropped_pages": 0,  # device pages evicted with nowhere to go
-            "remote_loads": 0,  # admissions that loaded remote pages
-            "remote_load_pages": 0,
-            "remote_write_pages": 0,  # pages handed to the remote writer
-            "partial_loads": 0,  # loads cut short by the device pages free (rest recomputed)
-            "loads_waiting": 0,  # loads put off until running requests free device pages
-            "partial_pages_recomputed": 0,  # cached pages those loads left to recompute
-        }
+        min_load = 2 * self.page_size if min_load_tokens is None else min_load_tokens
+        self.writes = TierWrites(
+            tree,
+            kv_pool,
+            host,
+            disk,
+            remote,
+            fingerprint,
+            write_policy,
+            disk_write_policy,
+            remote_write_policy,
+        )
+        self.loads = TierLoads(tree, allocator, kv_pool, host, disk, remote, fingerprint, min_load)
+        self.durability = TierDurability(tree, self.writes, disk, remote, fingerprint)
         through = (
             write_policy == "write_through"
             or (disk is not None and disk_write_policy == "write_through")
@@ -160,32 +175,35 @@ class TieredCache(TierDurability):
         )
         tree.observe(
             TreeEvents(
-                on_evict=self._on_evict,
+                on_evict=self.writes.on_evict,
                 host_allocator=host.allocator if host is not None else None,
-                on_host_evict=self._on_host_evict if disk is not None else None,
-                on_insert=self._on_insert if through else None,
+                on_host_evict=self.writes.on_host_evict if disk is not None else None,
+                on_insert=self.writes.on_insert if through else None,
             )
         )
 
-    # ------------------------------------------------------------------ admission
-    def _cut_host_path(self, host_nodes: list[TreeNode], num_pages: int) -> list[TreeNode]:
-        """The leading host-only nodes holding exactly the first ``num_pages`` pages of the host
-        path ``host_nodes`` (the node the cut falls in is split there; both halves stay
-        host-only, so the tree's contents do not change)."""
-        P = self.page_size
-        out: list[TreeNode] = []
-        left = num_pages
-        for hn in host_nodes:
-            k = len(hn.key) // P
-            if k > left:
-                out.append(self.tree.split(hn, left * P))
-                break
-            out.append(hn)
-            left -= k
-            if left == 0:
-                break
-        return out
+    # ------------------------------------------------------------------ views
+    @property
+    def min_load_tokens(self) -> int:
+        """Loads of fewer tokens are skipped (the load path's threshold; settable)."""
+        return self.loads.min_load_tokens
 
+    @min_load_tokens.setter
+    def min_load_tokens(self, tokens: int) -> None:
+        self.loads.min_load_tokens = tokens
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Every load and write counter (a snapshot, in :data:`COUNTERS` order)."""
+        loads, writes = self.loads.counters, self.writes.counters
+        return {k: loads[k] if k in loads else writes[k] for k in COUNTERS}
+
+    @property
+    def has_data(self) -> bool:
+        """False for bookkeeping only (no device KV pool)."""
+        return self.kv_pool is not None
+
+    # ------------------------------------------------------------------ admission
     def load_prefix(
         self,
         tokens: list[int],
@@ -194,159 +212,41 @@ class TieredCache(TierDurability):
         reserve_pages: int = 0,
         partial: bool = True,
     ) -> LoadResult:
-        """Extend the device match ``res`` of ``tokens`` with what the host, disk and remote tiers
-        hold, loading it into device pages and inserting it into the tree.
+        """Extend the device match ``res`` of ``tokens`` (locked by the caller) with what the host,
+        disk and remote tiers hold, loaded into device pages and inserted into the tree; the
+        lock moves to the returned node. Partial load-back, ``reserve_pages`` and
+        ``partial``: :meth:`TierLoads.load_prefix <radixkv.cache.tier_loads.TierLoads.load_prefix>`."""
+        return self.loads.load_prefix(tokens, salt, res, reserve_pages, partial)
 
-        Precondition: ``res.node`` is locked by the caller. Postcondition: the returned node is
-        locked instead (``res.node`` unlocked when they differ) and ``pages`` are the tree's
-        device pages of the first ``num_tokens`` tokens. Nothing is loaded when the
-        continuation is shorter than ``min_load_tokens``.
+    # ------------------------------------------------------------------ durability
+    def sync(self) -> None:
+        """Wait for queued disk (and remote) writes."""
+        self.durability.sync()
 
-        Partial load-back: when the whole continuation does not fit in the device pages that are
-        free or evictable (running requests hold the rest), its longest prefix that fits is
-        loaded and the rest is left to be recomputed (``partial_loads``,
-        ``partial_pages_recomputed``). ``reserve_pages`` pages are left free for that
-        computation. With ``partial=False`` such a load is not done at all (the caller waits
-        for room instead): nothing is loaded and ``unloaded_pages`` says how many pages did not
-        fit. Eviction never takes what the load needs: the matched device path is
-        locked, the host path is protected from host eviction, disk and remote payloads are
-        read before any page is taken.
-        """
-        P = self.page_size
-        tree = self.tree
-        dev = res.num_tokens
-        by_tier = {"device": dev, "host": 0, "disk": 0}
-        if self.remote is not None:
-            by_tier["remote"] = 0
-        keep = LoadResult(list(res.pages), dev, res.node, by_tier)
-        host_nodes = res.host_nodes if self.host is not None else []
-        host_tok = res.host_tokens if host_nodes else 0
-        max_pages = len(tokens) // P
-        start = (dev + host_tok) // P
-        disk = self.disk
-        disk_keys: list[bytes] = []
-        if disk is not None and start < max_pages and disk.num_files:
-            hashes = chain_hashes(self.fingerprint, tokens, P, salt, max_pages)
-            for i in range(start, max_pages):
-                if not disk.contains(hashes[i]):
-                    break
-                disk_keys.append(hashes[i])
-        remote = self.remote if self.remote is not None and self.remote.available else None
-        if host_tok + len(disk_keys) * P == 0 and remote is None:
-            return keep
-        if host_tok + len(disk_keys) * P < self.min_load_tokens and remote is None:
-            self.counters["loads_skipped"] += 1
-            return keep
-        payloads: list[bytes] = []
-        page_bytes = self.kv_pool.bytes_per_page if self.kv_pool is not None else None
-        for key in disk_keys:  # read (and verify) before taking any device page
-            data = disk.get(key, page_bytes) if disk is not None else None
-            if data is None:
-                break
-            if self.has_data and len(data) != self.kv_pool.bytes_per_page:  # type: ignore[union-attr]
-                assert disk is not None
-                disk.discard(key, "truncated")
-                break
-            payloads.append(data)
-        n_disk = len(payloads)
-        at = start + n_disk
-        if remote is not None and n_disk == len(disk_keys) and at < max_pages:
-            # the continuation after host and disk, fetched in pipelined batches and verified
-            hashes = chain_hashes(self.fingerprint, tokens, P, salt, max_pages)
-            payloads += remote.get_prefix(hashes[at:max_pages], page_bytes)
-        nh = host_tok // P
-        need = nh + len(payloads)
-        if need == 0:
-            return keep
-        if need * P < self.min_load_tokens:
-            self.counters["loads_skipped"] += 1
-            return keep
-        alloc = self.allocator
-        protected = host_nodes[-1] if host_nodes else None
-        unloaded = 0
-        if protected is not None:
-            tree.residency.protect(protected)
-        try:
-            if alloc is not None:
-                if not partial and alloc.num_free + tree.evictable_size // P < need + reserve_pages:
-                    # the caller waits for room rather than load part: evict nothing for it now
-                    self.counters["loads_waiting"] += 1
-                    keep.unloaded_pages = need
-                    return keep
-                short = need + reserve_pages - alloc.num_free
-                if short > 0:
-                    tree.evict(short * P)
-                fit = min(need, alloc.num_free - reserve_pages)
-                if fit < need:  # partial load-back: the longest prefix that fits
-                    if fit <= 0 or fit * P < self.min_load_tokens:
-                        self.counters["loads_skipped"] += 1
-                        return keep
-                    self.counters["partial_loads"] += 1
-                    self.counters["partial_pages_recomputed"] += need - fit
-                    unloaded = need - fit
-                    if fit < nh:
-                        host_nodes = self._cut_host_path(host_nodes, fit)
-                        nh = fit
-                    payloads = payloads[: fit - nh]
-                    n_disk = min(n_disk, len(payloads))
-                    need = fit
-                dev_pages = alloc.allocate(need)
-            else:  # simulation without an allocator: fake page ids
-                dev_pages = list(range(-1, -need - 1, -1))
-            # host -> device
-            if nh:
-                hp: list[int] = []
-                for hn in host_nodes:
-                    hp += hn.host_value or []
-                if self.host is not None and self.kv_pool is not None:
-                    self.host.load(self.kv_pool, hp, dev_pages[:nh])
-                at = 0
-                for hn in host_nodes:
-                    k = len(hn.key) // P
-                    tree.residency.set_device_value(hn, dev_pages[at : at + k])
-                    at += k
-                self.counters["host_loads"] += 1
-                self.counters["host_load_pages"] += nh
-        finally:
-            if protected is not None:
-                tree.residency.unprotect(protected)
-        total = dev + nh * P
-        if payloads:  # disk -> device, then into the tree
-            disk_pages = dev_pages[nh:]
-            if self.kv_pool is not None:
-                from radixkv.cache.host_pool import payloads_to_pages
+    def flush(self) -> None:
+        """Called after ``tree.reset()``: finish queued disk writes; the remote tier forgets
+        which pages it sent lately (:meth:`TierDurability.flush
+        <radixkv.cache.tier_durability.TierDurability.flush>`)."""
+        self.durability.flush()
 
-                pool = self.kv_pool
-                k, v = payloads_to_pages(
-                    payloads,
-                    pool.num_layers,
-                    P,
-                    pool.num_kv_heads,
-                    pool.row_dim,  # quantized: codes + scale
-                    pool.dtype,
-                )
-                pool.write_pages(disk_pages, k, v)
-            end = total + len(payloads) * P
-            prefix = list(res.pages) + dev_pages
-            ret = tree.insert(tokens[:end], prefix, salt)
-            # the tree's path ended at `total` (eviction only removes): it took every disk page
-            assert ret == total, (ret, total)
-            total = end
-            if n_disk:
-                self.counters["disk_loads"] += 1
-                self.counters["disk_load_pages"] += n_disk
-            if len(payloads) > n_disk:
-                self.counters["remote_loads"] += 1
-                self.counters["remote_load_pages"] += len(payloads) - n_disk
-        m = tree.match_prefix(tokens[:total], salt)
-        assert m.num_tokens == total, (m.num_tokens, total)
-        tree.lock(m.node)
-        tree.unlock(res.node)
-        by_tier["host"] = nh * P
-        by_tier["disk"] = min(n_disk * P, total - dev - nh * P)
-        if self.remote is not None:
-            by_tier["remote"] = total - dev - nh * P - by_tier["disk"]
-        return LoadResult(m.pages, total, m.node, by_tier, unloaded)
+    def clear_disk(self) -> None:
+        """Remove every file of the disk tier."""
+        self.durability.clear_disk()
+
+    def close(self) -> None:
+        """Finish disk writes and stop the writer thread."""
+        self.durability.close()
+
+    def persist(self, deadline: float) -> dict[str, int]:
+        """Queue every cached page not on disk yet, until ``deadline`` (:meth:`TierDurability.persist
+        <radixkv.cache.tier_durability.TierDurability.persist>`)."""
+        return self.durability.persist(deadline)
+
+    def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
+        """Make the disk tier durable and stop the writer threads, within ``timeout`` seconds
+        (default :data:`CLOSE_TIMEOUT_S`; :meth:`TierDurability.shutdown
+        <radixkv.cache.tier_durability.TierDurability.shutdown>`)."""
+        return self.durability.shutdown(timeout)
 
     def stats(self) -> dict[str, Any]:
         """Host pages used/free, disk files/bytes, loads, writes, corrupt files, skips."""
@@ -354,7 +254,7 @@ class TieredCache(TierDurability):
         out["write_policy"] = self.write_policy
         if self.remote is not None:
             out["remote_write_policy"] = self.remote_write_policy
-        out["min_load_tokens"] = self.min_load_tokens
+        out["min_load_tokens"] = self.loads.min_load_tokens
         if self.host is not None:
             out["host_pages_total"] = self.host.num_pages
             out["host_pages_used"] = self.host.num_used
