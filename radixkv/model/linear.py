@@ -301,7 +301,10 @@ def prepack_linears(
     w = linears[0][2].weight
     if not packed_linear_supported(w.dtype, w.device):
         return 0
-    for parent, name, child in linears:
+    count = len(linears)
+    while linears:  # popped: a replaced linear (and a released plain weight) dies as it goes
+        parent, name, child = linears.pop()
         free = name in release and id(child.weight) not in shared
         setattr(parent, name, PackedLinear(child, release_weight=free))
-    return len(linears)
+        del child
+    return count
