@@ -17,6 +17,7 @@ The attention reads and writes the KV pool through a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from radixkv.model.attention.base import AttentionBackend, ForwardBatch, split_q
 from radixkv.model.attention.window import WindowPlan, plan_window, windowed_attention
 from radixkv.model.linear import prepack_linears
 from radixkv.model.model_config import ModelConfig
+from radixkv.model.placement import DECODER_PROJECTIONS, WeightPlacer
 from radixkv.model.rope import RotaryEmbedding, apply_rope, rotary_for
 
 __all__ = ["ModelConfig", "LlamaModel", "RMSNorm", "RotaryEmbedding", "apply_rope", "model_config"]
@@ -256,46 +258,49 @@ class LlamaModel(nn.Module):
         """Build from weights in radixkv's layout (:mod:`radixkv.model.arch.common`), every
         linear prepacked for the host. ``weights`` is emptied: each tensor then lives in the
         model alone, so a projection whose packed copy is all its GEMM reads frees its plain
-        one during the packing, and the load never holds both copies of every layer."""
-        with torch.device("meta"):
-            model = cls(config)
-        params = dict(model.named_parameters(remove_duplicate=False))
-        has_head = "lm_head.weight" in weights
-        for name in list(weights):  # popped: the model holds the only reference (see below)
-            tensor = weights.pop(name)
-            if name not in params:
-                raise KeyError(f"weight {name!r} has no place in radixkv's {config.model_type}")
-            module_name, _, attr = name.rpartition(".")
-            setattr(
-                model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False)
-            )
-        if not has_head:
-            model.lm_head.weight = model.embed_tokens.weight
-        missing = [n for n, p in model.named_parameters() if p.is_meta]
-        if missing:
-            raise KeyError(f"weight {missing[0]!r} missing from the state dict")
-        model.rotaries = model._make_rotaries()
-        for rotary in model.rotaries.values():
-            rotary.to(device)
-        # CPU float32, and bf16 with native bf16: every linear prepacked for oneDNN
-        # (see radixkv.model.linear)
-        # the decoder layers' projections keep only their packed copy where that is all the
-        # GEMM reads (the head may be the embedding, and stays)
-        prepack_linears(model, release=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
-        return model.eval()
+        one when its layer is packed (:class:`~radixkv.model.placement.WeightPlacer`)."""
+        model, place = cls._placing(config)
+        for name in list(weights):  # popped: the model holds the only reference
+            place(name, weights.pop(name))
+        return model._placed(place, device)
 
     @classmethod
     def from_hf_state_dict(
         cls,
         config: ModelConfig,
-        state_dict: dict[str, torch.Tensor],
+        state_dict: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> LlamaModel:
         """Build from a transformers state dict of ``config``'s architecture
         (:func:`radixkv.model.arch.map_weights` fuses QKV and gate/up, and refuses a weight it
-        would drop)."""
-        return cls.from_weights(config, map_weights(config, state_dict, dtype, device), device)
+        would drop). Each weight is placed as it is made and each layer packed once whole, so
+        a streamed checkpoint never has the whole model in both layouts."""
+        model, place = cls._placing(config)
+        map_weights(config, state_dict, dtype, device, sink=place)
+        return model._placed(place, device)
+
+    @classmethod
+    def _placing(cls, config: ModelConfig) -> tuple[LlamaModel, WeightPlacer]:
+        with torch.device("meta"):
+            model = cls(config)
+        return model, WeightPlacer(model, config.model_type)
+
+    def _placed(self, placer: WeightPlacer, device: torch.device | str) -> LlamaModel:
+        """The model once every weight is placed: the head tied where none was given, RoPE
+        tables on ``device``, the linears not packed yet (the head) packed."""
+        if "lm_head.weight" not in placer.placed:
+            self.lm_head.weight = self.embed_tokens.weight
+        missing = placer.missing()
+        if missing:
+            raise KeyError(f"weight {missing[0]!r} missing from the state dict")
+        for rotary in self.rotaries.values():  # made on the CPU when the model was
+            rotary.to(device)
+        # CPU float32, and bf16 with native bf16: every linear prepacked (radixkv.model.linear);
+        # the decoder layers' projections keep only their packed copy where that is all the
+        # GEMM reads (the head may be the embedding, and stays)
+        prepack_linears(self, release=DECODER_PROJECTIONS)
+        return self.eval()
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, rows: bool) -> RopeTables:
         """Per RoPE kind, ``cos, sin`` at ``positions``: ``[T, 1, D]`` in ``dtype``, or with

@@ -9,7 +9,7 @@ family means a module here and a line in :data:`ARCHITECTURES`, not an edit of t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -51,10 +51,13 @@ def map_weights(
     state_dict: Mapping[str, torch.Tensor],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    sink: Callable[[str, torch.Tensor], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's weights in radixkv's layout and ``dtype``; raises
-    :class:`UnsupportedModelError` naming a weight nothing would read."""
-    taker = WeightTaker(config.model_type, state_dict, dtype, device)
+    :class:`UnsupportedModelError` naming a weight nothing would read. With ``sink`` each
+    weight goes to ``sink(name, tensor)`` as soon as it is made, and the dict returned is
+    empty."""
+    taker = WeightTaker(config.model_type, state_dict, dtype, device, config, sink)
     module = ARCHITECTURES.get(config.model_type)
     if module is None:
         raise refuse(config.model_type, "this model_type")

@@ -153,7 +153,12 @@ def layer_windows_from_types(hf: Any, model_type: str) -> list[int | None] | Non
 
 class WeightTaker:
     """Takes a checkpoint's tensors by name, in the target dtype; :meth:`finish` refuses any
-    weight nobody took (a feature this module does not know would otherwise be dropped)."""
+    weight nobody took (a feature this module does not know would otherwise be dropped).
+
+    Each tensor :meth:`put` makes is final when it is put (partial rotary's permutation is
+    applied then, with ``config``): it goes to ``sink`` where one is given (the model's builder,
+    which packs a layer as soon as it is whole, so the load never holds the whole model twice),
+    else into ``out``."""
 
     #: checkpoint entries that carry no weights of the model
     IGNORED = ("rotary_emb.inv_freq",)
@@ -164,6 +169,8 @@ class WeightTaker:
         state_dict: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device | str,
+        config: ModelConfig | None = None,
+        sink: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.model_type = model_type
         self.source = state_dict  # a dict, or a checkpoint read tensor by tensor on access
@@ -172,6 +179,10 @@ class WeightTaker:
         self.device = device
         self.taken: set[str] = set()
         self.out: dict[str, torch.Tensor] = {}
+        self.stored: set[str] = set()  # every name put, sunk or in out
+        self.sink = sink
+        partial = config is not None and config.rotary_dim and config.rotary_dim != config.head_dim
+        self.rotary = config if partial else None
 
     def has(self, name: str) -> bool:
         return name in self.sd
@@ -192,7 +203,14 @@ class WeightTaker:
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         """Store ``tensor`` (radixkv's name) in the target dtype, contiguous."""
-        self.out[name] = tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        tensor = tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        if self.rotary is not None:
+            tensor = permute_rotary(name, tensor, self.rotary)
+        self.stored.add(name)
+        if self.sink is not None:
+            self.sink(name, tensor)
+        else:
+            self.out[name] = tensor
 
     def cat(self, name: str, sources: Iterable[str]) -> None:
         self.put(name, torch.cat([self.raw(s).to(self.dtype) for s in sources], dim=0))
@@ -263,7 +281,7 @@ def layer_norms(w: WeightTaker, config: ModelConfig, i: int, norm_offset: float 
 
 
 def finish_model(w: WeightTaker, config: ModelConfig, norm_offset: float = 0.0) -> dict[str, Any]:
-    """Embeddings, final norm and head; partial rotary's permutation; the leftover check."""
+    """Embeddings, final norm and head; the leftover check."""
     embed = "embed_tokens.weight"
     if not w.has(embed) and config.tie_word_embeddings and w.has("lm_head.weight"):
         embed = "lm_head.weight"  # tied weights saved once (safetensors keeps one name)
@@ -271,30 +289,22 @@ def finish_model(w: WeightTaker, config: ModelConfig, norm_offset: float = 0.0) 
     w.norm("norm.weight", "norm.weight", norm_offset)
     if not config.tie_word_embeddings and w.has("lm_head.weight"):
         w.put("lm_head.weight", w.raw("lm_head.weight"))
-    if config.rotary_dim and config.rotary_dim != config.head_dim:
-        permute_rotary(w.out, config)
-    return w.finish(tied=config.tie_word_embeddings or "lm_head.weight" not in w.out)
+    return w.finish(tied=config.tie_word_embeddings or "lm_head.weight" not in w.stored)
 
 
-def permute_rotary(out: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    """Partial rotary: reorder every q and k head's dims (rows of ``qkv_proj``, per-head q/k norm
-    weights) by :func:`partial_rotary_permutation`."""
+def permute_rotary(name: str, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Partial rotary: ``t`` (radixkv's ``name``) with every q and k head's dims reordered by
+    :func:`partial_rotary_permutation` where it has them (rows of ``qkv_proj``, per-head q/k
+    norm weights), else ``t``."""
     d = config.head_dim
-    perm = torch.tensor(partial_rotary_permutation(d, config.rotary_dim or d))
-    qk_heads = config.num_heads + config.num_kv_heads
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        for name in ("qkv_proj.weight", "qkv_proj.bias"):
-            t = out.get(p + name)
-            if t is None:
-                continue
-            qk = t[: qk_heads * d].reshape(qk_heads, d, *t.shape[1:])[:, perm]
-            out[p + name] = torch.cat(
-                [qk.reshape(qk_heads * d, *t.shape[1:]), t[qk_heads * d :]]
-            ).contiguous()
-        if config.qk_norm == "head":
-            for n in ("q_norm.weight", "k_norm.weight"):
-                out[p + n] = out[p + n][perm].contiguous()
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+        perm = torch.tensor(partial_rotary_permutation(d, config.rotary_dim or d))
+        qk_heads = config.num_heads + config.num_kv_heads
+        qk = t[: qk_heads * d].reshape(qk_heads, d, *t.shape[1:])[:, perm]
+        return torch.cat([qk.reshape(qk_heads * d, *t.shape[1:]), t[qk_heads * d :]]).contiguous()
+    if config.qk_norm == "head" and name.endswith(("q_norm.weight", "k_norm.weight")):
+        return t[torch.tensor(partial_rotary_permutation(d, config.rotary_dim or d))].contiguous()
+    return t
 
 
 def map_standard(config: ModelConfig, w: WeightTaker, norm_offset: float = 0.0) -> dict[str, Any]:
