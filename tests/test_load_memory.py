@@ -1,9 +1,11 @@
 """What the load holds at its peak: the decoder's plain weights are freed as their packed copies
-are made, not at the end of the load, and each layer is packed before the next is read."""
+are made, not at the end of the load, and each layer is packed before the next is read; a tied
+head is held once, the embedding gathering its rows from the packed copy."""
 
 from __future__ import annotations
 
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,10 +13,15 @@ from architectures import tiny_model
 from torch import nn
 
 from bench.tiny_model import byte_level_hf_tokenizer
-from radixkv.model import linear, placement
-from radixkv.model.linear import native_gemm_module, packed_linear_supported, prepack_linears
+from radixkv.model import linear, native, placement
+from radixkv.model.linear import (
+    PackedEmbedding,
+    native_gemm_module,
+    packed_linear_supported,
+    prepack_linears,
+)
 from radixkv.model.loader import load_model
-from radixkv.model.runner import ModelRunner
+from radixkv.model.runner import ModelRunner, RequestSlice
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -69,3 +76,79 @@ def test_each_layer_is_packed_before_the_next_layers_weights_are_read(
     monkeypatch.setattr(placement.WeightPlacer, "__call__", spy)
     runner = ModelRunner(load_model(str(tmp_path), hf_model=False), num_pages=2, page_size=16)
     assert unpacked_before == [0] * runner.config.num_layers
+
+
+def _weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).to(dtype)
+
+
+def _native_packs() -> list[tuple[torch.dtype, object, int]]:
+    """(dtype, pack, columns per block) of the native packings this host's build has."""
+    module = native.load()
+    if module is None:
+        return []
+    return [
+        (torch.float32, module.pack_f32_weight, module.f32_gemm_cols()),
+        (torch.bfloat16, module.pack_bf16_weight, module.bf16_gemm_block()[0]),
+    ]
+
+
+PACKS = _native_packs()
+needs_native = pytest.mark.skipif(not PACKS, reason="no native kernels here")
+
+
+@needs_native
+@pytest.mark.parametrize("which", range(2))
+def test_packed_embedding_gathers_the_rows_exactly(which: int) -> None:
+    dtype, pack, cols = PACKS[which]
+    w = _weight(8 * cols, 64, dtype)
+    head = SimpleNamespace(  # a PackedLinear holding only its native copy, as far as it reads
+        in_features=64,
+        out_features=8 * cols,
+        kernel="native",
+        weight=nn.Parameter(torch.empty(w.shape, dtype=dtype, device="meta")),
+        packed=pack(w),
+    )
+    embed = PackedEmbedding(head)  # type: ignore[arg-type]
+    ids = torch.tensor([[0, 5, 8 * cols - 1], [cols, cols + 1, 3]])
+    got = embed(ids)
+    assert got.shape == (2, 3, 64) and got.dtype == dtype
+    assert torch.equal(got, w[ids])
+
+
+def _tied_checkpoint(path) -> nn.Module:
+    """A tiny tied Llama whose vocabulary the native GEMM takes (a multiple of 16), saved."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=272,
+        hidden_size=96,
+        intermediate_size=136,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    byte_level_hf_tokenizer().save_pretrained(path)
+    return model
+
+
+def test_a_streamed_tied_head_is_held_once_and_computes_the_same_logits(tmp_path) -> None:
+    hf = _tied_checkpoint(tmp_path)
+    streamed = load_model(str(tmp_path), hf_model=False)
+    runners = [
+        ModelRunner(m, num_pages=8, page_size=16, dtype=torch.float32) for m in (streamed, hf)
+    ]
+    for runner in runners:
+        m = runner.model
+        assert m.lm_head.weight is m.embed_tokens.weight
+        if getattr(m.lm_head, "kernel", None) == "native":
+            assert isinstance(m.embed_tokens, PackedEmbedding) and m.lm_head.weight.is_meta
+    ids = list(range(3, 60))
+    logits = [r.forward(r.build_batch([RequestSlice(ids, 0, [1, 2, 3, 4])])) for r in runners]
+    assert torch.equal(logits[0], logits[1])  # the same packed weights, the same kernels
+    ref = hf(torch.tensor([ids])).logits[0, -1].double()
+    assert (logits[0][0].double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()

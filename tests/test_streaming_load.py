@@ -10,6 +10,7 @@ from architectures import tiny_model
 
 from bench.tiny_model import byte_level_hf_tokenizer
 from radixkv.model.checkpoint import SafetensorsCheckpoint
+from radixkv.model.linear import PackedEmbedding
 from radixkv.model.loader import load_model
 from radixkv.model.runner import ModelRunner, RequestSlice
 
@@ -39,12 +40,17 @@ def test_streamed_load_equals_the_transformers_model(name, shard, tmp_path):
 def test_the_packaged_model_streams_from_the_weight_cache():
     """SmolLM2's weight cache holds its tied head once (as lm_head.weight); the streamed load
     takes the embedding from it, and the decoder layers keep only their packed copies where the
-    native GEMM is all that reads them."""
+    native GEMM is all that reads them. There the tied head is held once too: packed, the
+    embedding's rows gathered from it."""
     loaded = load_model("smollm2", hf_model=False)
     assert loaded.hf_model is None and "model.embed_tokens.weight" not in loaded.weights
     runner = ModelRunner(loaded, num_pages=4, page_size=16, dtype=torch.float32)
     m = runner.model
-    assert m.lm_head.weight is m.embed_tokens.weight and not m.embed_tokens.weight.is_meta
+    assert m.lm_head.weight is m.embed_tokens.weight
     proj = m.layers[0].qkv_proj
     if getattr(proj, "kernel", None) == "native":
         assert proj.weight.is_meta and proj.weight.shape == (960, 576)
+        assert isinstance(m.embed_tokens, PackedEmbedding) and m.lm_head.weight.is_meta
+        assert m.embed_tokens.packed is m.lm_head.packed
+    else:
+        assert not m.embed_tokens.weight.is_meta

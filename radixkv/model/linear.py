@@ -70,8 +70,10 @@ from radixkv.model import native
 from radixkv.model.host_cpu import has_amx_bf16, has_native_bf16
 
 __all__ = [
+    "PackedEmbedding",
     "PackedLinear",
     "native_gemm_module",
+    "packed_alone",
     "packed_linear_supported",
     "prepack_linears",
     "AMX_MAX_ROWS",
@@ -166,6 +168,14 @@ def native_gemm_module(weight: torch.Tensor) -> Any | None:
     return module
 
 
+def packed_alone(weight: torch.Tensor) -> bool:
+    """Whether :class:`PackedLinear` holds ``weight`` in radixkv's native layout only (no oneDNN
+    copy beside it), so that layout is all its GEMM reads and the plain weight may go."""
+    if native_gemm_module(weight) is None:
+        return False
+    return not (weight.dtype == torch.bfloat16 and has_amx_bf16() and cpu_gemm_choice() == "auto")
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` also held packed for a faster GEMM (rows >= ``min_rows``).
 
@@ -177,6 +187,9 @@ class PackedLinear(nn.Module):
     copy too (``amx_packed``, ``None`` where it holds none), run from ``amx_min_rows`` rows:
     :data:`AMX_MAX_ROWS` + 1 beside the tile GEMM, :data:`ONEDNN_AMX_MIN_ROWS` without it.
 
+    ``release_weight``: where the native layout is all the GEMM reads (:func:`packed_alone`),
+    ``weight`` becomes a meta tensor of its shape and dtype.
+
     Invariant: ``packed`` (and ``amx_packed``) are layouts of ``weight`` at construction; the
     weights are inference-only (``requires_grad=False``) and must not be modified in place
     afterwards. A deep copy packs the copied weights afresh (oneDNN's opaque packed tensor has
@@ -184,7 +197,10 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(
-        self, linear: nn.Linear, min_rows: int = MIN_PACKED_ROWS, release_weight: bool = False
+        self,
+        linear: nn.Linear,
+        min_rows: int = MIN_PACKED_ROWS,
+        release_weight: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -262,6 +278,33 @@ class PackedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, packed={self.kernel} ({rows})"
         )
+
+
+class PackedEmbedding(nn.Module):
+    """The embedding of a tied head held once, in the head's native packed layout: a lookup
+    gathers each row from :class:`PackedLinear`'s ``packed`` (``[N / cols, K / step, cols *
+    step]``: row ``n`` is ``packed[n // cols, :, n % cols]``), exact, so the head's GEMM keeps
+    its layout and no plain copy is held beside it. ``weight`` is the head's meta parameter
+    (the tie stays visible: ``embed_tokens.weight is lm_head.weight``)."""
+
+    def __init__(self, head: PackedLinear) -> None:
+        super().__init__()
+        if head.kernel != "native" or not head.weight.is_meta:
+            raise ValueError("PackedEmbedding needs a PackedLinear holding only its native copy")
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.weight = head.weight
+        self.packed = head.packed
+        self.step = 2 if head.packed.dtype == torch.bfloat16 else 1
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.packed
+        cols = p.shape[2] // self.step
+        flat = ids.reshape(-1)
+        rows = p.view(p.shape[0], p.shape[1], cols, self.step)[flat // cols, :, flat % cols]
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the tied head's packed copy"
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from radixkv.model.attention.base import AttentionBackend, ForwardBatch, split_q
 from radixkv.model.attention.window import WindowPlan, plan_window, windowed_attention
 from radixkv.model.linear import prepack_linears
 from radixkv.model.model_config import ModelConfig
-from radixkv.model.placement import DECODER_PROJECTIONS, WeightPlacer
+from radixkv.model.placement import DECODER_PROJECTIONS, WeightPlacer, pack_tied_head
 from radixkv.model.rope import RotaryEmbedding, apply_rope, rotary_for
 
 __all__ = ["ModelConfig", "LlamaModel", "RMSNorm", "RotaryEmbedding", "apply_rope", "model_config"]
@@ -288,7 +288,9 @@ class LlamaModel(nn.Module):
 
     def _placed(self, placer: WeightPlacer, device: torch.device | str) -> LlamaModel:
         """The model once every weight is placed: the head tied where none was given, RoPE
-        tables on ``device``, the linears not packed yet (the head) packed."""
+        tables on ``device``, the linears not packed yet (the head) packed: a tied head whose
+        packed copy is all its GEMM reads held once (:func:`~radixkv.model.placement.
+        pack_tied_head`), an untied one without its plain weight."""
         if "lm_head.weight" not in placer.placed:
             self.lm_head.weight = self.embed_tokens.weight
         missing = placer.missing()
@@ -296,10 +298,10 @@ class LlamaModel(nn.Module):
             raise KeyError(f"weight {missing[0]!r} missing from the state dict")
         for rotary in self.rotaries.values():  # made on the CPU when the model was
             rotary.to(device)
-        # CPU float32, and bf16 with native bf16: every linear prepacked (radixkv.model.linear);
-        # the decoder layers' projections keep only their packed copy where that is all the
-        # GEMM reads (the head may be the embedding, and stays)
-        prepack_linears(self, release=DECODER_PROJECTIONS)
+        # CPU float32, and bf16 with native bf16: every linear prepacked (radixkv.model.linear),
+        # keeping only its packed copy where that is all the GEMM reads
+        pack_tied_head(self)
+        prepack_linears(self, release=(*DECODER_PROJECTIONS, "lm_head"))
         return self.eval()
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, rows: bool) -> RopeTables:
@@ -385,7 +387,7 @@ class LlamaModel(nn.Module):
         ISA level per runner). bf16 models use them with every backend; float32 models only
         with a native attention backend (the plain torch backend, ``RADIXKV_FP32_ATTENTION=
         plain``, keeps transformers' own op order)."""
-        w = self.embed_tokens.weight
+        w = self.norm.weight  # the embedding's may be a meta tensor (PackedEmbedding)
         if w.device.type != "cpu" or not self.use_fused_ops or not self.fused_ops_apply:
             return None
         module = getattr(backend, "module", None)

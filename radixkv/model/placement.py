@@ -6,16 +6,28 @@ as a decoder layer has every weight, packs its linears (:func:`radixkv.model.lin
 prepack_linears`): a projection whose packed copy is all its GEMM reads drops its plain copy
 before the next layer's weights are read. A streamed load (:mod:`radixkv.model.checkpoint`) then
 holds the packed layers plus the one layer in flight, never the whole model in both layouts.
+
+A tied head whose packed copy is all its GEMM reads is held once (:func:`pack_tied_head`): packed
+from the embedding, the embedding gathering its rows from that copy
+(:class:`~radixkv.model.linear.PackedEmbedding`).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
-from radixkv.model.linear import prepack_linears
+from radixkv.model.linear import (
+    PackedEmbedding,
+    PackedLinear,
+    packed_alone,
+    packed_linear_supported,
+    prepack_linears,
+)
 
-__all__ = ["DECODER_PROJECTIONS", "WeightPlacer"]
+__all__ = ["DECODER_PROJECTIONS", "WeightPlacer", "pack_tied_head"]
 
 #: the decoder layer's linears, which keep only their packed copy where that is all the GEMM reads
 DECODER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -55,3 +67,22 @@ class WeightPlacer:
         if "lm_head.weight" not in self.placed:
             left.discard("lm_head.weight")
         return sorted(left)
+
+
+def pack_tied_head(model: nn.Module) -> bool:
+    """Where ``model.lm_head`` (an ``nn.Linear``) is tied to ``model.embed_tokens`` and its
+    packed copy is all its GEMM reads: the head packed with its plain weight released, the
+    embedding a :class:`~radixkv.model.linear.PackedEmbedding` over it; True. Else nothing
+    changes (``RADIXKV_KEEP_PLAIN_WEIGHTS=1`` too) and False."""
+    head = model.lm_head
+    w = head.weight
+    if type(head) is not nn.Linear or w is not model.embed_tokens.weight:
+        return False
+    if os.environ.get("RADIXKV_KEEP_PLAIN_WEIGHTS") == "1":
+        return False
+    if not packed_linear_supported(w.dtype, w.device) or not packed_alone(w):
+        return False
+    del w
+    model.lm_head = PackedLinear(head, release_weight=True)
+    model.embed_tokens = PackedEmbedding(model.lm_head)
+    return True
