@@ -1,6 +1,7 @@
 """What the load holds at its peak: the decoder's plain weights are freed as their packed copies
 are made, not at the end of the load, and each layer is packed before the next is read; a tied
-head is held once, the embedding gathering its rows from the packed copy."""
+head is held once, the embedding gathering its rows from the packed copy; a weight the loader
+owns is packed without both layouts held whole."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from architectures import tiny_model
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from bench.tiny_model import byte_level_hf_tokenizer
-from radixkv.model import linear, native, placement
+from radixkv.model import linear, native, placement, repack
 from radixkv.model.linear import (
     PackedEmbedding,
     native_gemm_module,
@@ -99,6 +102,29 @@ needs_native = pytest.mark.skipif(not PACKS, reason="no native kernels here")
 
 @needs_native
 @pytest.mark.parametrize("which", range(2))
+def test_packing_in_place_and_from_a_file_match_the_native_packing(
+    which: int, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dtype, pack, cols = PACKS[which]
+    n, k = 41 * cols, 1024  # several steps, a short last one, pages dropped in between
+    monkeypatch.setattr(repack, "STEP_ELEMENTS", 5 * cols * k)
+    monkeypatch.setattr(repack, "DROP_BYTES", 3 * 4096)
+    w = _weight(n, k, dtype)
+    want = pack(w)
+    heap = w.clone()
+    assert repack.memory_kind(heap) == "anon"
+    got = repack.pack_in_place(heap, cols)
+    assert got.data_ptr() == heap.data_ptr() and torch.equal(got, want)
+    save_file({"w": w}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        mapped = f.get_tensor("w")
+    assert repack.memory_kind(mapped) == "file"
+    assert torch.equal(repack.pack_dropping_source(mapped, cols), want)
+    assert torch.equal(mapped, w)  # its dropped pages read back from the file
+
+
+@needs_native
+@pytest.mark.parametrize("which", range(2))
 def test_packed_embedding_gathers_the_rows_exactly(which: int) -> None:
     dtype, pack, cols = PACKS[which]
     w = _weight(8 * cols, 64, dtype)
@@ -152,3 +178,20 @@ def test_a_streamed_tied_head_is_held_once_and_computes_the_same_logits(tmp_path
     assert torch.equal(logits[0], logits[1])  # the same packed weights, the same kernels
     ref = hf(torch.tensor([ids])).logits[0, -1].double()
     assert (logits[0][0].double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_only_a_weight_the_placer_alone_holds_is_repacked_in_its_memory() -> None:
+    with torch.device("meta"):
+        model = nn.Module()
+        model.a = nn.Linear(64, 64, bias=False)
+        model.b = nn.Linear(64, 64, bias=False)
+        model.c = nn.Linear(64, 64, bias=False)
+    shared, alone = torch.randn(64, 64), torch.randn(64, 64)
+    placer = placement.WeightPlacer(model, "test", owned=True)
+    for name, t in (("a.weight", shared), ("b.weight", shared), ("c.weight", alone)):
+        placer(name, t)
+    assert placer.owned_kind(model.c.weight) == "anon"
+    assert placer.owned_kind(model.a.weight) is None  # b's memory too
+    assert (
+        placement.WeightPlacer(model, "test").owned_kind(model.c.weight) is None
+    )  # not owned at all

@@ -31,6 +31,10 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
     ``weight_map`` where there is one, else each file's own header); a name in two shards is
     refused at construction."""
 
+    #: each access reads a new tensor nobody else holds (memory-mapped copy-on-write), so the
+    #: model's builder may repack it in its own memory
+    fresh_tensors = True
+
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         index = self.directory / "model.safetensors.index.json"

@@ -60,6 +60,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,6 +69,7 @@ from torch import nn
 
 from radixkv.model import native
 from radixkv.model.host_cpu import has_amx_bf16, has_native_bf16
+from radixkv.model.repack import pack_dropping_source, pack_in_place
 
 __all__ = [
     "PackedEmbedding",
@@ -188,7 +190,10 @@ class PackedLinear(nn.Module):
     :data:`AMX_MAX_ROWS` + 1 beside the tile GEMM, :data:`ONEDNN_AMX_MIN_ROWS` without it.
 
     ``release_weight``: where the native layout is all the GEMM reads (:func:`packed_alone`),
-    ``weight`` becomes a meta tensor of its shape and dtype.
+    ``weight`` becomes a meta tensor of its shape and dtype. ``owned`` says the plain weight is
+    the caller's alone and where it lives (:func:`radixkv.model.repack.memory_kind`): then a
+    released one is packed without both layouts held whole (``"anon"``: in its own memory;
+    ``"file"``: its file pages dropped as they are packed; :mod:`radixkv.model.repack`).
 
     Invariant: ``packed`` (and ``amx_packed``) are layouts of ``weight`` at construction; the
     weights are inference-only (``requires_grad=False``) and must not be modified in place
@@ -201,6 +206,7 @@ class PackedLinear(nn.Module):
         linear: nn.Linear,
         min_rows: int = MIN_PACKED_ROWS,
         release_weight: bool = False,
+        owned: str | None = None,
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -217,7 +223,7 @@ class PackedLinear(nn.Module):
             _GEMM_MODULES[module.__name__] = module
             _, pack, self._gemm_fn = _GEMM_FUNCS[self.weight.dtype]
             self.kernel = "native"
-            self.packed = getattr(module, pack)(self.weight.detach())
+            self.packed = _pack(module, pack, self.weight.detach(), owned, release_weight)
             if self.weight.dtype == torch.bfloat16 and has_amx_bf16():
                 self.amx_tiles = self.in_features % 32 == 0 and module.bf16_gemm_amx_available()
                 if cpu_gemm_choice() == "auto":
@@ -307,6 +313,19 @@ class PackedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, rows of the tied head's packed copy"
 
 
+def _pack(
+    module: Any, pack: str, weight: torch.Tensor, owned: str | None, release: bool
+) -> torch.Tensor:
+    """``weight`` in the native layout; where it is released and ``owned``, without holding
+    both layouts whole (:mod:`radixkv.model.repack`)."""
+    if not release or owned not in ("anon", "file") or not packed_alone(weight):
+        return getattr(module, pack)(weight)
+    cols = module.f32_gemm_cols() if weight.dtype == torch.float32 else module.bf16_gemm_block()[0]
+    if owned == "anon":
+        return pack_in_place(weight, cols)
+    return pack_dropping_source(weight, cols)
+
+
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` in oneDNN's blocked layout for ``torch.ops.mkldnn._linear_pointwise``."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -316,6 +335,7 @@ def prepack_linears(
     model: nn.Module,
     names: tuple[str, ...] | None = None,
     release: tuple[str, ...] = (),
+    owned: Callable[[torch.Tensor], str | None] | None = None,
 ) -> int:
     """Replace ``nn.Linear`` modules of ``model`` by :class:`PackedLinear`; returns how many.
 
@@ -323,6 +343,8 @@ def prepack_linears(
     ``release``: children with these names drop their plain weight where only the packed copy is
     read (radixkv's native GEMM), unless another module shares it; ``RADIXKV_KEEP_PLAIN_WEIGHTS=1``
     keeps every one (a benchmark that compares against ``F.linear`` on them).
+    ``owned(weight)``: where a weight nobody else holds lives (:class:`PackedLinear`'s
+    ``owned``), None where someone else may hold it.
     Does nothing (returns 0) when :func:`packed_linear_supported` says no for the weights.
     """
     if os.environ.get("RADIXKV_KEEP_PLAIN_WEIGHTS") == "1":
@@ -348,6 +370,7 @@ def prepack_linears(
     while linears:  # popped: a replaced linear (and a released plain weight) dies as it goes
         parent, name, child = linears.pop()
         free = name in release and id(child.weight) not in shared
-        setattr(parent, name, PackedLinear(child, release_weight=free))
+        kind = owned(child.weight) if free and owned is not None else None
+        setattr(parent, name, PackedLinear(child, release_weight=free, owned=kind))
         del child
     return count

@@ -29,7 +29,12 @@ from radixkv.model.attention.base import AttentionBackend, ForwardBatch, split_q
 from radixkv.model.attention.window import WindowPlan, plan_window, windowed_attention
 from radixkv.model.linear import prepack_linears
 from radixkv.model.model_config import ModelConfig
-from radixkv.model.placement import DECODER_PROJECTIONS, WeightPlacer, pack_tied_head
+from radixkv.model.placement import (
+    DECODER_PROJECTIONS,
+    WeightPlacer,
+    pack_tied_head,
+    trim_heap,
+)
 from radixkv.model.rope import RotaryEmbedding, apply_rope, rotary_for
 
 __all__ = ["ModelConfig", "LlamaModel", "RMSNorm", "RotaryEmbedding", "apply_rope", "model_config"]
@@ -275,16 +280,18 @@ class LlamaModel(nn.Module):
         """Build from a transformers state dict of ``config``'s architecture
         (:func:`radixkv.model.arch.map_weights` fuses QKV and gate/up, and refuses a weight it
         would drop). Each weight is placed as it is made and each layer packed once whole, so
-        a streamed checkpoint never has the whole model in both layouts."""
-        model, place = cls._placing(config)
+        a streamed checkpoint never has the whole model in both layouts; a checkpoint that hands
+        out tensors nobody else holds (``fresh_tensors``) lets each be packed without both its
+        layouts held whole (:mod:`radixkv.model.repack`)."""
+        model, place = cls._placing(config, bool(getattr(state_dict, "fresh_tensors", False)))
         map_weights(config, state_dict, dtype, device, sink=place)
         return model._placed(place, device)
 
     @classmethod
-    def _placing(cls, config: ModelConfig) -> tuple[LlamaModel, WeightPlacer]:
+    def _placing(cls, config: ModelConfig, owned: bool = False) -> tuple[LlamaModel, WeightPlacer]:
         with torch.device("meta"):
             model = cls(config)
-        return model, WeightPlacer(model, config.model_type)
+        return model, WeightPlacer(model, config.model_type, owned)
 
     def _placed(self, placer: WeightPlacer, device: torch.device | str) -> LlamaModel:
         """The model once every weight is placed: the head tied where none was given, RoPE
@@ -298,10 +305,12 @@ class LlamaModel(nn.Module):
             raise KeyError(f"weight {missing[0]!r} missing from the state dict")
         for rotary in self.rotaries.values():  # made on the CPU when the model was
             rotary.to(device)
+        trim_heap()  # what the last layer freed, before the head's packing
         # CPU float32, and bf16 with native bf16: every linear prepacked (radixkv.model.linear),
         # keeping only its packed copy where that is all the GEMM reads
-        pack_tied_head(self)
+        pack_tied_head(self, placer.owned_kind)
         prepack_linears(self, release=(*DECODER_PROJECTIONS, "lm_head"))
+        trim_heap()
         return self.eval()
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, rows: bool) -> RopeTables:
