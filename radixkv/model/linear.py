@@ -299,14 +299,15 @@ class PackedEmbedding(nn.Module):
             raise ValueError("PackedEmbedding needs a PackedLinear holding only its native copy")
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.weight = head.weight
-        self.packed = head.packed
-        self.step = 2 if head.packed.dtype == torch.bfloat16 else 1
+        self.packed = p = head.packed
+        step = 2 if p.dtype == torch.bfloat16 else 1
+        self.cols = p.shape[2] // step
+        # [N / cols, cols, K / step, step]: a row is the first two indices (a strided view)
+        self.blocks = p.view(p.shape[0], p.shape[1], self.cols, step).transpose(1, 2)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        p = self.packed
-        cols = p.shape[2] // self.step
         flat = ids.reshape(-1)
-        rows = p.view(p.shape[0], p.shape[1], cols, self.step)[flat // cols, :, flat % cols]
+        rows = self.blocks[flat // self.cols, flat % self.cols]
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
