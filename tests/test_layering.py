@@ -4,13 +4,20 @@ An AST scan of every module under ``radixkv/``, ``server/`` (``radixkv.server``)
 (``radixkv.kernels``); import-linter/grimp would only see ``radixkv/`` because the other two folders
 are mapped in by setuptools' ``package-dir``. For the layers, imports under ``if TYPE_CHECKING:``
 are annotations, not dependencies, and are skipped; for cycles they count (a type-only circle marks
-the same knot as a runtime one); imports inside functions (lazy imports) always count. Every
-module has at most ``MAX_LINES`` lines.
+the same knot as a runtime one); imports inside functions (lazy imports) always count.
+
+Module size is a signal, not the rule (issue 60: a hard cap split files where they overflowed, not
+at their seams; the rule is one reason to change per module). A module over ``REPORT_LINES``
+(500) is named in a warning, for a reviewer to ask whether it still has one reason to change; one
+over ``MAX_LINES`` (900, nearly twice that) fails, as no module of this code base is cohesive at
+that size: the largest today are the engine and the remote store, just under 500. Private names
+across modules and the engine's type are tests/test_encapsulation.py's.
 """
 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
@@ -45,7 +52,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 
-def _modules() -> dict[str, Path]:
+def modules() -> dict[str, Path]:
     mods: dict[str, Path] = {}
     for pkg, folder in FOLDERS.items():
         for path in folder.rglob("*.py"):
@@ -67,7 +74,10 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-MAX_LINES = 500
+#: a module above this many lines fails (see the module docstring)
+MAX_LINES = 900
+#: a module above this many lines is named in a warning
+REPORT_LINES = 500
 
 
 def _imports(name: str, path: Path, mods: dict[str, Path], type_only: bool = False) -> set[str]:
@@ -122,24 +132,39 @@ def _layer(module: str) -> str:
 
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
-    mods = _modules()
+    mods = modules()
     return {name: _imports(name, path, mods) for name, path in mods.items()}
 
 
 @pytest.fixture(scope="module")
 def full_graph() -> dict[str, set[str]]:
     """The import graph with type-only imports too."""
-    mods = _modules()
+    mods = modules()
     return {name: _imports(name, path, mods, type_only=True) for name, path in mods.items()}
 
 
-def test_every_module_is_at_most_max_lines() -> None:
-    long = {
-        name: n
-        for name, path in _modules().items()
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
-    }
-    assert not long, f"modules over {MAX_LINES} lines (split at a seam): {long}"
+def module_sizes() -> dict[str, int]:
+    """Lines of every module, by module name."""
+    return {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+
+
+def check_sizes(sizes: dict[str, int]) -> list[str]:
+    """Fail on a module over ``MAX_LINES``; return those over ``REPORT_LINES`` (the signal)."""
+    too_long = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    assert not too_long, f"modules over {MAX_LINES} lines (split them at a seam): {too_long}"
+    return sorted(f"{name} ({n})" for name, n in sizes.items() if n > REPORT_LINES)
+
+
+def test_module_size_is_a_signal_with_a_ceiling() -> None:
+    long = check_sizes(module_sizes())
+    if long:
+        warnings.warn(
+            f"modules over {REPORT_LINES} lines (one reason to change each?): {', '.join(long)}",
+            stacklevel=1,
+        )
+    assert check_sizes({"a": REPORT_LINES + 1, "b": 10}) == [f"a ({REPORT_LINES + 1})"]
+    with pytest.raises(AssertionError, match="over 900 lines"):
+        check_sizes({"a": MAX_LINES + 1})
 
 
 def test_scanner_sees_every_folder(graph: dict[str, set[str]]) -> None:
@@ -212,7 +237,7 @@ def test_the_checks_can_fail() -> None:
     with pytest.raises(AssertionError):
         test_no_import_cycles({"a": {"b"}, "b": {"a"}})
     # a type-only import is an edge of the cycle graph, not of the layer graph
-    mods = _modules()
+    mods = modules()
     beam = "radixkv.engine.beam_runner"
     assert "radixkv.engine.lifecycle" in _imports(beam, mods[beam], mods, type_only=True)
     assert "radixkv.engine.lifecycle" not in _imports(beam, mods[beam], mods)

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixkv.cache.allocator import BlockAllocator, IntegrityError
+from radixkv.cache.eviction import check_entry_order
 from radixkv.cache.radix_tree import RadixTree, TreeEvents, TreeNode
 
 
@@ -397,6 +398,18 @@ def test_integrity_catches_corruption() -> None:
     leaf.last_access += 100  # changed without re-sorting
     with pytest.raises(IntegrityError, match="stale"):
         tree.check_integrity()
+
+
+def test_entry_order_check_catches_disorder_and_foreign_entries() -> None:
+    """``check_order``'s check (public iteration only, no sortedcontainers internals)."""
+    a, b = TreeNode([1], [0], None, uid=1), TreeNode([2], [1], None, uid=2)
+    ea, eb = (1, a.uid, a), (2, b.uid, b)
+    a.evict_entry, b.evict_entry = ea, eb
+    check_entry_order([ea, eb], "evict_entry")
+    with pytest.raises(AssertionError, match="out of order"):
+        check_entry_order([eb, ea], "evict_entry")
+    with pytest.raises(AssertionError, match="not its entry"):
+        check_entry_order([ea, (3, b.uid, b)], "evict_entry")
 
 
 # ---------------------------------------------------------------------------- property test

@@ -19,7 +19,7 @@ the device eviction loop (``RadixTree.evict``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
@@ -29,7 +29,7 @@ from radixkv.cache.tree_node import TreeNode, detach
 if TYPE_CHECKING:
     from radixkv.cache.allocator import BlockAllocator
 
-__all__ = ["EVICTION_POLICIES", "EvictionIndex", "sort_entry_fn"]
+__all__ = ["EVICTION_POLICIES", "EvictionIndex", "check_entry_order", "sort_entry_fn"]
 
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 
@@ -52,6 +52,20 @@ _SORT_ENTRY: dict[str, Callable[[TreeNode], tuple]] = {"lru": _lru, "lfu": _lfu,
 def sort_entry_fn(policy: str) -> Callable[[TreeNode], tuple]:
     """The sort entry of a node under ``policy`` (one of :data:`EVICTION_POLICIES`)."""
     return _SORT_ENTRY[policy]
+
+
+def check_entry_order(entries: Iterable[tuple], field: str) -> None:
+    """Raise ``AssertionError`` unless ``entries`` (a leaf set, in its iteration order) ascend
+    strictly by their sort fields and each is the entry stored on its node as ``field``
+    (``evict_entry`` / ``host_entry``). Whether an entry is stale (its node's sort fields
+    changed) is ``check_tree_integrity``'s own check."""
+    prev: tuple | None = None
+    for e in entries:
+        node = e[-1]
+        assert getattr(node, field) is e, f"{node!r}: its {field} is not its entry in the set"
+        # the uid makes the fields unique, so the node itself is never compared
+        assert prev is None or prev[:-1] < e[:-1], f"{node!r} out of order in the leaf set"
+        prev = e
 
 
 class EvictionIndex:
@@ -107,8 +121,8 @@ class EvictionIndex:
         return [e[-1] for e in self._leaves]
 
     def check_order(self) -> None:
-        """The sorted list's own consistency check (raises ``AssertionError``)."""
-        self._leaves._check()
+        """:func:`check_entry_order` over the device leaves (raises ``AssertionError``)."""
+        check_entry_order(self._leaves, "evict_entry")
 
     # ------------------------------------------------------------------ leaf set
     def add(self, node: TreeNode) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
 
-from radixkv.cache.eviction import EvictionIndex
+from radixkv.cache.eviction import EvictionIndex, check_entry_order
 from radixkv.cache.tree_node import TreeNode, add_subtree_counts, detach
 
 if TYPE_CHECKING:
@@ -90,8 +90,9 @@ class HostResidency:
         return [e[-1] for e in self._leaves]
 
     def check_order(self) -> None:
-        """The sorted list's own consistency check (raises ``AssertionError``)."""
-        self._leaves._check()
+        """:func:`~radixkv.cache.eviction.check_entry_order` over the host leaves (raises
+        ``AssertionError``)."""
+        check_entry_order(self._leaves, "host_entry")
 
     # ------------------------------------------------------------------ host-leaf set
     def _add(self, node: TreeNode) -> None:

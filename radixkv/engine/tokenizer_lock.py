@@ -26,7 +26,7 @@ class LockedTokenizer:
         object.__setattr__(self, "_tokenizer", tokenizer)
         object.__setattr__(self, "_lock", threading.RLock())
         # a transformers fast tokenizer's Rust backend (encode/decode call it directly), or None
-        backend = getattr(tokenizer, "_tokenizer", None)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
         fast = getattr(tokenizer, "is_fast", False) and all(
             hasattr(backend, name) for name in ("encode_batch", "decode")
         )
