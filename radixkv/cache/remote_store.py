@@ -30,7 +30,8 @@ there. It keeps no index of the server's keys, only:
   cache flush);
 * ``_pending``: keys queued for the writer thread (which batches ``SET``s into one pipeline per
   shard);
-* ``_down``: the shards that are down, each with its probe backoff.
+* ``health`` (:class:`~radixkv.cache.remote_health.ShardHealth`): the shards that are down,
+  each with its probe backoff.
 
 Lookups (:meth:`RemoteStore.get_prefix`) fetch a chain continuation in batches (one ``MGET``, or
 one pipeline per cluster master) and stop at the first miss. A connection failure turns that
@@ -81,7 +82,7 @@ REMOTE_MAGIC = b"RKVREM02"
 _REASONS = REASONS
 
 
-class RemoteStore(ShardHealth):
+class RemoteStore:
     """Page payloads in Redis under chained-hash keys; see the module docstring.
 
     Args:
@@ -99,8 +100,11 @@ class RemoteStore(ShardHealth):
         mac_key: the secret keying every value's MAC (at least 16 bytes; see the module
             docstring for the default).
 
+    Owns: ``health`` (:class:`~radixkv.cache.remote_health.ShardHealth`, the shards' up/down
+    state), which shares ``_lock`` and ``counters`` and clears ``_recent`` when a shard comes back.
+
     Thread safety: one engine thread calls the public methods; the writer thread touches
-    ``_pending``, ``_recent``, ``_down`` and the counters under ``_lock``.
+    ``_pending``, ``_recent``, the down set and the counters under ``_lock``.
     """
 
     def __init__(
@@ -136,7 +140,6 @@ class RemoteStore(ShardHealth):
         self._lock = threading.Lock()
         self._pending: set[bytes] = set()
         self._recent: OrderedDict[bytes, float] = OrderedDict()
-        self._down: dict[str, tuple[float, float]] = {}  # shard -> (backoff, next probe)
         self._sim: OrderedDict[bytes, int] | None = None
         self.mac_key = b""  # set below when there is a server
         self.capacity_pages = capacity_pages
@@ -157,6 +160,9 @@ class RemoteStore(ShardHealth):
             "went_down": 0,  # a shard turned down
             "came_back": 0,  # a shard answered again
         }
+        self.health = ShardHealth(
+            self.url, retry_min, retry_max, self._lock, self.counters, self._recent.clear
+        )
         self._shards: Shards | None = None
         self._queue: queue.Queue[tuple[bytes, Any] | None] | None = None
         self._thread: threading.Thread | None = None
@@ -168,15 +174,31 @@ class RemoteStore(ShardHealth):
         self.mac_key = mac_key or configured_mac_key() or process_mac_key()
         # the URL's own password wins over the environment's
         self._shards = open_shards(self.url, os.environ.get(PASSWORD_ENV) or None, timeout)
+        self.health.shards = self._shards
         failed = getattr(self._shards, "connect_error", None)
         if failed is not None:  # a cluster none of whose nodes answered: down, probes retry
-            self._went_down(self._shards.names()[0], failed)
+            self.health.went_down(self._shards.names()[0], failed)
         if background:
             self._queue = queue.Queue(maxsize=self.max_pending)
             self._thread = threading.Thread(
                 target=self._writer, name="radixkv-remote-writer", daemon=True
             )
             self._thread.start()
+
+    @property
+    def available(self) -> bool:
+        """True while at least one shard is believed up (no network call)."""
+        return self.health.available
+
+    def probe(self, force: bool = False) -> bool:
+        """:meth:`ShardHealth.probe <radixkv.cache.remote_health.ShardHealth.probe>`: ``PING``
+        the down shards whose backoff has passed; returns :attr:`available`."""
+        return self.health.probe(force)
+
+    def skipped_down(self, n: int) -> None:
+        """Count ``n`` pages not sent because the store is down."""
+        with self._lock:
+            self.counters["writes_skipped_down"] += n
 
     @property
     def _errors(self) -> tuple[type[BaseException], ...]:
@@ -222,7 +244,7 @@ class RemoteStore(ShardHealth):
         if not todo or self._sim is not None or self._shards is None:
             return todo
         where = self._shards.locate([self._rkey(keys[i]) for i in todo])
-        up = [i for i, shard in zip(todo, where, strict=True) if not self._is_down(shard)]
+        up = [i for i, shard in zip(todo, where, strict=True) if not self.health.is_down(shard)]
         room = len(up) if self._queue is None else self.max_pending - self._queue.qsize()
         with self._lock:
             self.counters["writes_skipped_down"] += len(todo) - len(up)
@@ -286,14 +308,14 @@ class RemoteStore(ShardHealth):
         done: list[tuple[bytes, bytes]] = []
         skipped = 0
         for shard, group in groups.items():
-            if shard is None or shard in self._down:
+            if shard is None or self.health.is_down(shard):
                 skipped += len(group)
                 continue
             try:
                 errs = self._shards.set(shard, [(self._rkey(k), v) for k, v in group])
             except self._errors as exc:
                 failed += len(group)
-                self._went_down(shard, exc)
+                self.health.went_down(shard, exc)
                 continue
             for item, err in zip(group, errs, strict=True):
                 if err is None:
@@ -391,7 +413,7 @@ class RemoteStore(ShardHealth):
         (or fails now: it turns down), fetched one request per shard."""
         assert self._shards is not None
         where = self._shards.locate(rkeys)
-        stop = next((i for i, s in enumerate(where) if self._is_down(s)), len(rkeys))
+        stop = next((i for i, s in enumerate(where) if self.health.is_down(s)), len(rkeys))
         groups: dict[str, list[int]] = {}
         for i in range(stop):
             groups.setdefault(where[i], []).append(i)  # type: ignore[arg-type]
@@ -402,7 +424,7 @@ class RemoteStore(ShardHealth):
             try:
                 got = self._shards.get(shard, [rkeys[i] for i in idx])
             except self._errors as exc:
-                self._went_down(shard, exc)
+                self.health.went_down(shard, exc)
                 stop = idx[0]
                 continue
             for i, value in zip(idx, got, strict=True):
@@ -437,11 +459,11 @@ class RemoteStore(ShardHealth):
         assert self._shards is not None
         rkey = self._rkey(key)
         (shard,) = self._shards.locate([rkey])
-        if shard is not None and shard not in self._down:
+        if shard is not None and not self.health.is_down(shard):
             try:
                 self._shards.delete(shard, rkey)
             except self._errors as exc:
-                self._went_down(shard, exc)
+                self.health.went_down(shard, exc)
 
     def close(self) -> None:
         """Send queued writes, stop the writer thread and close the connections (idempotent)."""
@@ -461,7 +483,7 @@ class RemoteStore(ShardHealth):
             "available": self.available,
             "pending_writes": len(self._pending),
             "recent_keys": len(self._recent),
-            **self._health_stats(),
+            **self.health.stats(),
         }
         if self._sim is not None:
             out["pages"] = len(self._sim)
@@ -471,9 +493,10 @@ class RemoteStore(ShardHealth):
     def check_integrity(self) -> None:
         """The local bookkeeping: ``_recent`` bounded, every count non-negative, corrupt counts
         summing up, misses on down shards within the misses, the shards' up/down state
-        (:meth:`~radixkv.cache.remote_health.ShardHealth._check_health`), no write pending with the writer stopped, the simulated LRU within
-        capacity. Raises :class:`IntegrityError`."""
-        self._check_health()
+        (:meth:`ShardHealth.check_integrity
+        <radixkv.cache.remote_health.ShardHealth.check_integrity>`), no write pending with the
+        writer stopped, the simulated LRU within capacity. Raises :class:`IntegrityError`."""
+        self.health.check_integrity()
         with self._lock:
             recent = len(self._recent)
             pending = set(self._pending)
@@ -494,6 +517,6 @@ class RemoteStore(ShardHealth):
 
     def __repr__(self) -> str:
         state = "up" if self.available else "down"
-        if self._down:
-            state += f", {len(self._down)} shard(s) down"
+        if self.health.num_down:
+            state += f", {self.health.num_down} shard(s) down"
         return f"RemoteStore(url={redact_url(self.url)!r}, {state}, pending={len(self._pending)})"
