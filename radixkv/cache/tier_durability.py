@@ -10,12 +10,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from radixkv.cache.disk_store import DiskStore, chain_hashes
-from radixkv.cache.radix_tree import RadixTree, TreeNode
+from radixkv.cache.disk_store import chain_hashes
+from radixkv.cache.radix_tree import TreeNode
 from radixkv.cache.tier_writes import TierWrites
 
 if TYPE_CHECKING:
-    from radixkv.cache.remote_store import RemoteStore
+    from radixkv.cache.tier_stores import TierStores
 
 logger = logging.getLogger("radixkv.cache.tiers")
 
@@ -29,33 +29,22 @@ CLOSE_TIMEOUT_S = 60.0
 class TierDurability:
     """Sync, flush, persist and shut down the disk and remote tiers (over the write path).
 
-    Owns no state of its own: the tree, the write path, the disk and remote stores and the
-    disk-key ``fingerprint`` are given at construction and never reassigned. Pages it queues
+    Owns no state of its own: ``stores`` (:class:`~radixkv.cache.tier_stores.TierStores`, shared
+    with the other parts) and the write path are given at construction and never reassigned. Pages it queues
     for the disk are counted by the write path (``disk_write_pages``).
     """
 
-    def __init__(
-        self,
-        tree: RadixTree,
-        writes: TierWrites,
-        disk: DiskStore | None,
-        remote: RemoteStore | None,
-        fingerprint: bytes,
-    ) -> None:
-        self.tree = tree
+    def __init__(self, stores: TierStores, writes: TierWrites) -> None:
         self.writes = writes
-        self.disk = disk
-        self.remote = remote
-        self.page_size = tree.page_size
-        self.fingerprint = fingerprint
+        self.stores = stores
 
     # ------------------------------------------------------------------ administration
     def sync(self) -> None:
         """Wait for queued disk (and remote) writes."""
-        if self.disk is not None:
-            self.disk.sync()
-        if self.remote is not None:
-            self.remote.sync()
+        if self.stores.disk is not None:
+            self.stores.disk.sync()
+        if self.stores.remote is not None:
+            self.stores.remote.sync()
 
     def flush(self) -> None:
         """Called after ``tree.reset()`` (which already freed the host pages of every dropped
@@ -63,28 +52,28 @@ class TierDurability:
         (:meth:`clear_disk` removes them). The remote tier forgets which pages it sent lately,
         so pages computed again after a flush are sent again (Redis may have dropped them)."""
         self.sync()
-        if self.remote is not None:
-            self.remote.forget_recent()
+        if self.stores.remote is not None:
+            self.stores.remote.forget_recent()
 
     def clear_disk(self) -> None:
         """Remove every file of the disk tier."""
-        if self.disk is not None:
-            self.disk.clear()
+        if self.stores.disk is not None:
+            self.stores.disk.clear()
 
     def close(self) -> None:
         """Finish disk writes and stop the writer thread."""
-        if self.disk is not None:
-            self.disk.close()
-        if self.remote is not None:
-            self.remote.close()
+        if self.stores.disk is not None:
+            self.stores.disk.close()
+        if self.stores.remote is not None:
+            self.stores.remote.close()
 
     def _nodes_by_depth(self) -> list[tuple[TreeNode, list[bytes]]]:
         """Every cached node with its disk keys, parents before children (breadth first). The
         chained hashes are carried down the walk, so the cost is one hash per page."""
-        P = self.page_size
+        P = self.stores.page_size
         out: list[tuple[TreeNode, list[bytes]]] = []
         level: list[tuple[TreeNode, bytes | None]] = []
-        for child in self.tree.root.children.values():
+        for child in self.stores.tree.root.children.values():
             if child.is_namespace:
                 level += [(c, None) for c in child.children.values()]
             else:
@@ -92,7 +81,7 @@ class TierDurability:
         while level:
             nxt: list[tuple[TreeNode, bytes | None]] = []
             for node, prev in level:
-                keys = chain_hashes(self.fingerprint, node.key, P, node.salt, prev=prev)
+                keys = chain_hashes(self.stores.fingerprint, node.key, P, node.salt, prev=prev)
                 if len(keys) * P != len(node.key):  # never: keys are page aligned
                     continue
                 out.append((node, keys))
@@ -105,7 +94,7 @@ class TierDurability:
         in the writer queue until ``deadline`` (``time.monotonic()``). Deepest nodes first, so
         that when the disk bound forces LRU evictions the shared prefixes (written last) stay.
         Returns ``{"pages": queued, "skipped": pages left out by the deadline}``."""
-        disk = self.disk
+        disk = self.stores.disk
         if disk is None:
             return {"pages": 0, "skipped": 0}
         before = self.writes.counters["disk_write_pages"]
@@ -132,14 +121,14 @@ class TierDurability:
         limit = CLOSE_TIMEOUT_S if timeout is None else timeout
         deadline = t0 + limit
         out: dict[str, Any] = {"pages": 0, "bytes": 0, "skipped": 0, "drained": True}
-        disk = self.disk
+        disk = self.stores.disk
         if disk is not None:
             bytes0 = disk.counters["write_bytes"]
             out.update(self.persist(deadline))
             out["drained"] = disk.close(max(0.0, deadline - time.monotonic()))
             out["bytes"] = disk.counters["write_bytes"] - bytes0
-        if self.remote is not None:
-            self.remote.close()
+        if self.stores.remote is not None:
+            self.stores.remote.close()
         out["seconds"] = time.monotonic() - t0
         if disk is not None:
             log = logger.info if out["drained"] and not out["skipped"] else logger.warning

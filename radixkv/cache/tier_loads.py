@@ -25,14 +25,11 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from radixkv.cache.allocator import BlockAllocator
-from radixkv.cache.disk_store import DiskStore, chain_hashes
-from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeNode
+from radixkv.cache.disk_store import chain_hashes
+from radixkv.cache.radix_tree import MatchResult, TreeNode
 
 if TYPE_CHECKING:
-    from radixkv.cache.host_pool import HostPool
-    from radixkv.cache.page_pool import PagePool
-    from radixkv.cache.remote_store import RemoteStore
+    from radixkv.cache.tier_stores import TierStores
 
 __all__ = ["LOAD_COUNTERS", "LoadPlan", "LoadResult", "TierLoads"]
 
@@ -87,10 +84,9 @@ class TierLoads:
     """The load path of the tiers: plan, evict, copy (module docstring).
 
     Owns: ``counters`` (:data:`LOAD_COUNTERS`; they only grow) and ``min_load_tokens`` (loads of
-    fewer tokens are skipped: recomputing them is cheaper). Everything else it reads is given at
-    construction and never reassigned: the tree, the device allocator (``None``: simulation,
-    fake page ids) and pool (``None``: bookkeeping only), the host pool, the disk and remote
-    stores and the disk-key ``fingerprint``.
+    fewer tokens are skipped: recomputing them is cheaper). What it reads, the tree, the device
+    allocator and pool, the host pool, the disk and remote stores and the disk-key fingerprint,
+    is ``stores`` (:class:`~radixkv.cache.tier_stores.TierStores`), shared with the other parts.
 
     Invariants of a load: eviction never takes what it needs (the caller's matched path is
     locked, the host path is protected, payloads are read first); on return exactly one of
@@ -98,25 +94,8 @@ class TierLoads:
     the tree or freed.
     """
 
-    def __init__(
-        self,
-        tree: RadixTree,
-        allocator: BlockAllocator | None,
-        kv_pool: PagePool | None,
-        host: HostPool | None,
-        disk: DiskStore | None,
-        remote: RemoteStore | None,
-        fingerprint: bytes,
-        min_load_tokens: int,
-    ) -> None:
-        self.tree = tree
-        self.allocator = allocator
-        self.kv_pool = kv_pool
-        self.host = host
-        self.disk = disk
-        self.remote = remote
-        self.page_size = tree.page_size
-        self.fingerprint = fingerprint
+    def __init__(self, stores: TierStores, min_load_tokens: int) -> None:
+        self.stores = stores
         self.min_load_tokens = min_load_tokens
         self.counters: dict[str, int] = dict.fromkeys(LOAD_COUNTERS, 0)
 
@@ -147,13 +126,13 @@ class TierLoads:
         read before any page is taken.
         """
         by_tier = {"device": res.num_tokens, "host": 0, "disk": 0}
-        if self.remote is not None:
+        if self.stores.remote is not None:
             by_tier["remote"] = 0
         keep = LoadResult(list(res.pages), res.num_tokens, res.node, by_tier)
         plan = self._plan(tokens, salt, res)
         if plan is None:
             return keep
-        residency = self.tree.residency
+        residency = self.stores.tree.residency
         protected = plan.host_nodes[-1] if plan.host_nodes else None
         if protected is not None:
             residency.protect(protected)
@@ -171,27 +150,28 @@ class TierLoads:
     def _plan(self, tokens: list[int], salt: Hashable, res: MatchResult) -> LoadPlan | None:
         """What the tiers hold after the device match ``res``, read and verified; ``None`` when
         nothing is there or it is shorter than ``min_load_tokens`` (``loads_skipped``)."""
-        P = self.page_size
-        host_nodes = res.host_nodes if self.host is not None else []
+        P = self.stores.page_size
+        host_nodes = res.host_nodes if self.stores.host is not None else []
         host_tok = res.host_tokens if host_nodes else 0
         max_pages = len(tokens) // P
         start = (res.num_tokens + host_tok) // P
-        disk = self.disk
+        disk = self.stores.disk
         disk_keys: list[bytes] = []
         if disk is not None and start < max_pages and disk.num_files:
-            hashes = chain_hashes(self.fingerprint, tokens, P, salt, max_pages)
+            hashes = chain_hashes(self.stores.fingerprint, tokens, P, salt, max_pages)
             for i in range(start, max_pages):
                 if not disk.contains(hashes[i]):
                     break
                 disk_keys.append(hashes[i])
-        remote = self.remote if self.remote is not None and self.remote.available else None
+        remote = self.stores.remote
+        remote = remote if remote is not None and remote.available else None
         if host_tok + len(disk_keys) * P == 0 and remote is None:
             return None
         if host_tok + len(disk_keys) * P < self.min_load_tokens and remote is None:
             self.counters["loads_skipped"] += 1
             return None
         payloads: list[bytes] = []
-        page_bytes = self.kv_pool.bytes_per_page if self.kv_pool is not None else None
+        page_bytes = self.stores.kv_pool.bytes_per_page if self.stores.kv_pool is not None else None
         for key in disk_keys:  # read (and verify) before taking any device page
             data = disk.get(key, page_bytes) if disk is not None else None
             if data is None:
@@ -205,7 +185,7 @@ class TierLoads:
         at = start + n_disk
         if remote is not None and n_disk == len(disk_keys) and at < max_pages:
             # the continuation after host and disk, fetched in pipelined batches and verified
-            hashes = chain_hashes(self.fingerprint, tokens, P, salt, max_pages)
+            hashes = chain_hashes(self.stores.fingerprint, tokens, P, salt, max_pages)
             payloads += remote.get_prefix(hashes[at:max_pages], page_bytes)
         plan = LoadPlan(host_nodes, host_tok // P, payloads, n_disk)
         if plan.num_pages == 0:
@@ -223,12 +203,12 @@ class TierLoads:
         ``reserve_pages``; ``None`` when nothing is loaded (too little fits: ``loads_skipped``;
         or ``partial=False`` and it does not all fit: ``loads_waiting``, and
         ``keep.unloaded_pages`` is the plan's size)."""
-        P = self.page_size
+        P = self.stores.page_size
         need = plan.num_pages
-        alloc = self.allocator
+        alloc = self.stores.allocator
         if alloc is None:  # simulation without an allocator: fake page ids
             return list(range(-1, -need - 1, -1))
-        tree = self.tree
+        tree = self.stores.tree
         if not partial and alloc.num_free + tree.evictable_size // P < need + reserve_pages:
             # the caller waits for room rather than load part: evict nothing for it now
             self.counters["loads_waiting"] += 1
@@ -256,13 +236,13 @@ class TierLoads:
         """The leading host-only nodes holding exactly the first ``num_pages`` pages of the host
         path ``host_nodes`` (the node the cut falls in is split there; both halves stay
         host-only, so the tree's contents do not change)."""
-        P = self.page_size
+        P = self.stores.page_size
         out: list[TreeNode] = []
         left = num_pages
         for hn in host_nodes:
             k = len(hn.key) // P
             if k > left:
-                out.append(self.tree.split(hn, left * P))
+                out.append(self.stores.tree.split(hn, left * P))
                 break
             out.append(hn)
             left -= k
@@ -280,13 +260,13 @@ class TierLoads:
         hp: list[int] = []
         for hn in plan.host_nodes:
             hp += hn.host_value or []
-        if self.host is not None and self.kv_pool is not None:
-            self.host.load(self.kv_pool, hp, dev_pages[:nh])
+        if self.stores.host is not None and self.stores.kv_pool is not None:
+            self.stores.host.load(self.stores.kv_pool, hp, dev_pages[:nh])
         at = 0
-        P = self.page_size
+        P = self.stores.page_size
         for hn in plan.host_nodes:
             k = len(hn.key) // P
-            self.tree.residency.set_device_value(hn, dev_pages[at : at + k])
+            self.stores.tree.residency.set_device_value(hn, dev_pages[at : at + k])
             at += k
         self.counters["host_loads"] += 1
         self.counters["host_load_pages"] += nh
@@ -302,17 +282,17 @@ class TierLoads:
     ) -> LoadResult:
         """The disk and remote payloads of the plan into the rest of ``dev_pages``, inserted into
         the tree; the caller's lock moves from ``res.node`` to the end of the loaded prefix."""
-        P = self.page_size
-        tree = self.tree
+        P = self.stores.page_size
+        tree = self.stores.tree
         dev = res.num_tokens
         nh, payloads, n_disk = plan.num_host, plan.payloads, plan.num_disk
         total = dev + nh * P
         if payloads:  # disk -> device, then into the tree
             disk_pages = dev_pages[nh:]
-            if self.kv_pool is not None:
+            if self.stores.kv_pool is not None:
                 from radixkv.cache.host_pool import payloads_to_pages
 
-                pool = self.kv_pool
+                pool = self.stores.kv_pool
                 k, v = payloads_to_pages(
                     payloads,
                     pool.num_layers,
@@ -340,6 +320,6 @@ class TierLoads:
         tree.unlock(res.node)
         by_tier["host"] = nh * P
         by_tier["disk"] = min(n_disk * P, total - dev - nh * P)
-        if self.remote is not None:
+        if self.stores.remote is not None:
             by_tier["remote"] = total - dev - nh * P - by_tier["disk"]
         return LoadResult(m.pages, total, m.node, by_tier, plan.unloaded)

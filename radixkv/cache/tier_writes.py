@@ -11,13 +11,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from radixkv.cache.disk_store import DiskStore, chain_hashes
-from radixkv.cache.radix_tree import RadixTree, TreeNode
+from radixkv.cache.disk_store import chain_hashes
+from radixkv.cache.radix_tree import TreeNode
 
 if TYPE_CHECKING:
-    from radixkv.cache.host_pool import HostPool
-    from radixkv.cache.page_pool import PagePool
-    from radixkv.cache.remote_store import RemoteStore
+    from radixkv.cache.tier_stores import TierStores
 
 logger = logging.getLogger("radixkv.cache.tiers")
 
@@ -35,42 +33,27 @@ WRITE_COUNTERS = (
 class TierWrites:
     """Copies out of the device tier, and the tree hooks that trigger them.
 
-    Owns: ``counters`` (:data:`WRITE_COUNTERS`; they only grow). Everything else it reads is
-    given at construction and never reassigned: the tree, the device pool (``None``:
-    bookkeeping only), the host pool, disk and remote stores, the disk-key ``fingerprint`` and
-    the three write policies. A node gets host pages only through
+    Owns: ``counters`` (:data:`WRITE_COUNTERS`; they only grow). What it reads is given at
+    construction and never reassigned: ``stores`` (:class:`~radixkv.cache.tier_stores.TierStores`:
+    the tree, the device pool, the host pool, disk and remote stores, the disk-key fingerprint),
+    shared with the other parts, and the three write policies. A node gets host pages only through
     ``tree.residency.set_host_value``, after its KV was copied into them.
     """
 
     def __init__(
         self,
-        tree: RadixTree,
-        kv_pool: PagePool | None,
-        host: HostPool | None,
-        disk: DiskStore | None,
-        remote: RemoteStore | None,
-        fingerprint: bytes,
+        stores: TierStores,
         write_policy: str,
         disk_write_policy: str,
         remote_write_policy: str,
     ) -> None:
-        self.tree = tree
-        self.kv_pool = kv_pool
-        self.host = host
-        self.disk = disk
-        self.remote = remote
-        self.page_size = tree.page_size
-        self.fingerprint = fingerprint
+        self.stores = stores
         self.write_policy = write_policy
         self.disk_write_policy = disk_write_policy
         self.remote_write_policy = remote_write_policy
         self.counters: dict[str, int] = dict.fromkeys(WRITE_COUNTERS, 0)
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def has_data(self) -> bool:
-        return self.kv_pool is not None
-
     def _prefix_tokens(self, node: TreeNode) -> list[int]:
         """Tokens of the path from the namespace root down to (and including) ``node``."""
         keys: list[list[int]] = []
@@ -86,18 +69,18 @@ class TierWrites:
     def _node_hashes(self, node: TreeNode) -> list[bytes]:
         """Disk keys of ``node``'s pages (the last ``len(node.key) // P`` chained hashes)."""
         tokens = self._prefix_tokens(node)
-        hashes = chain_hashes(self.fingerprint, tokens, self.page_size, node.salt)
-        return hashes[len(hashes) - len(node.key) // self.page_size :]
+        hashes = chain_hashes(self.stores.fingerprint, tokens, self.stores.page_size, node.salt)
+        return hashes[len(hashes) - len(node.key) // self.stores.page_size :]
 
     def _host_alloc(self, n: int) -> list[int] | None:
         """``n`` host pages, evicting host-only leaves when short; None when impossible."""
-        assert self.host is not None
-        halloc = self.host.allocator
+        assert self.stores.host is not None
+        halloc = self.stores.host.allocator
         if n > halloc.num_pages:
             return None
         short = n - halloc.num_free
         if short > 0:
-            self.tree.evict_host(short * self.page_size)
+            self.stores.tree.evict_host(short * self.stores.page_size)
         if halloc.num_free < n:
             return None
         return halloc.allocate(n)
@@ -107,9 +90,9 @@ class TierWrites:
         hp = self._host_alloc(len(pages))
         if hp is None:
             return False
-        if self.host is not None and self.kv_pool is not None:
-            self.host.save(self.kv_pool, pages, hp)
-        self.tree.residency.set_host_value(node, hp)
+        if self.stores.host is not None and self.stores.kv_pool is not None:
+            self.stores.host.save(self.stores.kv_pool, pages, hp)
+        self.stores.tree.residency.set_host_value(node, hp)
         self.counters["host_writes"] += len(pages)
         return True
 
@@ -125,7 +108,7 @@ class TierWrites:
         are only refreshed. The KV is snapshotted now, serialized by the writer thread.
         ``keys``: the node's disk keys when the caller has them; ``wait``: seconds to wait for
         room in the writer queue (``None``: a full queue drops the write)."""
-        disk = self.disk
+        disk = self.stores.disk
         assert disk is not None
         if keys is None:
             keys = self._node_hashes(node)
@@ -137,9 +120,9 @@ class TierWrites:
                 todo.append(i)
         if not todo:
             return
-        if not self.has_data:
+        if not self.stores.has_data:
             for i in todo:
-                if disk.put(keys[i], self.page_size):
+                if disk.put(keys[i], self.stores.page_size):
                     self.counters["disk_write_pages"] += 1
             return
         from radixkv.cache.host_pool import pages_to_payloads
@@ -147,11 +130,11 @@ class TierWrites:
         deadline = None if wait is None else time.monotonic() + wait
         sel = [pages[i] for i in todo]
         if from_host:
-            assert self.host is not None
-            k, v = self.host.read(sel)
+            assert self.stores.host is not None
+            k, v = self.stores.host.read(sel)
         else:
-            assert self.kv_pool is not None
-            k, v = self.kv_pool.read_pages(sel)
+            assert self.stores.kv_pool is not None
+            k, v = self.stores.kv_pool.read_pages(sel)
             k, v = k.to("cpu"), v.to("cpu")
         for j, i in enumerate(todo):
             kj, vj = k[:, j : j + 1], v[:, j : j + 1]
@@ -164,7 +147,7 @@ class TierWrites:
         (:meth:`~radixkv.cache.remote_store.RemoteStore.to_send`: not queued, not sent or read
         lately, on a shard that is up, within the queue's room) are snapshotted now; the writer
         thread serializes and sends them."""
-        remote = self.remote
+        remote = self.stores.remote
         assert remote is not None
         if not remote.available:
             remote.skipped_down(len(pages))
@@ -173,15 +156,15 @@ class TierWrites:
         todo = remote.to_send(keys)
         if not todo:
             return
-        if not self.has_data:
+        if not self.stores.has_data:
             for i in todo:
                 if remote.put(keys[i], b""):
                     self.counters["remote_write_pages"] += 1
             return
         from radixkv.cache.host_pool import pages_to_payloads
 
-        assert self.kv_pool is not None
-        k, v = self.kv_pool.read_pages([pages[i] for i in todo])
+        assert self.stores.kv_pool is not None
+        k, v = self.stores.kv_pool.read_pages([pages[i] for i in todo])
         k, v = k.to("cpu"), v.to("cpu")
         for j, i in enumerate(todo):
             kj, vj = k[:, j : j + 1], v[:, j : j + 1]
@@ -191,20 +174,20 @@ class TierWrites:
     # ------------------------------------------------------------------ tree hooks
     def on_evict(self, node: TreeNode, pages: list[int]) -> None:
         """Device eviction of ``node``: keep its KV on the host (or the disk), and share it."""
-        if self.remote is not None and self.remote_write_policy == "write_back":
+        if self.stores.remote is not None and self.remote_write_policy == "write_back":
             self._write_remote(node, pages)  # write-through sent them when they were cached
         if node.host_value is not None:
             return  # already on the host (write-through or loaded back): nothing to copy
-        if self.host is not None and self._copy_to_host(node, pages):
+        if self.stores.host is not None and self._copy_to_host(node, pages):
             return
-        if self.disk is not None:
+        if self.stores.disk is not None:
             self.write_disk(node, pages, from_host=False)
-        elif self.remote is None:
+        elif self.stores.remote is None:
             self.counters["dropped_pages"] += len(pages)
 
     def on_host_evict(self, node: TreeNode, host_pages: list[int]) -> None:
         """``node`` leaves the host tier: its pages go to disk."""
-        if self.disk is not None and host_pages:
+        if self.stores.disk is not None and host_pages:
             self.write_disk(node, host_pages, from_host=True)
 
     def on_insert(self, node: TreeNode) -> None:
@@ -215,9 +198,11 @@ class TierWrites:
         if pages is None:
             return
         host_through = self.write_policy == "write_through"
-        if host_through and self.host is not None and node.host_value is None:
+        if host_through and self.stores.host is not None and node.host_value is None:
             self._copy_to_host(node, pages)
-        if self.disk is not None and (host_through or self.disk_write_policy == "write_through"):
+        if self.stores.disk is not None and (
+            host_through or self.disk_write_policy == "write_through"
+        ):
             self.write_disk(node, pages, from_host=False)
-        if self.remote is not None and self.remote_write_policy == "write_through":
+        if self.stores.remote is not None and self.remote_write_policy == "write_through":
             self._write_remote(node, pages)

@@ -64,6 +64,7 @@ from radixkv.cache.kv_mac import REASONS
 from radixkv.cache.radix_tree import MatchResult, RadixTree, TreeEvents
 from radixkv.cache.tier_durability import CLOSE_TIMEOUT_S, TierDurability
 from radixkv.cache.tier_loads import LoadResult, TierLoads
+from radixkv.cache.tier_stores import TierStores
 from radixkv.cache.tier_writes import TierWrites
 
 if TYPE_CHECKING:
@@ -143,6 +144,8 @@ class TieredCache:
             raise ValueError(f"unknown disk write policy {disk_write_policy!r}")
         if remote_write_policy not in ("write_back", "write_through"):
             raise ValueError(f"unknown remote write policy {remote_write_policy!r}")
+        #: the stores, one value shared by the parts (also read as the attributes below)
+        self.stores = TierStores(tree, allocator, kv_pool, host, disk, remote, fingerprint)
         self.tree = tree
         self.allocator = allocator
         self.kv_pool = kv_pool
@@ -155,19 +158,9 @@ class TieredCache:
         self.remote_write_policy = remote_write_policy
         self.fingerprint = fingerprint
         min_load = 2 * self.page_size if min_load_tokens is None else min_load_tokens
-        self.writes = TierWrites(
-            tree,
-            kv_pool,
-            host,
-            disk,
-            remote,
-            fingerprint,
-            write_policy,
-            disk_write_policy,
-            remote_write_policy,
-        )
-        self.loads = TierLoads(tree, allocator, kv_pool, host, disk, remote, fingerprint, min_load)
-        self.durability = TierDurability(tree, self.writes, disk, remote, fingerprint)
+        self.writes = TierWrites(self.stores, write_policy, disk_write_policy, remote_write_policy)
+        self.loads = TierLoads(self.stores, min_load)
+        self.durability = TierDurability(self.stores, self.writes)
         through = (
             write_policy == "write_through"
             or (disk is not None and disk_write_policy == "write_through")
@@ -201,7 +194,7 @@ class TieredCache:
     @property
     def has_data(self) -> bool:
         """False for bookkeeping only (no device KV pool)."""
-        return self.kv_pool is not None
+        return self.stores.has_data
 
     # ------------------------------------------------------------------ admission
     def load_prefix(
