@@ -1,8 +1,9 @@
 """mypy over the engine's interface and its users: radixkv/engine/api.py (``EngineAPI``), the
 server (``server/``, shipped as ``radixkv.server``) and the tests' stand-in engine
-(tests/fake_engine.py). A type error there fails the suite (issue 60): the server and the fake
-engine are written against ``EngineAPI``, and ``radixkv.Engine`` is checked against it where
-``radixkv serve`` hands one to ``create_app``.
+(tests/fake_engine.py), and the modules at the engine's and the tiers' seams (``CHECKED``). A
+type error there fails the suite (issue 60): the server and the fake engine are written against
+``EngineAPI``, and ``radixkv.Engine`` is checked against it where ``radixkv serve`` hands one to
+``create_app``, and against the protocols its parts take it as.
 
 mypy's settings are ``[tool.mypy]`` in pyproject.toml. ``server/`` has no ``__init__.py`` and
 is mapped in as ``radixkv.server`` at run time (:mod:`radixkv.package_folders`), which mypy
@@ -22,8 +23,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-#: checked and reported; every other module they import is read for its types only
-CHECKED = ("radixkv/engine/api.py", "radixkv/server", "fake_engine.py")
+#: checked and reported; every other module they import is read for its types only. Beyond the
+#: server's side: the engine, checked against the protocols its parts take it as (pinning,
+#: lifetime, integrity report), and the tiers' parts sharing one ``TierStores``
+CHECKED = (
+    "radixkv/engine/api.py",
+    "radixkv/server",
+    "fake_engine.py",
+    "radixkv/engine/engine.py",
+    "radixkv/engine/pinning.py",
+    "radixkv/engine/lifetime.py",
+    "radixkv/engine/integrity_report.py",
+    "radixkv/engine/tokenizer_lock.py",
+    "radixkv/model/prefault.py",
+    "radixkv/cache/tiers.py",
+    "radixkv/cache/tier_stores.py",
+    "radixkv/cache/tier_loads.py",
+    "radixkv/cache/tier_writes.py",
+    "radixkv/cache/tier_durability.py",
+    "radixkv/cache/remote_store.py",
+    "radixkv/cache/remote_health.py",
+    "radixkv/cache/eviction.py",
+    "radixkv/cache/residency.py",
+)
 
 
 def link_tree(dest: Path) -> None:

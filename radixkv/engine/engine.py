@@ -400,8 +400,8 @@ class Engine:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompts = [prompts]
+        prompts = list(prompts)
         if params is None or isinstance(params, (SamplingParams, BeamSearchParams)):
             params_list = [params or SamplingParams()] * len(prompts)
         else:
@@ -442,8 +442,8 @@ class Engine:
     ) -> list[RequestOutput]:
         """:meth:`generate` for conversations; ``options``: :meth:`apply_chat_template`'s."""
         if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.apply_chat_template(c, **options) for c in conversations]  # type: ignore
+            conversations = [conversations]
+        prompts = [self.apply_chat_template(c, **options) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, params, salt=salt)
 
     # -- cache administration ----------------------------------------------------------------

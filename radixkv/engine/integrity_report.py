@@ -10,12 +10,46 @@ Both are 0 in a healthy engine at any moment, busy or idle.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-__all__ = ["check_engine_integrity", "integrity_report"]
+if TYPE_CHECKING:
+    from radixkv.cache.allocator import BlockAllocator
+    from radixkv.cache.radix_tree import RadixTree
+    from radixkv.cache.tiers import TieredCache
+    from radixkv.engine.beam_runner import BeamRunner
+    from radixkv.engine.kv_manager import KVManager
+    from radixkv.engine.lifecycle import SequenceLifecycle
+    from radixkv.engine.scheduler import Scheduler
+    from radixkv.engine.virtual_layout import VirtualLayout
+
+__all__ = ["AuditedEngine", "check_engine_integrity", "integrity_report"]
 
 
-def check_engine_integrity(engine: Any) -> None:
+class AuditedEngine(Protocol):
+    """The parts of the engine the checks read (:class:`radixkv.Engine` has them)."""
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def kv(self) -> KVManager: ...
+    @property
+    def lifecycle(self) -> SequenceLifecycle: ...
+    @property
+    def beams(self) -> BeamRunner: ...
+    @property
+    def virtual_layout(self) -> VirtualLayout | None: ...
+    @property
+    def tiers(self) -> TieredCache | None: ...
+    @property
+    def allocator(self) -> BlockAllocator: ...
+    @property
+    def tree(self) -> RadixTree: ...
+
+    def check_integrity(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+def check_engine_integrity(engine: AuditedEngine) -> None:
     """The body of :meth:`radixkv.Engine.check_integrity`: raise AssertionError if any invariant
     of the tree, allocator, page tables, lifecycle, virtual layout or tiers is broken."""
     live = list(engine.scheduler.running)
@@ -30,7 +64,7 @@ def check_engine_integrity(engine: Any) -> None:
         engine.tiers.check_integrity()
 
 
-def integrity_report(engine: Any) -> dict[str, Any]:
+def integrity_report(engine: AuditedEngine) -> dict[str, Any]:
     """``{"ok", "error", "leaked_pages", "leaked_host_pages", "pages_used", "pages_cached",
     "running", "waiting"}`` for ``engine`` (call it on the engine's thread)."""
     error = None
@@ -44,8 +78,7 @@ def integrity_report(engine: Any) -> dict[str, Any]:
         owned.update(seq.pages)
     leaked = [p for p in range(alloc.pages_touched) if alloc.refcount(p) > 0 and p not in owned]
     leaked_host = 0
-    tiers = getattr(engine, "tiers", None)
-    host = getattr(tiers, "host", None) if tiers is not None else None
+    host = engine.tiers.host if engine.tiers is not None else None
     if host is not None:
         held = set(engine.tree.all_host_pages())
         halloc = host.allocator

@@ -12,18 +12,25 @@ import atexit
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import Protocol
 
-__all__ = ["close_open_engines", "track", "untrack"]
+__all__ = ["Closable", "close_open_engines", "track", "untrack"]
 
 logger = logging.getLogger(__name__)
 
-_open: weakref.WeakSet[Any] = weakref.WeakSet()
+
+class Closable(Protocol):
+    """What this module needs of an engine: ``close()`` (idempotent)."""
+
+    def close(self) -> object: ...
+
+
+_open: weakref.WeakSet[Closable] = weakref.WeakSet()
 _lock = threading.Lock()
 _registered = False
 
 
-def track(engine: Any) -> None:
+def track(engine: Closable) -> None:
     """Close ``engine`` at interpreter exit unless it is closed (or collected) before."""
     global _registered
     with _lock:
@@ -33,7 +40,7 @@ def track(engine: Any) -> None:
         _open.add(engine)
 
 
-def untrack(engine: Any) -> None:
+def untrack(engine: Closable) -> None:
     """Forget ``engine`` (it was closed)."""
     with _lock:
         _open.discard(engine)

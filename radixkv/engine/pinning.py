@@ -4,11 +4,53 @@ requests' outputs for their ``step()``), then pin its cached path in the tree.""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from radixkv.engine.sampling import SamplingParams
 
-__all__ = ["PinnedCapacityError", "check_fits_beside_pins", "compute_prompt", "pin_prompt"]
+if TYPE_CHECKING:
+    from radixkv.cache.radix_tree import RadixTree
+    from radixkv.config import EngineConfig
+    from radixkv.engine.lifecycle import SequenceLifecycle
+    from radixkv.engine.request import Prompt, StepOutput
+
+__all__ = [
+    "PinnedCapacityError",
+    "PinningEngine",
+    "check_fits_beside_pins",
+    "compute_prompt",
+    "pin_prompt",
+]
+
+
+class PinningEngine(Protocol):
+    """What pinning needs of the engine (:class:`radixkv.Engine` has it): its tree and
+    capacity, and its public request calls (outputs of other requests are handed back with
+    ``defer_outputs``, never by touching the engine's queue)."""
+
+    @property
+    def tree(self) -> RadixTree: ...
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def kv_capacity_tokens(self) -> int: ...
+    @property
+    def lifecycle(self) -> SequenceLifecycle: ...
+    @property
+    def counters(self) -> dict[str, int]: ...
+
+    def tokenize(self, prompt: Prompt) -> list[int]: ...
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, salt: str | None
+    ) -> None: ...
+    def step(self) -> list[StepOutput]: ...
+    def has_unfinished(self) -> bool: ...
+    def abort(self, request_id: str) -> bool: ...
+    def next_request_id(self, prefix: str) -> str: ...
+    def defer_outputs(self, outputs: list[StepOutput]) -> None: ...
+    def drop_outputs(self, request_id: str) -> list[StepOutput]: ...
 
 
 class PinnedCapacityError(ValueError):
@@ -17,7 +59,9 @@ class PinnedCapacityError(ValueError):
     will not come while the pins stand."""
 
 
-def check_fits_beside_pins(engine: Any, ids: list[int], total: int, salt: str | None) -> None:
+def check_fits_beside_pins(
+    engine: PinningEngine, ids: list[int], total: int, salt: str | None
+) -> None:
     """Raise :class:`PinnedCapacityError` when ``total`` tokens (prompt + max_tokens) do not fit
     in the KV cache beside the pinned tokens. The request's own cached prefix counts as space it
     reuses (it may be pinned itself). Costs a tree walk only while pins exist."""
@@ -36,7 +80,9 @@ def check_fits_beside_pins(engine: Any, ids: list[int], total: int, salt: str | 
         )
 
 
-def compute_prompt(engine: Any, ids: list[int], salt: str | None, request_id: str) -> None:
+def compute_prompt(
+    engine: PinningEngine, ids: list[int], salt: str | None, request_id: str
+) -> None:
     """Step ``engine`` until the request ``request_id`` over ``ids`` has run its prefill (its
     pages then sit in the tree). Outputs of other requests are handed back to the engine
     (``defer_outputs``) for the next ``step()``; after 8 steps without progress the request is
@@ -57,8 +103,8 @@ def compute_prompt(engine: Any, ids: list[int], salt: str | None, request_id: st
 
 
 def pin_prompt(
-    engine: Any,
-    prompt: Any,
+    engine: PinningEngine,
+    prompt: Prompt,
     salt: str | None,
     ttl: float | None,
     budget: int | None,

@@ -45,7 +45,7 @@ class LockedTokenizer:
     @property
     def lock(self) -> threading.RLock:
         """The lock every method call holds (for code that reads ``wrapped`` directly)."""
-        return self._lock  # type: ignore[no-any-return]
+        return self._lock
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._tokenizer, name)

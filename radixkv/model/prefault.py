@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -104,13 +103,16 @@ class Prefaulter:
         )
 
 
-def pool_tensors(engine: Any) -> list[torch.Tensor]:
-    """The KV pool's per-layer K and V tensors of ``engine`` (none for a layout without them)."""
+def pool_tensors(engine: object) -> list[torch.Tensor]:
+    """The KV pool's per-layer K and V tensors of ``engine``, found by name (``runner.pool``'s
+    ``k`` and ``v``): none for an engine without them (a stand-in engine, a layout without
+    per-layer tensors). Any object, not an engine type: this layer does not import the engine,
+    and the server hands over whatever engine it serves."""
     pool = getattr(getattr(engine, "runner", None), "pool", None)
     return [*getattr(pool, "k", ()), *getattr(pool, "v", ())]
 
 
-def commit_pool(engine: Any) -> int:
+def commit_pool(engine: object) -> int:
     """Commit ``engine``'s whole KV pool now, in this thread (what vLLM pays at start-up by
     filling its cache; an offline burst's first writes then do not fault). Returns the bytes
     committed (0 where ``MADV_POPULATE_WRITE`` is unsupported)."""
