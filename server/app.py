@@ -11,7 +11,7 @@ Endpoints: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/complet
 :mod:`.routes_info`; vLLM's ``POST /reset_prefix_cache`` beside ``/flush_cache``. Every error is
 answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
-The routes live by family in :mod:`.routes_openai`, :mod:`.routes_native` (``/generate``),
+The routes live by family in :mod:`.routes_openai` (:class:`~.routes_openai.OpenAIRoutes`), :mod:`.routes_native` (``/generate``),
 :mod:`.routes_admin` (health and cache administration), :mod:`.routes_metrics` and
 :mod:`.routes_dashboard` (the cache dashboard, fed by :mod:`.stats_history`); they share
 the request path of :class:`~radixkv.server.context.ServerContext`. This module keeps the app
@@ -48,7 +48,7 @@ from .routes_dashboard import DASHBOARD_TEXT, dashboard_routes
 from .routes_info import info_routes
 from .routes_metrics import metrics_routes
 from .routes_native import native_routes
-from .routes_openai import openai_routes
+from .routes_openai import OpenAIRoutes
 from .stats_history import StatsHistory, collect_sample
 from .stats_log import StatsLine
 from .streaming import ClientDisconnected
@@ -264,7 +264,7 @@ def create_app(
     )
     for router in (
         native_routes(ctx),
-        openai_routes(ctx),
+        OpenAIRoutes(ctx).router(),
         metrics_routes(ctx, public=public_metrics),
         info_routes(ctx),
         admin_routes(ctx, pins or PinPolicy()),

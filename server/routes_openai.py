@@ -1,68 +1,100 @@
 """OpenAI-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``."""
+``GET /v1/models`` (:class:`OpenAIRoutes`).
+
+Each POST handler runs the same steps, each a method: parse the body into a plan (prompt token
+ids and sampling params, :mod:`.openai_answers`), compile its structured-output constraint,
+submit its engine request(s), then collect the whole answer or stream it
+(:class:`~.openai_answers.CompletionAnswer`, :class:`~.openai_answers.ChatAnswer`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from .completion_batch import echo_logprobs, merged, summed_usage
 from .context import ServerContext
 from .intake import (
     chat_token_ids,
     check_prompt_not_empty,
     make_sampling_params,
     new_id,
-    now,
     prompt_token_ids,
     resolve_max_tokens,
 )
-from .logprob_format import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from .openai_answers import ChatAnswer, ChatPlan, CompletionAnswer, CompletionPlan
 from .protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from .reasoning import ReasoningStream, split_reasoning
-from .streaming import SSE_DONE, Collected, Seq, SSEResponse, sse
+from .streaming import Collected, SSEResponse
 from .structured_outputs import compile_constraint, structured_kwargs
-from .tool_calls import ToolCallStream, tool_plan
+from .tool_calls import tool_plan
+
+if TYPE_CHECKING:
+    from radixkv.engine.api import EngineAPI
+    from radixkv.engine.sampling import SamplingParams
+
+    from .engine_loop import RequestStream
 
 
-def openai_routes(ctx: ServerContext) -> APIRouter:
-    """The OpenAI routes of one app (all behind ``ctx.auth``)."""
-    engine = ctx.engine
-    served_name = ctx.served_name
-    auth = ctx.auth
-    check_model, submit, collect = ctx.check_model, ctx.submit, ctx.collect
-    guarded_stream, token_str = ctx.guarded_stream, ctx.token_str
-    router = APIRouter()
+class OpenAIRoutes:
+    """The OpenAI routes of one app, all behind ``ctx.auth``: :meth:`router` registers the
+    handlers :meth:`completions`, :meth:`chat_completions` and :meth:`list_models`.
 
-    async def echo_text(ids: list[int]) -> str:
-        tokenizer = engine.tokenizer
-        if tokenizer is None:
-            return ""
-        return str(await asyncio.to_thread(tokenizer.decode, ids))
+    A route method has no docstring (FastAPI would publish it as the route's OpenAPI
+    description). Holds no per-request state: a request's state lives in its plan and answer
+    (:mod:`.openai_answers`), so one instance serves every request of its app."""
 
-    def prompt_logprobs(result: Collected, prompt_ids: list[int] | None, k: int) -> Any:
-        if result.prompt_logprobs is None or prompt_ids is None:
-            return None
-        return vllm_prompt_logprobs(prompt_ids, result.prompt_logprobs, k, token_str)
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.engine: EngineAPI = ctx.engine
 
-    @router.post("/v1/completions", dependencies=auth)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    def router(self) -> APIRouter:
+        """The routes, each behind ``ctx.auth``."""
+        router = APIRouter()
+        auth = self.ctx.auth
+        router.add_api_route(
+            "/v1/completions", self.completions, methods=["POST"], dependencies=auth
+        )
+        router.add_api_route(
+            "/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=auth
+        )
+        router.add_api_route("/v1/models", self.list_models, methods=["GET"], dependencies=auth)
+        return router
+
+    # ---------------------------------------------------------------- /v1/completions
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        check_model(body.model)
+        ctx = self.ctx
+        ctx.check_model(body.model)
+        plan = await self.plan_completion(body)
+        await compile_constraint(self.engine, plan.plans[0][1], ctx.owner())  # one for all
+        rid = new_id("cmpl")
+        streams = await self.submit_all(rid, plan, arrival)
+        echoed = await self.echoed_texts(plan)
+        if not body.stream:
+            results = await self.collect_all(request, streams, body.n)
+            answer = CompletionAnswer(plan, rid, echoed, ctx.served_name, ctx.token_str)
+            return JSONResponse(answer.whole(results))
+        answer = CompletionAnswer(plan, rid, echoed, ctx.served_name, ctx.token_str)
+        return SSEResponse(ctx.guarded_stream(streams, partial(answer.stream, streams)))
+
+    async def plan_completion(self, body: CompletionRequest) -> CompletionPlan:
+        """Parse: each prompt's one tokenization and its sampling params (a 400 for an empty
+        prompt or a bad field)."""
+        engine = self.engine
         prompts = body.prompts()
         zero = body.max_tokens == 0  # with echo: the prompt alone (completion_batch)
-        want_logprobs, top = body.logprobs is not None, body.logprobs or 0
-        echo_lp = body.echo and want_logprobs
-        plans: list[tuple[list[int], Any]] = []
+        top = body.logprobs or 0
+        echo_lp = body.echo and body.logprobs is not None
+        plans: list[tuple[list[int], SamplingParams]] = []
         for prompt in prompts:
             ids = await prompt_token_ids(engine, prompt)  # the prompt's one tokenization
             check_prompt_not_empty(ids)
@@ -78,163 +110,86 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             if echo_lp:  # the prompt's logprobs too, with the same top-k
                 kwargs["prompt_logprobs"] = max(kwargs["prompt_logprobs"] or 0, top)
             plans.append((ids, make_sampling_params(kwargs | structured_kwargs(body))))
-        await compile_constraint(engine, plans[0][1], ctx.owner())  # one constraint for all
-        rid = new_id("cmpl")
-        streams: list[Any] = []
+        return CompletionPlan(body, prompts, plans)
+
+    async def submit_all(
+        self, rid: str, plan: CompletionPlan, arrival: float
+    ) -> list[RequestStream]:
+        """Submit one engine request per prompt (``rid``, or ``rid-p`` for several); if one is
+        refused, those already submitted are aborted."""
+        streams: list[RequestStream] = []
         try:
-            for p, (ids, params) in enumerate(plans):
-                sub = rid if len(plans) == 1 else f"{rid}-{p}"
-                streams.append(await submit(sub, ids, params, body.cache_salt, arrival))
+            for p, (ids, params) in enumerate(plan.plans):
+                sub = rid if len(plan.plans) == 1 else f"{rid}-{p}"
+                streams.append(
+                    await self.ctx.submit(sub, ids, params, plan.body.cache_salt, arrival)
+                )
         except BaseException:
             for st in streams:
-                ctx.engine_loop.abort(st.request_id)
+                self.ctx.engine_loop.abort(st.request_id)
             raise
-        n = body.n
-        echoed = [""] * len(plans)  # echo: each prompt's text before its choices'
-        if body.echo:
-            for p, prompt in enumerate(prompts):
-                echoed[p] = prompt if isinstance(prompt, str) else await echo_text(plans[p][0])
+        return streams
 
-        def choice_logprobs(p: int, result: Collected, ids: list[int], lps: list[Any]) -> Any:
-            if echo_lp:
-                return echo_logprobs(plans[p][0], result.prompt_logprobs, ids, lps, top, token_str)
-            return completion_logprobs(ids, lps, top, token_str, 0) if want_logprobs else None
-
-        if not body.stream:
-            tasks = [asyncio.ensure_future(collect(request, st, n)) for st in streams]
-            try:
-                results = list(await asyncio.gather(*tasks))
-            except BaseException:
-                for t in tasks:  # each aborts its engine request when cancelled
-                    t.cancel()
-                raise
-            choices = []
-            for p, result in enumerate(results):
-                for i, seq in enumerate(result.seqs):
-                    ids, lps, text = (
-                        ([], [], "") if zero else (seq.token_ids, seq.logprobs, seq.text)
-                    )
-                    choice = {
-                        "index": p * n + i,
-                        "text": echoed[p] + text,
-                        "logprobs": choice_logprobs(p, result, ids, lps),
-                        "finish_reason": "length" if zero else seq.finish_reason,
-                        "stop_reason": None if zero else seq.stop_reason,
-                    }
-                    if body.prompt_logprobs is not None:
-                        choice["prompt_logprobs"] = prompt_logprobs(
-                            result, plans[p][0], body.prompt_logprobs
-                        )
-                    choices.append(choice)
-            return JSONResponse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": now(),
-                    "model": served_name,
-                    "choices": choices,
-                    "usage": summed_usage(results, completion=not zero),
-                }
-            )
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        created_at = now()
-
-        def text_chunk(
-            index: int, text: str, logprobs: Any = None, finish: Any = None, stop: Any = None
-        ) -> dict[str, Any]:
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            if finish is not None or stop is not None:
-                choice["stop_reason"] = stop
-            chunk: dict[str, Any] = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created_at,
-                "model": served_name,
-                "choices": [choice],
-            }
-            if include_usage:
-                chunk["usage"] = None
-            return chunk
-
-        async def body_iter() -> AsyncIterator[str]:
-            results = [Collected(seqs=[Seq() for _ in range(n)]) for _ in plans]
-            # the echo goes first; with logprobs once the prompt's logprobs are known (they come
-            # with its first output)
-            echo_due = set(range(len(plans))) if body.echo else set()
-            if not echo_lp:
-                for p in sorted(echo_due):
-                    for i in range(n):
-                        yield sse(text_chunk(p * n + i, echoed[p]))
-                echo_due.clear()
-            async for p, out in merged([st.outputs() for st in streams]):
-                result = results[p]
-                local = int(out.index or 0)
-                seq = result.seqs[local]
-                offset = len(echoed[p]) + len(seq.text) if echo_lp else len(seq.text)
-                result.add(out)
-                if p in echo_due:
-                    echo_due.discard(p)
-                    for i in range(n):
-                        elp = echo_logprobs(plans[p][0], result.prompt_logprobs, [], [], top,
-                                            token_str)  # fmt: skip
-                        yield sse(text_chunk(p * n + i, echoed[p], elp))
-                if zero:  # the one token run is not the answer
-                    if out.finished:
-                        yield sse(text_chunk(p * n + local, "", None, "length"))
-                    continue
-                if not (out.new_text or out.finished or out.new_token_ids):
-                    continue
-                lp = (
-                    completion_logprobs(
-                        list(out.new_token_ids or ()),
-                        list(out.logprobs or ()),
-                        top,
-                        token_str,
-                        offset,
-                    )  # fmt: skip
-                    if want_logprobs
-                    else None
+    async def echoed_texts(self, plan: CompletionPlan) -> list[str]:
+        """Each prompt's text before its choices' with ``echo`` ("" without): a text prompt as
+        sent, token ids decoded."""
+        echoed = [""] * len(plan.plans)
+        if plan.body.echo:
+            for p, prompt in enumerate(plan.prompts):
+                echoed[p] = (
+                    prompt if isinstance(prompt, str) else await self.echo_text(plan.plans[p][0])
                 )
-                yield sse(
-                    text_chunk(
-                        p * n + local,
-                        out.new_text or "",
-                        lp,
-                        out.finish_reason if out.finished else None,
-                        out.stop_reason,
-                    )
-                )
-            if include_usage:
-                yield sse(
-                    {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created_at,
-                        "model": served_name,
-                        "choices": [],
-                        "usage": summed_usage(results, completion=not zero),
-                    }
-                )
-            yield SSE_DONE
+        return echoed
 
-        return SSEResponse(guarded_stream(streams, body_iter))
+    async def echo_text(self, ids: list[int]) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return ""
+        return str(await asyncio.to_thread(tokenizer.decode, ids))
 
-    # ---------------------------------------------------------------- OpenAI: chat
+    async def collect_all(
+        self, request: Request, streams: list[RequestStream], n: int
+    ) -> list[Collected]:
+        """Collect every prompt's whole answer; on an error or disconnect all are cancelled
+        (each aborts its engine request)."""
+        tasks = [asyncio.ensure_future(self.ctx.collect(request, st, n)) for st in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:  # each aborts its engine request when cancelled
+                t.cancel()
+            raise
 
-    @router.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    # ---------------------------------------------------------------- /v1/chat/completions
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        check_model(body.model)
+        ctx = self.ctx
+        ctx.check_model(body.model)
+        plan = await self.plan_chat(body)
+        await compile_constraint(self.engine, plan.params, ctx.owner())
+        rid = new_id("chatcmpl")
+        stream = await ctx.submit(rid, plan.prompt_ids, plan.params, body.cache_salt, arrival)
+        if not body.stream:
+            result = await ctx.collect(request, stream, body.n)
+            answer = ChatAnswer(plan, rid, ctx.served_name, ctx.token_str)
+            return JSONResponse(answer.whole(result))
+        answer = ChatAnswer(plan, rid, ctx.served_name, ctx.token_str)
+        return SSEResponse(ctx.guarded_stream(stream, partial(answer.stream, stream)))
+
+    async def plan_chat(self, body: ChatCompletionRequest) -> ChatPlan:
+        """Parse: render the messages (with the tools the template shows) to token ids, and
+        the sampling params with their constraint (the tools', or the body's)."""
+        ctx = self.ctx
         messages = [m.template_dict() for m in body.messages]
         tools = tool_plan(body, ctx.tool_parser)
         options = ctx.template_options(body)
         if body.tools and body.tool_choice != "none":  # the template shows them (as vLLM)
             options["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
-        prompt_ids = await chat_token_ids(engine, messages, **options)
+        prompt_ids = await chat_token_ids(self.engine, messages, **options)
         check_prompt_not_empty(prompt_ids, "messages")
         max_tokens = resolve_max_tokens(
-            len(prompt_ids), body.requested_max_tokens(), engine.max_model_len, default=None
+            len(prompt_ids), body.requested_max_tokens(), self.engine.max_model_len, default=None
         )
         top = body.top_logprobs or 0
         # the model's <think> block as reasoning_content (--reasoning-parser; a request's
@@ -253,122 +208,12 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
             )
             | constraint
         )
-        await compile_constraint(engine, params, ctx.owner())
-        rid = new_id("chatcmpl")
-        stream = await submit(rid, prompt_ids, params, body.cache_salt, arrival)
+        return ChatPlan(body, prompt_ids, params, tools, reasoner)
 
-        if not body.stream:
-            result = await collect(request, stream, body.n)
-            choices = []
-            for i, seq in enumerate(result.seqs):
-                thought, text = (
-                    split_reasoning(reasoner, seq.text) if reasoner else (None, seq.text)
-                )
-                message, finish = (
-                    tools.message(text or "", seq.finish_reason)
-                    if tools
-                    else ({"role": "assistant", "content": text}, seq.finish_reason)
-                )
-                if reasoner:
-                    message["reasoning_content"] = thought
-                choices.append(
-                    {
-                        "index": i,
-                        "message": message,
-                        "logprobs": chat_logprobs(seq.token_ids, seq.logprobs, top, token_str)
-                        if body.logprobs
-                        else None,
-                        "finish_reason": finish,
-                        "stop_reason": seq.stop_reason,
-                    }
-                )
-            answer = {
-                "id": rid,
-                "object": "chat.completion",
-                "created": now(),
-                "model": served_name,
-                "choices": choices,
-                "usage": result.usage(),
-            }
-            if body.prompt_logprobs is not None:  # vLLM's extra: top-level, once per request
-                answer["prompt_logprobs"] = prompt_logprobs(
-                    result, prompt_ids, body.prompt_logprobs
-                )
-            return JSONResponse(answer)
+    # ---------------------------------------------------------------- /v1/models
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        created_at = now()
-
-        def chunk(
-            index: int, delta: dict[str, Any], finish: str | None, lp: Any, stop: Any = None
-        ) -> str:
-            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            if finish is not None:
-                choice["stop_reason"] = stop
-            payload: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created_at,
-                "model": served_name,
-                "choices": [choice],
-            }
-            if include_usage:
-                payload["usage"] = None
-            return sse(payload)
-
-        async def body_iter() -> AsyncIterator[str]:
-            result = Collected(seqs=[Seq() for _ in range(body.n)])
-            for i in range(body.n):
-                result.seqs[i].sent_role = True
-                yield chunk(i, {"role": "assistant", "content": ""}, None, None)
-            tool_stream = ToolCallStream(tools) if tools else None
-            thinking = [ReasoningStream(reasoner) for _ in range(body.n)] if reasoner else None
-            async for out in stream.outputs():
-                index = int(out.index or 0)
-                result.add(out)
-                text = out.new_text or ""
-                if thinking is not None:  # the <think> block's deltas go as reasoning_content
-                    thought, text = thinking[index].feed(text)
-                    if out.finished:
-                        rest = thinking[index].finish()
-                        thought, text = thought + rest[0], text + rest[1]
-                    if thought:
-                        yield chunk(index, {"reasoning_content": thought}, None, None)
-                if tool_stream is not None:  # tool-call deltas instead of content
-                    stop = out.stop_reason
-                    for delta, end in tool_stream.deltas(
-                        index, text, out.finished, out.finish_reason
-                    ):
-                        yield chunk(index, delta, end, None, stop)
-                    continue
-                lp = (
-                    chat_logprobs(
-                        list(out.new_token_ids or ()), list(out.logprobs or ()), top, token_str
-                    )
-                    if body.logprobs and out.new_token_ids
-                    else None
-                )
-                if text or lp is not None:
-                    yield chunk(index, {"content": text}, None, lp)
-                if out.finished:
-                    yield chunk(index, {}, out.finish_reason, None, out.stop_reason)
-            if include_usage:
-                yield sse(
-                    {
-                        "id": rid,
-                        "object": "chat.completion.chunk",
-                        "created": created_at,
-                        "model": served_name,
-                        "choices": [],
-                        "usage": result.usage(),
-                    }
-                )
-            yield SSE_DONE
-
-        return SSEResponse(guarded_stream(stream, body_iter))
-
-    @router.get("/v1/models", dependencies=auth)
-    async def list_models() -> dict[str, Any]:
+    async def list_models(self) -> dict[str, Any]:
+        ctx = self.ctx
         return {
             "object": "list",
             "data": [
@@ -377,11 +222,9 @@ def openai_routes(ctx: ServerContext) -> APIRouter:
                     "object": "model",
                     "created": ctx.created,
                     "owned_by": "radixkv",
-                    "root": str(engine.model_name),
-                    "max_model_len": engine.max_model_len,
+                    "root": str(self.engine.model_name),
+                    "max_model_len": self.engine.max_model_len,
                 }
-                for name in ctx.served_names or [served_name]
+                for name in ctx.served_names or [ctx.served_name]
             ],
         }
-
-    return router

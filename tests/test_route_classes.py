@@ -1,0 +1,94 @@
+"""The route families and the router are classes whose handlers are methods (issue 60): each
+handler can be called alone, without HTTP, the app or a server thread. One handler per class,
+called directly on the fake engine (``fake_engine.py``), its real output checked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fake_engine import FakeEngine
+from starlette.requests import Request
+
+from radixkv.server.context import ServerContext
+from radixkv.server.engine_loop import EngineLoop
+from radixkv.server.metrics import ServerMetrics
+from radixkv.server.protocol import CompletionRequest
+from radixkv.server.routes_openai import OpenAIRoutes
+from radixkv.server.streaming import SSE_DONE
+
+MODEL = "fake"
+
+
+def quiet_request() -> Request:
+    """A request whose client never disconnects (its body was already parsed)."""
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+
+def context(engine: FakeEngine) -> ServerContext:
+    metrics = ServerMetrics(MODEL, engine.max_model_len)
+    loop = EngineLoop(engine, metrics=metrics)
+    return ServerContext(
+        engine=engine,
+        engine_loop=loop,
+        metrics=metrics,
+        served_name=MODEL,
+        accepted_names={MODEL},
+        created=0,
+        auth=[],
+    )
+
+
+async def _chunks(body: AsyncIterator[Any]) -> list[dict[str, Any]]:
+    out = []
+    async for chunk in body:
+        text = chunk.decode() if isinstance(chunk, bytes) else chunk
+        if text != SSE_DONE:
+            out.append(json.loads(text.removeprefix("data: ")))
+    return out
+
+
+def test_openai_completions_handler_alone() -> None:
+    """``OpenAIRoutes.completions``, whole and streamed: the fake engine's sequence ``i`` echoes
+    the prompt from its token ``i``, so two prompts with ``n=2`` and ``max_tokens=3`` answer
+    ``hel``/``ell`` and ``wor``/``orl`` at indices ``p * n + i``."""
+    engine = FakeEngine()
+    ctx = context(engine)
+    routes = OpenAIRoutes(ctx)
+
+    async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        ctx.engine_loop.start()
+        try:
+            body = {"model": MODEL, "prompt": ["hello", "world"], "max_tokens": 3, "n": 2}
+            whole = await routes.completions(CompletionRequest(**body), quiet_request())
+            streamed = await routes.completions(
+                CompletionRequest(**body, stream=True), quiet_request()
+            )
+            return json.loads(bytes(whole.body)), await _chunks(streamed.body_iterator)
+        finally:
+            await asyncio.to_thread(ctx.engine_loop.stop)
+
+    whole, chunks = asyncio.run(run())
+    expected = {0: "hel", 1: "ell", 2: "wor", 3: "orl"}
+    assert whole["object"] == "text_completion" and whole["model"] == MODEL
+    assert {c["index"]: c["text"] for c in whole["choices"]} == expected
+    assert [c["finish_reason"] for c in whole["choices"]] == ["length"] * 4
+    usage = whole["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        10,
+        12,
+        22,
+    )
+    streamed: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
+    assert streamed == expected
+    assert engine.has_unfinished() is False
