@@ -92,3 +92,27 @@ def test_openai_completions_handler_alone() -> None:
             streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
     assert streamed == expected
     assert engine.has_unfinished() is False
+
+
+def test_router_health_handler_alone() -> None:
+    """``RouterApp.health`` over its typed state: 200 while a replica is healthy, 503 once the
+    last one is marked down, each replica's health, in-flight and errors (nothing of the
+    prompts); no replica is contacted, no app is built."""
+    from radixkv.server.router import RouterApp
+
+    router = RouterApp(["127.0.0.1:9", "http://127.0.0.1:10/"], health_interval=60.0)
+    assert [st.url for st in router.states] == ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    router.fail(0, "test", dead=True)
+    first = asyncio.run(router.health())
+    assert first.status_code == 200
+    assert json.loads(bytes(first.body)) == {
+        "status": "ok",
+        "replicas": [
+            {"url": "http://127.0.0.1:9", "healthy": False, "in_flight": 0, "errors": 1},
+            {"url": "http://127.0.0.1:10", "healthy": True, "in_flight": 0, "errors": 0},
+        ],
+    }
+    router.mark(1, False, "test")
+    second = asyncio.run(router.health())
+    assert second.status_code == 503
+    assert json.loads(bytes(second.body))["status"] == "no healthy replica"
