@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible and SGLang-style endpoints over one engine thread.
 
-``create_app(engine, api_key=None, max_waiting=1024, model_name=None)`` returns the app; its
-lifespan starts the :class:`~radixkv.server.engine_loop.EngineLoop` thread (and stops it).
+``create_app(engine, api_key=None, max_waiting=1024, model_name=None)`` returns the app (its
+options are :class:`AppOptions`' fields); its lifespan starts the
+:class:`~radixkv.server.engine_loop.EngineLoop` thread (and stops it).
 
 Endpoints: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health`` (never needs auth), ``GET /metrics``, ``GET /cache/stats``,
@@ -11,20 +12,24 @@ Endpoints: ``POST /generate``, ``POST /v1/completions``, ``POST /v1/chat/complet
 :mod:`.routes_info`; vLLM's ``POST /reset_prefix_cache`` beside ``/flush_cache``. Every error is
 answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
-The routes live by family in :mod:`.routes_openai` (:class:`~.routes_openai.OpenAIRoutes`), :mod:`.routes_native` (``/generate``),
-:mod:`.routes_admin` (health and cache administration), :mod:`.routes_metrics` and
-:mod:`.routes_dashboard` (the cache dashboard, fed by :mod:`.stats_history`); they share
-the request path of :class:`~radixkv.server.context.ServerContext`. This module keeps the app
-factory, the error handlers (one error shape for all), API-key auth (``auth``: any key;
-``admin``: the admin key, see :class:`~radixkv.server.tenancy.KeyRing`) and the
-:class:`~radixkv.server.guards.RequestGuard` (``Host`` and body size, before anything else).
+The routes live by family in :mod:`.routes_openai` (:class:`~.routes_openai.OpenAIRoutes`),
+:mod:`.routes_native` (``/generate``), :mod:`.routes_admin` (health and cache administration),
+:mod:`.routes_metrics` and :mod:`.routes_dashboard` (the cache dashboard, fed by
+:mod:`.stats_history`); they share the request path of
+:class:`~radixkv.server.context.ServerContext`. This module keeps :class:`ServerApp` (the app's
+state, its options :class:`AppOptions`, the error handlers (one error shape for all), API-key
+auth (``auth``: any key; ``admin``: the admin key, see
+:class:`~radixkv.server.tenancy.KeyRing`) and the :class:`~radixkv.server.guards.RequestGuard`
+(``Host`` and body size, before anything else)) and the ``create_app`` factory over it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -57,33 +62,16 @@ from .tool_calls import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from radixkv.engine.api import EngineAPI
+    from radixkv.model.prefault import Prefaulter
 
 DEFAULT_MAX_WAITING = 1024
 
 
-def create_app(
-    engine: EngineAPI,
-    *,
-    api_key: str | Sequence[str] | None = None,
-    admin_key: str | None = None,
-    max_waiting: int | None = DEFAULT_MAX_WAITING,
-    max_waiting_per_key: int | None = None,
-    model_name: str | Sequence[str] | None = None,
-    salt_from_api_key: bool = False,
-    dashboard_text: str = "show",
-    public_metrics: bool = False,
-    allowed_hosts: Sequence[str] | None = None,
-    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
-    pins: PinPolicy | None = None,
-    log_stats_interval: float | None = 10.0,
-    trust_request_chat_template: bool = False,
-    prefault_kv: bool = False,
-    log_requests: bool = False,
-    reasoning_parser: str | None = None,
-    tool_call_parser: str | None = None,
-) -> FastAPI:
-    """Build the server app around ``engine`` (see docs/design.md, "Engine step API" and
-    docs/security.md for what each guard protects).
+@dataclass(frozen=True)
+class AppOptions:
+    """How one server app serves its engine (``radixkv serve``'s flags); each default is the
+    server's (see docs/design.md, "Engine step API" and docs/security.md for what each guard
+    protects). A bad value (dashboard text or parser name) is a ``ValueError`` when made.
 
     ``api_key``: when set (one key or several), every endpoint but ``/health`` needs
     ``Authorization: Bearer KEY`` with one of them.
@@ -113,59 +101,152 @@ def create_app(
     idle (:class:`radixkv.model.prefault.Prefaulter`), so a burst's first writes do not fault
     (off by default: it holds the whole pool's memory, which several servers on one host may
     not have).
+    ``log_requests``: one INFO line per finished request: id, finish reasons, token counts,
+    TTFT and end to end time, the key's id (never the text; off by default, as vLLM).
     ``reasoning_parser``: ``qwen3`` or ``deepseek_r1`` (:mod:`.reasoning`): chat answers carry
     the model's ``<think>`` block as ``reasoning_content``, whole and streamed.
     ``tool_call_parser``: ``hermes``, ``llama3_json`` or ``mistral`` (:mod:`.tool_parsers`):
     ``tool_choice: "auto"`` answers with the calls the model writes as ``tool_calls`` (vLLM's
     ``--enable-auto-tool-choice --tool-call-parser``); None: "auto" is a 400.
-    ``log_requests``: one INFO line per finished request: id, finish reasons, token counts,
-    TTFT and end to end time, the key's id (never the text; off by default, as vLLM).
     """
-    if dashboard_text not in DASHBOARD_TEXT:
-        raise ValueError(f"dashboard_text must be one of {DASHBOARD_TEXT}, got {dashboard_text!r}")
-    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ValueError(
-            f"unknown tool-call parser {tool_call_parser!r}: {', '.join(TOOL_CALL_PARSERS)}"
-        )
-    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(
-            f"unknown reasoning parser {reasoning_parser!r}: {', '.join(REASONING_PARSERS)}"
-        )
-    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
-    keyring = KeyRing(api_keys, admin_key, tenants=salt_from_api_key)
-    names = [model_name] if isinstance(model_name, str) else list(model_name or [])
-    own_name = str(engine.model_name or "default")
-    served_names = list(dict.fromkeys(names or [own_name]))
-    served_name = served_names[0]
-    accepted_names = {*served_names, own_name}
-    metrics = ServerMetrics(served_name, engine.max_model_len)
-    engine_loop = EngineLoop(
-        engine,
-        metrics=metrics,
-        max_waiting=max_waiting,
-        max_waiting_per_owner=max_waiting_per_key,
-        log_requests=log_requests,
-    )
-    created = now()
-    history = StatsHistory()
-    stats_line = StatsLine(log_stats_interval) if log_stats_interval else None
-    prefaulter = None
-    if prefault_kv:  # imported here: it needs torch, which the app itself does not
-        from radixkv.model.prefault import Prefaulter, pool_tensors
 
-        prefaulter = Prefaulter(pool_tensors(engine), lambda: engine_loop.idle)
+    api_key: str | Sequence[str] | None = None
+    admin_key: str | None = None
+    max_waiting: int | None = DEFAULT_MAX_WAITING
+    max_waiting_per_key: int | None = None
+    model_name: str | Sequence[str] | None = None
+    salt_from_api_key: bool = False
+    dashboard_text: str = "show"
+    public_metrics: bool = False
+    allowed_hosts: Sequence[str] | None = None
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES
+    pins: PinPolicy | None = None
+    log_stats_interval: float | None = 10.0
+    trust_request_chat_template: bool = False
+    prefault_kv: bool = False
+    log_requests: bool = False
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
-    async def sample() -> dict[str, Any]:
-        got = await engine_loop.call(lambda e: collect_sample(e, metrics))
-        if stats_line is not None:
-            stats_line.observe(got)
+    def __post_init__(self) -> None:
+        if self.dashboard_text not in DASHBOARD_TEXT:
+            raise ValueError(
+                f"dashboard_text must be one of {DASHBOARD_TEXT}, got {self.dashboard_text!r}"
+            )
+        parser = self.tool_call_parser
+        if parser is not None and parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {parser!r}: {', '.join(TOOL_CALL_PARSERS)}")
+        parser = self.reasoning_parser
+        if parser is not None and parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r}: {', '.join(REASONING_PARSERS)}")
+
+
+class ServerApp:
+    """The server around one engine: its state is fields (``options``, ``keys``, the served
+    names, ``metrics``, ``engine_loop``, ``history``, the route families' shared ``ctx``), its
+    error handlers and auth dependencies are methods, and :meth:`build_app` registers them
+    with every route family on a FastAPI app. The engine thread (and the dashboard's sampler,
+    the template sandbox, the prefaulter) run while that app runs (:meth:`lifespan`).
+
+    Invariants: ``served_names[0]`` is the primary name, and ``accepted_names`` holds every
+    served name and ``engine.model_name``; ``ctx.auth`` and ``ctx.admin`` are the dependencies
+    :meth:`require_auth` and :meth:`require_admin`. Raises ``ValueError`` on a bad key set.
+    """
+
+    def __init__(self, engine: EngineAPI, options: AppOptions | None = None) -> None:
+        opts = self.options = options or AppOptions()
+        self.engine = engine
+        key = opts.api_key
+        api_keys = [key] if isinstance(key, str) else list(key or [])
+        self.keys = KeyRing(api_keys, opts.admin_key, tenants=opts.salt_from_api_key)
+        name = opts.model_name
+        names = [name] if isinstance(name, str) else list(name or [])
+        own_name = str(engine.model_name or "default")
+        self.served_names = list(dict.fromkeys(names or [own_name]))
+        self.served_name = self.served_names[0]
+        self.accepted_names = {*self.served_names, own_name}
+        self.metrics = ServerMetrics(self.served_name, engine.max_model_len)
+        self.engine_loop = EngineLoop(
+            engine,
+            metrics=self.metrics,
+            max_waiting=opts.max_waiting,
+            max_waiting_per_owner=opts.max_waiting_per_key,
+            log_requests=opts.log_requests,
+        )
+        self.created = now()
+        self.history = StatsHistory()
+        interval = opts.log_stats_interval
+        self.stats_line = StatsLine(interval) if interval else None
+        self.prefaulter: Prefaulter | None = None
+        if opts.prefault_kv:  # imported here: it needs torch, which the app itself does not
+            from radixkv.model.prefault import Prefaulter, pool_tensors
+
+            loop = self.engine_loop
+            self.prefaulter = Prefaulter(pool_tensors(engine), lambda: loop.idle)
+        self.ctx = ServerContext(
+            engine=engine,
+            engine_loop=self.engine_loop,
+            metrics=self.metrics,
+            served_name=self.served_name,
+            accepted_names=self.accepted_names,
+            served_names=self.served_names,
+            created=self.created,
+            auth=[Depends(self.require_auth)],
+            admin=[Depends(self.require_admin)],
+            history=self.history,
+            keyed=not self.keys.open,
+            trust_request_chat_template=opts.trust_request_chat_template,
+            reasoning=REASONING_PARSERS.get(opts.reasoning_parser or ""),
+            tool_parser=opts.tool_call_parser,
+        )
+
+    def build_app(self) -> FastAPI:
+        """The FastAPI app: the guards, the error handlers, then every route family."""
+        opts, ctx = self.options, self.ctx
+        app = FastAPI(title="radixkv", version=__version__, lifespan=self.lifespan)
+        app.state.engine = self.engine
+        app.state.engine_loop = self.engine_loop
+        app.state.prefaulter = self.prefaulter
+        app.state.metrics = self.metrics
+        app.state.model_name = self.served_name
+        hosts = None
+        if self.keys.open:
+            hosts = [*LOOPBACK_HOSTS, *(opts.allowed_hosts or ())]
+        app.add_middleware(RequestGuard, max_body_bytes=opts.max_body_bytes, allowed_hosts=hosts)
+        app.add_middleware(RequestIdMiddleware)  # outermost: guard refusals carry the id too
+        install_access_log_redactor()  # a key typed into a query string never reaches the log
+        app.exception_handler(APIError)(self.api_error)
+        app.exception_handler(RequestValidationError)(self.validation_error)
+        app.exception_handler(StarletteHTTPException)(self.http_error)
+        app.exception_handler(ClientDisconnected)(self.client_gone)
+        app.exception_handler(Exception)(self.unexpected)
+        for router in (
+            native_routes(ctx),
+            OpenAIRoutes(ctx).router(),
+            metrics_routes(ctx, public=opts.public_metrics),
+            info_routes(ctx),
+            admin_routes(ctx, opts.pins or PinPolicy()),
+            dashboard_routes(ctx, text=opts.dashboard_text),
+        ):
+            app.include_router(router)
+        return app
+
+    # ---------------------------------------------------------------- lifespan
+
+    async def sample(self) -> dict[str, Any]:
+        """One dashboard sample, taken on the engine thread (and fed to the stats line)."""
+        metrics = self.metrics
+        got = await self.engine_loop.call(lambda e: collect_sample(e, metrics))
+        if self.stats_line is not None:
+            self.stats_line.observe(got)
         return got
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        ctx, engine_loop, prefaulter = self.ctx, self.engine_loop, self.prefaulter
         engine_loop.start(asyncio.get_running_loop())
-        history.start(sample)
-        if trust_request_chat_template:  # its processes start now, beside the engine's
+        self.history.start(self.sample)
+        if self.options.trust_request_chat_template:  # its processes start now, with the engine
             from radixkv.engine.template_sandbox import TemplateSandbox
 
             ctx.template_sandbox = TemplateSandbox()
@@ -176,102 +257,63 @@ def create_app(
         finally:
             if prefaulter is not None:
                 await asyncio.to_thread(prefaulter.stop)
-            await history.stop()
+            await self.history.stop()
             if ctx.template_sandbox is not None:
                 ctx.template_sandbox.close()
             await asyncio.to_thread(engine_loop.stop)
             # graceful shutdown (uvicorn's lifespan end: SIGTERM, SIGINT): make the disk tier
             # durable, in bounded time; never while a step may still be running
             if not engine_loop.alive:
-                await asyncio.to_thread(engine.close)
-
-    app = FastAPI(title="radixkv", version=__version__, lifespan=lifespan)
-    app.state.engine = engine
-    app.state.engine_loop = engine_loop
-    app.state.prefaulter = prefaulter
-    app.state.metrics = metrics
-    app.state.model_name = served_name
-    hosts = None
-    if keyring.open:
-        hosts = [*LOOPBACK_HOSTS, *(allowed_hosts or ())]
-    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes, allowed_hosts=hosts)
-    app.add_middleware(RequestIdMiddleware)  # outermost: guard refusals carry the id too
-    install_access_log_redactor()  # a key typed into a query string never reaches the log
+                await asyncio.to_thread(self.engine.close)
 
     # ---------------------------------------------------------------- errors
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def api_error(self, _: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.rejected.labels(reason="invalid").inc()
+    async def validation_error(self, _: Request, exc: RequestValidationError) -> JSONResponse:
+        self.metrics.rejected.labels(reason="invalid").inc()
         message, param = _describe_validation_errors(list(exc.errors()))
         return JSONResponse(error_body(message, param=param), status_code=400)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(self, _: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(
             error_body(str(exc.detail), type=kind), status_code=exc.status_code, headers=exc.headers
         )
 
-    @app.exception_handler(ClientDisconnected)
-    async def _client_gone(_: Request, exc: ClientDisconnected) -> Response:
+    async def client_gone(self, _: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # the client hung up: nobody reads this, no traceback
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(self, _: Request, exc: Exception) -> JSONResponse:
         message = internal_error(f"unhandled {type(exc).__name__}: {exc}")  # logs the traceback
         return JSONResponse(error_body(message, type="server_error"), status_code=500)
 
     # ---------------------------------------------------------------- auth
 
-    def authenticate(request: Request, admin: bool) -> None:
+    def authenticate(self, request: Request, admin: bool) -> None:
+        """Check the request's key (401/403 :class:`APIError`) and set its caller and tenant
+        salt for the request path (:mod:`.tenancy`)."""
         REQUEST_TENANT_SALT.set(None)
         REQUEST_CALLER.set(None)
-        caller = keyring.authorize(request.headers.get("authorization"), admin=admin)
+        caller = self.keys.authorize(request.headers.get("authorization"), admin=admin)
         REQUEST_TENANT_SALT.set(caller.salt)
         REQUEST_CALLER.set(caller)
 
-    async def require_auth(request: Request) -> None:
-        authenticate(request, admin=False)
+    async def require_auth(self, request: Request) -> None:
+        self.authenticate(request, admin=False)
 
-    async def require_admin(request: Request) -> None:
-        authenticate(request, admin=True)
+    async def require_admin(self, request: Request) -> None:
+        self.authenticate(request, admin=True)
 
-    auth = [Depends(require_auth)]
-    admin = [Depends(require_admin)]
 
-    # ---------------------------------------------------------------- routes, by family
-
-    ctx = ServerContext(
-        engine=engine,
-        engine_loop=engine_loop,
-        metrics=metrics,
-        served_name=served_name,
-        accepted_names=accepted_names,
-        served_names=served_names,
-        created=created,
-        auth=auth,
-        admin=admin,
-        history=history,
-        keyed=not keyring.open,
-        trust_request_chat_template=trust_request_chat_template,
-        reasoning=REASONING_PARSERS.get(reasoning_parser or ""),
-        tool_parser=tool_call_parser,
-    )
-    for router in (
-        native_routes(ctx),
-        OpenAIRoutes(ctx).router(),
-        metrics_routes(ctx, public=public_metrics),
-        info_routes(ctx),
-        admin_routes(ctx, pins or PinPolicy()),
-        dashboard_routes(ctx, text=dashboard_text),
-    ):
-        app.include_router(router)
-    return app
+def create_app(engine: EngineAPI, options: AppOptions | None = None, **fields: Any) -> FastAPI:
+    """Build the server app around ``engine``: ``ServerApp(engine, options).build_app()``.
+    ``fields`` are :class:`AppOptions` fields by name, over ``options`` (or the defaults):
+    ``create_app(engine, api_key="k")`` is ``create_app(engine, AppOptions(api_key="k"))``.
+    Raises ``ValueError`` on a bad option or key set, ``TypeError`` on an unknown field."""
+    base = options or AppOptions()
+    return ServerApp(engine, dataclasses.replace(base, **fields) if fields else base).build_app()
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "tuple"}

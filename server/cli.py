@@ -161,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from radixkv import Engine
-    from radixkv.server.app import create_app
+    from radixkv.server.app import AppOptions, create_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -197,8 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logger.info("platform: %s", format_platform_info(platform_info(runner=engine.runner)))
     try:
-        app = create_app(
-            engine,
+        options = AppOptions(
             api_key=keys.api_keys or None,
             admin_key=keys.admin_key,
             salt_from_api_key=keys.salt_from_api_key,
@@ -217,6 +216,7 @@ def run_serve(args: argparse.Namespace) -> int:
             reasoning_parser=getattr(args, "reasoning_parser", None),
             tool_call_parser=getattr(args, "tool_call_parser", None),
         )
+        app = create_app(engine, options)
     except ValueError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         engine.close()

@@ -5,10 +5,12 @@ called directly on the fake engine (``fake_engine.py``), its real output checked
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from fake_engine import FakeEngine
 from starlette.requests import Request
 
@@ -116,3 +118,51 @@ def test_router_health_handler_alone() -> None:
     second = asyncio.run(router.health())
     assert second.status_code == 503
     assert json.loads(bytes(second.body))["status"] == "no healthy replica"
+
+
+def test_server_app_handlers_alone() -> None:
+    """``ServerApp``'s auth dependency and validation-error handler, called directly: a
+    tenant's key passes ``require_auth`` but ``require_admin`` answers 403, the admin key
+    passes both; a validation error becomes OpenAI's 400 naming the field, and counts as
+    rejected ``invalid`` in the app's own metrics."""
+    from fastapi.exceptions import RequestValidationError
+
+    from radixkv.server.app import AppOptions, ServerApp
+    from radixkv.server.protocol import APIError
+    from radixkv.server.tenancy import REQUEST_CALLER
+
+    server = ServerApp(FakeEngine(), AppOptions(api_key=["k-a", "k-b"], admin_key="k-admin"))
+    assert server.served_names == ["fake-model"] and server.keys.open is False
+
+    def keyed(key: str) -> Request:
+        headers = [(b"authorization", f"Bearer {key}".encode())]
+        return Request({"type": "http", "method": "GET", "path": "/", "headers": headers})
+
+    tenant = contextvars.copy_context()  # the request's context: caller and tenant salt
+    tenant.run(server.authenticate, keyed("k-a"), False)
+    caller = tenant[REQUEST_CALLER]
+    assert caller is not None and caller.admin is False and caller.key_id != "-"
+    with pytest.raises(APIError) as refused:
+        asyncio.run(server.require_admin(keyed("k-a")))
+    assert refused.value.status_code == 403
+    with pytest.raises(APIError) as unknown:
+        asyncio.run(server.require_auth(keyed("k-c")))
+    assert unknown.value.status_code == 401
+    asyncio.run(server.require_admin(keyed("k-admin")))
+
+    rejected = server.metrics.rejected.labels(reason="invalid")
+    before = rejected._value.get()
+    error = RequestValidationError(
+        [{"type": "missing", "loc": ("body", "prompt"), "msg": "Field required"}]
+    )
+    answer = asyncio.run(server.validation_error(keyed("k-a"), error))
+    assert answer.status_code == 400
+    assert json.loads(bytes(answer.body)) == {
+        "error": {
+            "message": "prompt: Field required",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": None,
+        }
+    }
+    assert rejected._value.get() == before + 1
