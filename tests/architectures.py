@@ -144,6 +144,32 @@ def olmo2() -> Any:
     return Olmo2Config(**_common(pad_token_id=0))
 
 
+def qwen3_moe() -> Any:
+    from transformers import Qwen3MoeConfig
+
+    # 6 experts of width 36, top-2 unrenormalised (Mixtral covers renormalised); layer 1 dense
+    return Qwen3MoeConfig(
+        **_common(
+            head_dim=32,
+            attention_bias=True,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=36,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            decoder_sparse_step=1,
+        )
+    )
+
+
+def mixtral() -> Any:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        **_common(num_local_experts=5, num_experts_per_tok=2, sliding_window=WINDOW)
+    )
+
+
 #: name -> the config of its tiny model
 CONFIGS: dict[str, Callable[[], Any]] = {
     "llama3": llama3,
@@ -155,7 +181,14 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "granite": granite,
     "smollm3": smollm3,
     "olmo2": olmo2,
+    "qwen3_moe": qwen3_moe,
+    "mixtral": mixtral,
 }
+
+#: the mixture-of-experts models, whose routing :func:`route_by_token` makes tie-free
+MOE = ("qwen3_moe", "mixtral")
+#: the router's gain on the routing code (:func:`route_by_token`)
+ROUTER_GAIN = 0.5
 
 
 def tiny_model(name: str, seed: int = 0, **overrides: Any) -> Any:
@@ -169,6 +202,8 @@ def tiny_model(name: str, seed: int = 0, **overrides: Any) -> Any:
     for key, value in overrides.items():
         setattr(config, key, value)
     config._attn_implementation = "sdpa"
+    if name in MOE:  # the per-expert loop: the grouped-GEMM default has no float64 oracle
+        config._experts_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -179,4 +214,38 @@ def tiny_model(name: str, seed: int = 0, **overrides: Any) -> Any:
                 p.copy_(torch.randn_like(p) * 0.2 + (0.0 if name == "gemma3" else 1.0))
             elif p.dim() == 1:
                 p.copy_(torch.randn_like(p) * 0.1)
+        if name in MOE:
+            route_by_token(model, seed)
     return model
+
+
+def route_by_token(model: Any, seed: int) -> None:
+    """Make a tiny MoE model's routing free of near ties, so no valid float32 or bf16
+    computation can pick other experts than the float64 oracle (which would move the logits by
+    far more than rounding, on a random model's near-tie: a flaky test).
+
+    The first ``E`` (number of experts) hidden dims carry a routing code: token ``t``'s
+    embedding holds a per-token permutation of ``(2, 1, 0, -0.5, ...)`` there, no attention or
+    MLP output writes to them (those rows of ``o_proj`` and every ``down_proj`` are zero), and
+    the pre-MLP norm weights 1 on them, so they reach every router as ``code * g`` with ``g > 0``
+    the RMSNorm's scale. The router is ``ROUTER_GAIN`` on those dims plus a tenth of its random
+    weights: each token's top-2 are the code's (gap ``ROUTER_GAIN * g`` between the 2nd and
+    3rd), while its weights still vary with the context (``g`` and the random part).
+    tests/test_architectures.py checks the oracle's smallest margin against the bf16 error."""
+    cfg = model.config
+    e = int(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+    g = torch.Generator().manual_seed(seed + 1)
+    values = torch.tensor([2.0, 1.0] + [-0.5 * j for j in range(e - 2)])
+    codes = torch.stack([values[torch.randperm(e, generator=g)] for _ in range(cfg.vocab_size)])
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, :e] = codes
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[:e] = 0.0
+            layer.post_attention_layernorm.weight[:e] = 1.0
+            mlp = layer.mlp
+            if hasattr(mlp, "gate"):  # a sparse layer: router gate, experts fused [E, H, I]
+                mlp.experts.down_proj[:, :e] = 0.0
+                mlp.gate.weight.mul_(0.1)
+                mlp.gate.weight[:, :e] += ROUTER_GAIN * torch.eye(e)
+            else:
+                mlp.down_proj.weight[:e] = 0.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from architectures import CONFIGS, LLAMA3_ROPE, WINDOW, tiny_model
+from architectures import CONFIGS, LLAMA3_ROPE, MOE, WINDOW, tiny_model
 from kernel_paths import bf16_paths, fp32_paths
 from oracle import BF16, FP32, Oracle
 from test_model import MixedScenario, run_and_judge
@@ -39,7 +39,7 @@ def test_the_window_binds_in_the_scenario(arch):
     exercised (and a wrong mask would be seen), and the config reads it on the right layers."""
     name, model, _, scenario = arch
     config = read_config(model.config)
-    if name in ("mistral", "phi3"):
+    if name in ("mistral", "phi3", "mixtral"):
         assert config.layer_windows == [WINDOW] * config.num_layers
     elif name == "gemma3":
         assert config.layer_windows == [WINDOW, None, WINDOW, None]
@@ -75,6 +75,22 @@ def test_every_feature_is_read(arch):
         "smollm3": dict(layer_rope=["global", "none", "global"]),
         "qwen2": dict(attention_bias=True, o_bias=False),
         "llama3": dict(rope_scaling=LLAMA3_ROPE),
+        "qwen3_moe": dict(
+            qk_norm="head",
+            attention_bias=True,
+            num_experts=6,
+            num_experts_per_tok=2,
+            expert_intermediate_size=36,
+            norm_topk_prob=False,
+            layer_experts=[True, False, True],
+        ),
+        "mixtral": dict(
+            num_experts=5,
+            num_experts_per_tok=2,
+            expert_intermediate_size=136,
+            norm_topk_prob=True,
+            layer_experts=[True, True, True],
+        ),
     }.get(name, {})
     for field, value in expect.items():
         assert getattr(c, field) == value, (name, field)
@@ -93,6 +109,9 @@ def test_every_feature_is_read(arch):
         ("mistral", {"model_type": "mamba"}, "mamba"),
         ("qwen3", {"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
         ("llama3", {"num_local_experts": 8}, "num_local_experts"),
+        ("qwen3_moe", {"model_type": "qwen2_moe"}, "qwen2_moe"),
+        ("qwen3_moe", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+        ("mixtral", {"num_experts_per_tok": 6}, "num_experts_per_tok"),
     ],
 )
 def test_an_unsupported_config_is_refused_by_name(name, change, named):
@@ -101,6 +120,44 @@ def test_an_unsupported_config_is_refused_by_name(name, change, named):
         setattr(config, key, value)
     with pytest.raises(UnsupportedModelError, match=named):
         read_config(config)
+
+
+def test_routing_has_no_near_tie_in_the_scenario(arch):
+    """The MoE models' experts are chosen with a margin no valid float32 or bf16 computation can
+    cross (tests/architectures.py's ``route_by_token``): on every token of the scenario, every
+    sparse layer's gap between the 2nd and 3rd router logit of the float64 oracle is over 4x
+    the largest error transformers' bf16 forward makes in those logits. So radixkv chooses the
+    oracle's experts on every path, and a wrong dispatch cannot hide behind a routing tie."""
+    name, model, oracle, scenario = arch
+    if name not in MOE:
+        pytest.skip("a dense model")
+    routers = [n for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    assert len(routers) == sum(read_config(model.config).layer_experts or ())
+    logits: dict[torch.dtype, list[torch.Tensor]] = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        copy = oracle.model(dtype)
+        seen: list[torch.Tensor] = []
+        hooks = [
+            copy.get_submodule(n).register_forward_hook(
+                lambda _m, _i, out, seen=seen: seen.append(out[0].double())
+            )
+            for n in routers
+        ]
+        try:
+            with torch.inference_mode():
+                for seq in scenario.seqs.values():
+                    copy(torch.tensor([seq]))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        logits[dtype] = seen
+    k = model.config.num_experts_per_tok
+    margin = min(
+        (lg.sort(-1, descending=True).values[:, k - 1 : k + 1].diff(dim=-1).abs().min().item())
+        for lg in logits[torch.float64]
+    )
+    bf16_err = max((a - b).abs().max().item() for a, b in zip(*logits.values(), strict=True))
+    assert margin > 4 * bf16_err, (name, margin, bf16_err)
 
 
 def test_a_weight_nobody_reads_is_refused_by_name():

@@ -8,7 +8,8 @@ sandwich, OLMo 2's post-norms), GeGLU, biases, a residual multiplier, a softmax 
 sliding windows (in the native and Triton kernels; :mod:`radixkv.model.attention.window` for the
 torch backends) and RoPE (global, local, none), partial
 rotary (:mod:`radixkv.model.rope`), scaled embeddings, logit division and soft-capping. Q/K/V are
-fused into one ``Linear`` and gate/up into another, so a layer runs four matmuls.
+fused into one ``Linear`` and gate/up into another, so a layer runs four matmuls. A sparse layer
+(Qwen3-MoE, Mixtral) runs routed experts in place of the dense MLP (:mod:`radixkv.model.moe`).
 
 The attention reads and writes the KV pool through a
 :class:`~radixkv.model.attention.base.ForwardBatch`, so one forward can mix requests that extend
@@ -17,7 +18,7 @@ The attention reads and writes the KV pool through a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from radixkv.model.attention.base import AttentionBackend, ForwardBatch, split_q
 from radixkv.model.attention.window import WindowPlan, plan_window, windowed_attention
 from radixkv.model.linear import prepack_linears
 from radixkv.model.model_config import ModelConfig
+from radixkv.model.moe import SparseMoeBlock
 from radixkv.model.placement import (
     DECODER_PROJECTIONS,
     WeightPlacer,
@@ -100,8 +102,11 @@ class DecoderLayer(nn.Module):
         )
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, h, bias=config.o_bias)
-        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
+        #: the routed experts where this layer's MLP is sparse (then it has no dense projections)
+        self.moe = SparseMoeBlock(config) if config.is_moe(layer_id) else None
+        if self.moe is None:
+            self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
+            self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
         self.intermediate_size = config.intermediate_size
 
     def norm_qk_(self, qkv: torch.Tensor) -> None:
@@ -117,11 +122,18 @@ class DecoderLayer(nn.Module):
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).split(self.intermediate_size, dim=-1)
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of ``[rows, 2 * I]`` gate|up projections."""
+        gate, up = gate_up.chunk(2, dim=-1)
         if self.hidden_act == "gelu_tanh":
-            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
-        return self.down_proj(F.silu(gate).mul_(up))
+            return F.gelu(gate, approximate="tanh").mul_(up)
+        return F.silu(gate).mul_(up)
+
+    def _mlp(self, h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The dense MLP, or the routed experts, with gated activation ``act``."""
+        if self.moe is not None:
+            return self.moe(h, act)
+        return self.down_proj(act(self.gate_up_proj(h)))
 
     def _residual(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.residual_multiplier != 1.0:
@@ -161,7 +173,7 @@ class DecoderLayer(nn.Module):
             a = self.attn_out_norm(a)
         x = self._residual(x, a)
         h = self.post_attention_layernorm(x) if self.post_attention_layernorm is not None else x
-        m = self._mlp(h)
+        m = self._mlp(h, self._gated)
         if self.mlp_out_norm is not None:
             m = self.mlp_out_norm(m)
         return self._residual(x, m)
@@ -214,7 +226,7 @@ class DecoderLayer(nn.Module):
             a.mul_(self.residual_multiplier)
         post = self.post_attention_layernorm
         h = ops.add_rms_norm(x, a, post.weight, post.eps)
-        m = self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+        m = self._mlp(h, ops.silu_mul)
         if self.residual_multiplier != 1.0:
             m.mul_(self.residual_multiplier)
         return m

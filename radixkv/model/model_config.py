@@ -67,6 +67,17 @@ class ModelConfig:
     local_rope_theta: float | None = None
     #: dims of a head that rotate (partial rotary, Phi-3); None is all of them
     rotary_dim: int | None = None
+    #: mixture of experts: the routed experts of each sparse layer (0: a dense model), how many
+    #: each token is sent to, the width of each expert's MLP, and whether the chosen experts'
+    #: softmax weights are renormalised to sum to 1 (Mixtral always; Qwen3-MoE's
+    #: ``norm_topk_prob``)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    #: per layer, whether its MLP is the sparse experts (else the dense ``intermediate_size``
+    #: MLP: Qwen3-MoE's ``mlp_only_layers``); None with experts means every layer
+    layer_experts: list[bool] | None = None
     #: what the architecture module noted about how it reads the checkpoint (``radixkv info``)
     notes: list[str] = field(default_factory=list)
 
@@ -82,6 +93,17 @@ class ModelConfig:
     def rope_kind(self, layer: int) -> str:
         """Layer ``layer``'s RoPE: ``"global"``, ``"local"`` or ``"none"``."""
         return self.layer_rope[layer] if self.layer_rope else "global"
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is routed experts (:mod:`radixkv.model.moe`)."""
+        if not self.num_experts:
+            return False
+        return self.layer_experts[layer] if self.layer_experts else True
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The hidden width of each expert's gated MLP."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def has_windows(self) -> bool:

@@ -15,7 +15,19 @@ from typing import Any
 
 import torch
 
-from radixkv.model.arch import gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
+from radixkv.model.arch import (
+    gemma3,
+    granite,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from radixkv.model.arch.common import UnsupportedModelError, WeightTaker, refuse
 from radixkv.model.model_config import ModelConfig
 
@@ -24,7 +36,19 @@ __all__ = ["ARCHITECTURES", "UnsupportedModelError", "map_weights", "read_config
 #: ``model_type`` -> the module that serves it.
 ARCHITECTURES: dict[str, ModuleType] = {
     t: m
-    for m in (llama, mistral, qwen2, qwen3, gemma3, phi3, granite, smollm3, olmo2)
+    for m in (
+        llama,
+        mistral,
+        qwen2,
+        qwen3,
+        gemma3,
+        phi3,
+        granite,
+        smollm3,
+        olmo2,
+        qwen3_moe,
+        mixtral,
+    )
     for t in m.MODEL_TYPES
 }
 

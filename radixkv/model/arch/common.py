@@ -76,11 +76,15 @@ NEVER_SUPPORTED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 )
 
 
-def base_config(hf: Any, model_type: str, **features: Any) -> ModelConfig:
+def base_config(
+    hf: Any, model_type: str, *, computed: tuple[str, ...] = (), **features: Any
+) -> ModelConfig:
     """The fields every family shares, read from ``hf``; ``features`` set the rest. Refuses
-    the fields of :data:`NEVER_SUPPORTED`, quantized checkpoints and unknown RoPE kinds."""
+    the fields of :data:`NEVER_SUPPORTED` but those the architecture module says it
+    ``computed`` itself (the MoE modules: the expert counts), quantized checkpoints and unknown
+    RoPE kinds."""
     for name, ok in NEVER_SUPPORTED:
-        if hasattr(hf, name) and not ok(getattr(hf, name)):
+        if name not in computed and hasattr(hf, name) and not ok(getattr(hf, name)):
             raise refuse(model_type, f"{name}={getattr(hf, name)!r}")
     quant = _get(hf, "quantization_config")
     if quant:
@@ -238,6 +242,19 @@ def standard_layer(w: WeightTaker, config: ModelConfig, i: int, norm_offset: flo
     """Layer ``i`` of a checkpoint with separate ``q/k/v_proj`` and ``gate/up_proj`` (Llama's
     names), its pre-attention and pre-MLP norms as the config's ``norm_layout`` places them,
     and q/k norms where the config has them."""
+    attention_weights(w, config, i)
+    m, dst = f"layers.{i}.mlp.", f"layers.{i}."
+    w.cat(dst + "gate_up_proj.weight", (m + "gate_proj.weight", m + "up_proj.weight"))
+    w.put(dst + "down_proj.weight", w.raw(m + "down_proj.weight"))
+    if config.mlp_bias:
+        w.cat(dst + "gate_up_proj.bias", (m + "gate_proj.bias", m + "up_proj.bias"))
+        w.put(dst + "down_proj.bias", w.raw(m + "down_proj.bias"))
+    layer_norms(w, config, i, norm_offset)
+
+
+def attention_weights(w: WeightTaker, config: ModelConfig, i: int) -> None:
+    """Layer ``i``'s separate ``q/k/v_proj`` fused into ``qkv_proj``, and ``o_proj`` (biases
+    where the config says)."""
     src, dst = f"layers.{i}.", f"layers.{i}."
     a = src + "self_attn."
     w.cat(dst + "qkv_proj.weight", (a + f"{n}_proj.weight" for n in "qkv"))
@@ -246,13 +263,6 @@ def standard_layer(w: WeightTaker, config: ModelConfig, i: int, norm_offset: flo
     w.put(dst + "o_proj.weight", w.raw(a + "o_proj.weight"))
     if config.o_bias:
         w.put(dst + "o_proj.bias", w.raw(a + "o_proj.bias"))
-    m = src + "mlp."
-    w.cat(dst + "gate_up_proj.weight", (m + "gate_proj.weight", m + "up_proj.weight"))
-    w.put(dst + "down_proj.weight", w.raw(m + "down_proj.weight"))
-    if config.mlp_bias:
-        w.cat(dst + "gate_up_proj.bias", (m + "gate_proj.bias", m + "up_proj.bias"))
-        w.put(dst + "down_proj.bias", w.raw(m + "down_proj.bias"))
-    layer_norms(w, config, i, norm_offset)
 
 
 def layer_norms(w: WeightTaker, config: ModelConfig, i: int, norm_offset: float = 0.0) -> None:
