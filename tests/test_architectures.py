@@ -191,6 +191,11 @@ def test_radixkv_info_says_what_it_will_run_and_refuses_by_name(tmp_path, capsys
     assert info["sliding window"].startswith(f"{WINDOW} tokens on 2 of 4 layers")
     assert "sandwich norms" in info["features"] and "gelu_tanh" in info["features"]
     assert info["isa"]  # and the host's kernel path for that head dim
+    CONFIGS["qwen3_moe"]().save_pretrained(tmp_path / "qwen3_moe")
+    assert main(["info", str(tmp_path / "qwen3_moe"), "--json"]) == 0
+    info = __import__("json").loads(capsys.readouterr().out)
+    assert info["architecture"] == "qwen3_moe"
+    assert "6 experts of width 36, top 2, on 2 of 3 layers" in info["features"]
     bad = CONFIGS["gemma3"]()
     bad.attn_logit_softcapping = 50.0
     bad.save_pretrained(tmp_path / "bad")

@@ -104,6 +104,26 @@ def test_a_gguf_architecture_radixkv_does_not_serve_is_refused_by_name(tmp_path)
         gguf_config(path)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_a_mixture_of_experts_gguf_is_refused_by_name(arch, tmp_path):
+    """Mixtral's GGUF is a ``llama`` file with ``llama.expert_count``, Qwen3-MoE's a
+    ``qwen3moe`` one: both are refused naming the key, before transformers reads anything
+    (radixkv serves those models from safetensors only)."""
+    import gguf
+
+    path = tmp_path / f"{arch}-moe.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=rf"mixture of experts \('{arch}.expert_count'"):
+        gguf_config(path)
+
+
 def test_a_llama_gguf_named_mistral_reads_as_llama_with_its_window(tmp_path):
     """transformers reads a ``llama`` file whose name is "mistral" as a Mistral (default window
     4096) it then cannot load; radixkv reads it as the Llama it is, with the file's window."""

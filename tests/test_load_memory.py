@@ -61,10 +61,14 @@ def test_prepack_frees_each_released_weight_before_packing_the_next(
 @pytest.mark.skipif(
     not packed_linear_supported(torch.float32, "cpu"), reason="no packed linears here"
 )
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 def test_each_layer_is_packed_before_the_next_layers_weights_are_read(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
+    name: str, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tiny_model("qwen3").save_pretrained(tmp_path)
+    """(qwen3_moe: a sparse layer's experts are packed with it, their plain weights released
+    where the native GEMM reads only its own layout.)"""
+    monkeypatch.delenv("RADIXKV_KEEP_PLAIN_WEIGHTS", raising=False)
+    tiny_model(name).save_pretrained(tmp_path)
     byte_level_hf_tokenizer().save_pretrained(tmp_path)
     place = placement.WeightPlacer.__call__
     unpacked_before: list[int] = []
@@ -79,6 +83,11 @@ def test_each_layer_is_packed_before_the_next_layers_weights_are_read(
     monkeypatch.setattr(placement.WeightPlacer, "__call__", spy)
     runner = ModelRunner(load_model(str(tmp_path), hf_model=False), num_pages=2, page_size=16)
     assert unpacked_before == [0] * runner.config.num_layers
+    moe = runner.model.layers[0].moe
+    if moe is not None:
+        down = moe.experts[0].down_proj
+        assert type(down) is linear.PackedLinear
+        assert down.weight.is_meta == (down.kernel == "native")
 
 
 def _weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:

@@ -15,8 +15,14 @@ from radixkv.model.loader import load_model
 from radixkv.model.runner import ModelRunner, RequestSlice
 
 
-@pytest.mark.parametrize("name, shard", [("qwen3", None), ("gemma3", "200KB")])
+@pytest.mark.parametrize(
+    "name, shard",
+    [("qwen3", None), ("gemma3", "200KB"), ("qwen3_moe", "300KB"), ("mixtral", None)],
+)
 def test_streamed_load_equals_the_transformers_model(name, shard, tmp_path):
+    """The MoE models' experts are saved one by one (``mlp.experts.{e}.gate_proj``,
+    Mixtral's ``block_sparse_moe.experts.{e}.w1``) and held fused by transformers 5.x's
+    modules (``mlp.experts.gate_up_proj``): both readings build the same model."""
     model = tiny_model(name)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(tmp_path, **kwargs)

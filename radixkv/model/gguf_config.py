@@ -30,6 +30,7 @@ __all__ = [
     "SERVED",
     "GgufHeader",
     "check_architecture",
+    "check_experts",
     "gguf_config",
     "llama3_rope",
     "save_tokenizer",
@@ -52,7 +53,6 @@ _REFUSED_KEYS = (
     "embedding_scale",
     "residual_scale",
     "attn_logit_softcapping",
-    "expert_count",
 )
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"}
@@ -161,6 +161,19 @@ def check_architecture(arch: str) -> None:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported by radixkv (it serves GGUF "
             f"architectures {served})"
+        )
+
+
+def check_experts(header: GgufHeader) -> None:
+    """Refuse a mixture-of-experts GGUF (llama.cpp's ``{arch}.expert_count``: Mixtral's files
+    are ``llama`` ones with it, Qwen3-MoE's ``qwen3moe``): radixkv serves those models from
+    their safetensors checkpoints only."""
+    experts = header.key("expert_count")
+    if experts:
+        raise UnsupportedModelError(
+            f"GGUF architecture {header.arch!r}: a mixture of experts "
+            f"('{header.arch}.expert_count' = {experts}) is not supported from GGUF by radixkv; "
+            "serve its Hugging Face checkpoint (safetensors: Qwen3-MoE and Mixtral are served)"
         )
 
 
@@ -352,6 +365,7 @@ def gguf_config(path: str | Path) -> Any:
 
     path = Path(path)
     header = GgufHeader(path)
+    check_experts(header)
     check_architecture(header.arch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -47,8 +47,17 @@ def _windows(config: ModelConfig) -> str:
     )
 
 
+def _experts(config: ModelConfig) -> str:
+    sparse = sum(config.is_moe(i) for i in range(config.num_layers))
+    return (
+        f"{config.num_experts} experts of width {config.expert_intermediate_size}, top "
+        f"{config.num_experts_per_tok}{' renormalised' if config.norm_topk_prob else ''}, on "
+        f"{sparse} of {config.num_layers} layers"
+    )
+
+
 def _features(config: ModelConfig) -> list[str]:
-    out = []
+    out = [_experts(config)] if config.num_experts else []
     if config.qk_norm:
         out.append(f"q/k RMSNorm ({'per head' if config.qk_norm == 'head' else 'projection'})")
     if config.norm_layout != "pre":
