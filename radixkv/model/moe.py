@@ -14,8 +14,8 @@ swaps in when it packs the layer): each expert is an ordinary ``gate_up_proj`` /
 pair, so radixkv's native GEMM (or oneDNN's, or ``F.linear``) runs it at whatever row count the
 step gives it, exactly as it runs a dense layer's.
 
-The weighted sum of a token's ``k`` expert outputs is accumulated in float32 and rounded to the
-model's dtype once (transformers adds them in the model's dtype), so a bf16 model lands at least
+The weighted sum of a token's ``k`` expert outputs is accumulated in float32 (float64 for a
+float64 model) and rounded to the model's dtype once (transformers adds them in the model's dtype), so a bf16 model lands at least
 as near the float64 oracle as transformers' bf16 forward does.
 """
 
@@ -79,12 +79,13 @@ class SparseMoeBlock(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k
         rows = h.index_select(0, tokens)  # grouped by expert
-        out = torch.empty(rows.shape, dtype=torch.float32, device=h.device)
+        acc = torch.promote_types(h.dtype, torch.float32)
+        out = torch.empty(rows.shape, dtype=acc, device=h.device)
         start = 0
         for expert, n in zip(self.experts, counts, strict=True):
             if n:
                 out[start : start + n] = expert(rows[start : start + n], act)
                 start += n
         out.mul_(weights.reshape(-1, 1).index_select(0, order))
-        total = torch.zeros(t, h.shape[1], dtype=torch.float32, device=h.device)
+        total = torch.zeros(t, h.shape[1], dtype=acc, device=h.device)
         return total.index_add_(0, tokens, out).to(h.dtype)
