@@ -5,26 +5,23 @@ slices and the scatter-add must give the same sums; experts no token chose must 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
+from architectures import CONFIGS
 
-from radixkv.model.model_config import ModelConfig
+from radixkv.model.arch import read_config
 from radixkv.model.moe import SparseMoeBlock
 
 
 def _block(norm_topk_prob: bool, experts: int = 5, top_k: int = 2) -> SparseMoeBlock:
-    config = ModelConfig(
-        vocab_size=8,
-        hidden_size=12,
-        intermediate_size=20,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=6,
+    """A sparse layer of the tiny Qwen3-MoE (hidden 96, experts of width 36), float64."""
+    config = dataclasses.replace(
+        read_config(CONFIGS["qwen3_moe"]()),
         num_experts=experts,
         num_experts_per_tok=top_k,
-        moe_intermediate_size=7,
         norm_topk_prob=norm_topk_prob,
     )
     torch.manual_seed(0)
@@ -50,7 +47,7 @@ def _dense(block: SparseMoeBlock, h: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("tokens", [1, 2, 17])
 def test_dispatch_equals_the_dense_mixture(norm_topk_prob: bool, tokens: int) -> None:
     block = _block(norm_topk_prob)
-    h = torch.randn(tokens, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    h = torch.randn(tokens, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     got = block(h, _silu_mul)
     assert got.dtype == torch.float64 and got.shape == h.shape
     # the routing weights are float32 in both (transformers' softmax); the rest is float64
@@ -60,7 +57,7 @@ def test_dispatch_equals_the_dense_mixture(norm_topk_prob: bool, tokens: int) ->
 
 def test_experts_no_token_chose_do_not_run() -> None:
     block = _block(True, experts=6, top_k=1)
-    h = torch.randn(3, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    h = torch.randn(3, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     chosen = set(block.route(h)[1].flatten().tolist())
     ran: list[int] = []
     for i, expert in enumerate(block.experts):
