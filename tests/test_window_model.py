@@ -3,7 +3,8 @@ prompt several windows long prefilled in chunks (each chunk an extend after a ca
 then decodes, in steps that also carry a second request whose prompt hits the first one's
 cached pages mid-prompt, on every kernel path this host runs (native kernels at every ISA level,
 the torch backends) and the Triton backend (the GPU, else its interpreter). Mistral (every layer
-windowed, head dim 128), Gemma 3 (local and global layers, head dim 256) and Phi-3 (head dim 80).
+windowed, head dim 128), Gemma 3 (local and global layers, head dim 256), Phi-3 (head dim 80) and
+Mixtral (every layer windowed, routed experts).
 The native and Triton backends attend the windowed layers in their kernels; the torch backends
 through :mod:`radixkv.model.attention.window`: each test checks which one ran."""
 
@@ -26,7 +27,7 @@ CASES = [pytest.param(FP32, p, id=f"fp32-{p}") for p in fp32_paths()] + [
 ]
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma3", "phi3"])
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "phi3", "mixtral"])
 def windowed(request):
     model = tiny_model(request.param)
     oracle = Oracle(model)
