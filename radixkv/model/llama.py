@@ -107,7 +107,6 @@ class DecoderLayer(nn.Module):
         if self.moe is None:
             self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
             self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
-        self.intermediate_size = config.intermediate_size
 
     def norm_qk_(self, qkv: torch.Tensor) -> None:
         """q/k RMSNorm of the fused projection's rows, in place (before RoPE)."""
