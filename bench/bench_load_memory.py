@@ -1,6 +1,6 @@
 """Peak memory of loading a model into radixkv, against the size of its weights.
 
-    .venv/bin/python -m bench.bench_load_memory [--model smollm2] [--tiny gemma3] [--dtype float32]
+    .venv/bin/python -m bench.bench_load_memory [--model smollm2] [--tiny largest] [--dtype float32]
 
 Each case runs in a fresh process: its resident set after importing torch, transformers and
 radixkv and loading a tiny model the same way (libraries, native kernels and code paths warm) is
@@ -8,8 +8,9 @@ the baseline; then ``ModelRunner(load_model(...))`` builds the model (with a KV 
 one page per layer, so the pool does not count) and the process reports its peak resident set
 (``ru_maxrss``). Printed: the weights' bytes in the dtype (parameters, a tied head counted once),
 the load's peak above the baseline, and their ratio; plus the resident set left after the load.
-``--tiny NAME`` saves the largest tiny random model of tests/architectures.py first (a directory
-of safetensors, as a user's checkpoint). The GGUF model is read from radixkv's weight cache (a
+``--tiny NAMES`` (comma-separated) also saves tiny random models of tests/architectures.py (a
+directory of safetensors each, as a user's checkpoint) and loads them: ``largest`` (the default)
+is the one with the most weight bytes, ``all`` every architecture, ``""`` none. The GGUF model is read from radixkv's weight cache (a
 safetensors directory made on its first load), as every load after the first.
 """
 
@@ -20,7 +21,9 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 CHILD = r"""
 import json, resource, sys
@@ -64,31 +67,46 @@ def measure(name: str, dtype: str, stream: bool, warmup: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def tiny_names(spec: str, configs: dict, build: Callable[[str], Any]) -> list[str]:
+    """The tiny architectures ``--tiny`` names: ``largest`` (most parameters), ``all``, or a list."""
+    if spec == "all":
+        return list(configs)
+    if spec == "largest":
+        sizes = {n: sum(p.numel() for p in build(n).parameters()) for n in configs}
+        return [max(sizes, key=sizes.__getitem__)]
+    names = [n for n in spec.split(",") if n]
+    unknown = sorted(set(names) - set(configs))
+    if unknown:
+        raise SystemExit(f"unknown tiny architecture(s) {unknown}; choices: {', '.join(configs)}")
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--tiny", default="gemma3", help="tiny architecture to save and load too")
+    ap.add_argument(
+        "--tiny", default="largest", help="tiny architectures to load too: largest, all or names"
+    )
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
-    cases = [args.model]
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from architectures import tiny_model
+    from architectures import CONFIGS, tiny_model
 
     from bench.tiny_model import byte_level_hf_tokenizer
 
-    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as warmup:
-        for name, where in (("llama3", warmup), (args.tiny, tmp)):
-            if name:
-                tiny_model(name).save_pretrained(where)
-                byte_level_hf_tokenizer().save_pretrained(where)
-        if args.tiny:
-            cases.append(tmp)
+    tiny = tiny_names(args.tiny, CONFIGS, tiny_model)
+    with tempfile.TemporaryDirectory() as root:
+        dirs = {name: str(Path(root) / name) for name in ("llama3", *tiny)}
+        for name, where in dirs.items():
+            tiny_model(name).save_pretrained(where)
+            byte_level_hf_tokenizer().save_pretrained(where)
+        cases = {args.model: args.model, **{f"tiny {n}": dirs[n] for n in tiny}}
         print(
             f"{'model':<28} {'loader':<10} {'weights MiB':>11} {'peak-base MiB':>13} "
             f"{'ratio':>6} {'after-base MiB':>14}"
         )
-        for name in cases:
-            label = name if name == args.model else f"tiny {args.tiny}"
+        warmup = dirs["llama3"]
+        for label, name in cases.items():
             for stream in (False, True):
                 r = measure(name, args.dtype, stream, warmup)
                 w = r["weights_bytes"] / 2**20
