@@ -58,16 +58,8 @@ _SOURCES = [
     _CSRC / "cpu_linear.cpp",
     _CSRC / "cpu_sample.cpp",
 ]
-_HEADERS = [
-    _CSRC / "cpu_attention.h",
-    _CSRC / "cpu_fused.h",
-    _CSRC / "cpu_kv_quant.h",
-    _CSRC / "cpu_kv_store.h",
-    _CSRC / "cpu_linear.h",
-    _CSRC / "cpu_sample.h",
-    _CSRC / "cpu_vec.h",
-    _CSRC / "cpu_work.h",
-]
+# every header of csrc, so a new one (or an edit to one) is in the build's hash and rebuilds it
+_HEADERS = sorted(_CSRC.glob("*.h"))
 _MODULE_PREFIX = "radixkv_cpu"
 
 #: ISA levels, widest first.

@@ -54,6 +54,7 @@
 
 #include "cpu_attention.h"
 #include "cpu_amx.h"
+#include "cpu_attention_common.h"
 #include "cpu_kv_quant.h"
 #include "cpu_work.h"
 
@@ -82,8 +83,9 @@
 namespace {
 
 using bf16 = uint16_t;
-
-constexpr float kLog2e = 1.4426950408889634f;
+using radixkv_attn::bf16_to_float;
+using radixkv_attn::float_to_bf16;
+using radixkv_attn::kLog2e;
 constexpr int kKeyBlock = 64;   // keys per online-softmax step
 constexpr int kRowsPerItem = 96;  // query rows (tokens x G heads) per work item
 // Where AMX items run: twice as many, so each key block's K^T / V packing serves more rows
@@ -95,38 +97,16 @@ constexpr int kAmxRowsPerItem = 192;
 // the vector lanes: no horizontal sums), else row by row.
 constexpr int64_t kGemmRows = 16;
 
-inline float bf16_to_float(bf16 x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline bf16 float_to_bf16(float f) {  // round to nearest even (NaN stays NaN)
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<bf16>(u >> 16);
-}
-
 // How the pool stores K/V: bf16 rows, or quantized rows (D codes + a bf16 scale).
 enum class Quant { None, I8, FP8 };
 
-struct Problem {
+// The batch (cpu_attention_common.h) with this kernel's bf16 q and output and its switches.
+struct Problem : radixkv_attn::PagedBatch {
   const bf16* q;
   int64_t q_stride;  // elements from one token's q row to the next (hq * d when contiguous)
-  const char* k_cache;
-  const char* v_cache;
-  Quant quant;
-  int64_t row_bytes;  // bytes of one (token, head) row: 2 D, or D + 2 when quantized
-  const int32_t* page_table;
+  Quant quant;       // row_bytes: 2 D, or D + 2 when quantized
   bf16* out;
-  int64_t table_stride;
-  int64_t page_size;
-  int64_t hq, hkv, group, d;
   float scale_log2;  // sm_scale * log2(e)
-  int64_t window;    // sliding window (0: none): position p sees keys p - window + 1 .. p
   // Rows (token * hq + head) after their group's shared part: running max, sum and output
   // (float32, output lanes in the P V loop's order). Written by phase A, read by phase B.
   float* gm;
@@ -1566,8 +1546,6 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            double sm_scale, std::vector<int64_t> group_members,
                            std::vector<int64_t> group_offsets, std::vector<int64_t> group_shared,
                            int64_t window) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_attention: tensors must be on the CPU");
-  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: full attention)");
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 &&
                   (kv_type == at::kBFloat16 || kv_type == at::kChar || kv_type == at::kByte) &&
@@ -1576,64 +1554,25 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
               "uint8 holding float8_e4m3fn bits), both of one dtype");
   const Quant quant =
       kv_type == at::kChar ? Quant::I8 : (kv_type == at::kByte ? Quant::FP8 : Quant::None);
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_attention: q [T, Hq, D], caches [pages, page_size, Hkv, D] (D + 2 when "
-              "quantized)");
-  TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.dim() == 2,
-              "paged_attention: page_table must be int32 [B, max_pages]");
-  // q may be a view of the fused QKV rows: each token's [Hq, D] row contiguous, rows strided
-  const bool q_rows = q.is_contiguous() || (q.dim() == 3 && q.stride(2) == 1 &&
-                                            q.stride(1) == q.size(2) &&
-                                            q.stride(0) >= q.size(1) * q.size(2));
-  TORCH_CHECK(q_rows && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  page_table.is_contiguous(),
-              "paged_attention: inputs must be contiguous (q: each token's [Hq, D] row)");
+  // q may be a view of the fused QKV rows (each token's [Hq, D] row contiguous, rows strided)
+  const radixkv_attn::BatchRules rules{quant == Quant::None ? 0 : radixkv_kvq::kScaleBytes, true,
+                                       0};
+  const radixkv_attn::PagedBatch batch =
+      radixkv_attn::check_paged_batch("paged_attention", q, k_cache, v_cache, page_table,
+                                      prefix_lens, extend_lens, extend_starts, window, rules);
   const int64_t B = static_cast<int64_t>(extend_lens.size());
-  TORCH_CHECK(static_cast<int64_t>(prefix_lens.size()) == B &&
-                  static_cast<int64_t>(extend_starts.size()) == B && page_table.size(0) >= B,
-              "paged_attention: one prefix_len, extend_len, extend_start and page row per request");
-  const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
-  const int64_t row_elems = quant == Quant::None ? d : d + radixkv_kvq::kScaleBytes;
-  TORCH_CHECK(k_cache.size(3) == row_elems && hq % hkv == 0,
-              "paged_attention: head shapes disagree");
-  const int64_t page_size = k_cache.size(1);
-  const int64_t num_pages = k_cache.size(0);
-  const int32_t* tab = page_table.data_ptr<int32_t>();
-  const int64_t stride = page_table.size(1);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t total = prefix_lens[b] + extend_lens[b];
-    TORCH_CHECK(extend_lens[b] >= 0 && prefix_lens[b] >= 0 && extend_starts[b] >= 0 &&
-                    extend_starts[b] + extend_lens[b] <= q.size(0) &&
-                    (total + page_size - 1) / page_size <= stride,
-                "paged_attention: request ", b, " does not fit q or its page table");
-    for (int64_t i = 0; i < (total + page_size - 1) / page_size; ++i) {
-      TORCH_CHECK(tab[b * stride + i] >= 0 && tab[b * stride + i] < num_pages,
-                  "paged_attention: request ", b, " has a page id outside the pool");
-    }
-  }
+  const int64_t hq = batch.hq, d = batch.d, hkv = batch.hkv;
   const bool fast = fast_path_for(d);
-  std::vector<int64_t> shared_of =
-      check_prefix_groups("paged_attention", group_members, group_offsets, group_shared,
-                          prefix_lens, tab, stride, page_size);
+  std::vector<int64_t> shared_of = radixkv_attn::check_prefix_groups(
+      "paged_attention", batch, group_members, group_offsets, group_shared);
   if (!fast) std::fill(shared_of.begin(), shared_of.end(), 0);  // the portable path: no groups
   auto out = at::empty(q.sizes(), q.options());  // contiguous, whatever q's row stride
-  Problem p{};
+  Problem p{batch};
   p.q = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   p.q_stride = q.is_contiguous() ? q.size(1) * q.size(2) : q.stride(0);
-  p.k_cache = static_cast<const char*>(k_cache.data_ptr());
-  p.v_cache = static_cast<const char*>(v_cache.data_ptr());
   p.quant = quant;
-  p.row_bytes = quant == Quant::None ? 2 * d : row_elems;
-  p.page_table = tab;
   p.out = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
-  p.table_stride = stride;
-  p.page_size = page_size;
-  p.hq = hq;
-  p.hkv = hkv;
-  p.group = hq / hkv;
-  p.d = d;
   p.scale_log2 = static_cast<float>(sm_scale) * kLog2e;
-  p.window = window;
   p.amx = fast && amx_on() && (d == 64 || d == 128);  // AMX items: those head dims
   auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
   const int64_t rows_per_item = p.amx ? kAmxRowsPerItem : kRowsPerItem;
@@ -1646,7 +1585,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
       const int64_t pos = prefix_lens[b] + t;
       en.tok.push_back(extend_starts[b] + t);
       en.limit.push_back(sees_all ? kSeesAll : pos);
-      en.lower.push_back(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+      en.lower.push_back(radixkv_attn::window_start(window, pos));
     }
     return e0;
   };

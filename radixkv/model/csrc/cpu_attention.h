@@ -35,13 +35,3 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
                                std::vector<int64_t> group_offsets,
                                std::vector<int64_t> group_shared, int64_t window);
 const char* f32_kernel_isa();
-// Checks a step's shared-prefix groups (members of group g are group_members[offsets[g] ..
-// offsets[g + 1]), each request in one group at most, group_shared[g] <= every member's
-// prefix, members' first pages the same ids) and returns each request's shared length (0
-// outside groups). `who` prefixes the error messages.
-std::vector<int64_t> check_prefix_groups(const char* who, const std::vector<int64_t>& members,
-                                         const std::vector<int64_t>& offsets,
-                                         const std::vector<int64_t>& shared,
-                                         const std::vector<int64_t>& prefix_lens,
-                                         const int32_t* page_table, int64_t table_stride,
-                                         int64_t page_size);

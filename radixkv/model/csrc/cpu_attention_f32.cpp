@@ -37,6 +37,7 @@
 // width (16 floats with AVX-512, 8 otherwise), so one source serves every ISA level.
 
 #include "cpu_attention.h"
+#include "cpu_attention_common.h"
 #include "cpu_kv_quant.h"
 #include "cpu_vec.h"
 #include "cpu_work.h"
@@ -68,8 +69,7 @@
 namespace {
 
 using namespace radixkv_vec;
-
-constexpr float kLog2e = 1.4426950408889634f;
+using radixkv_attn::kLog2e;
 constexpr int kKeyBlock = 64;   // keys per online-softmax step (a multiple of VW)
 constexpr int kKV = kKeyBlock / VW;
 constexpr int kRowBlock = 128;  // most query rows per shared-prefix work item
@@ -80,13 +80,6 @@ constexpr int kDV = kDChunk / VW;
 // into the float32 scratch as the half-precision pools are converted.
 enum class KV { F32, BF16, F16, I8, FP8 };
 
-inline float bf16_bits_to_float(uint16_t x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 // dst[0 .. n) = float32 of the row at src (n elements; a quantized row's scale follows them).
 template <KV T>
 inline void to_float(const void* src, float* dst, int n) {
@@ -96,7 +89,7 @@ inline void to_float(const void* src, float* dst, int n) {
     std::memcpy(dst, src, n * sizeof(float));
   } else if constexpr (T == KV::BF16) {
     const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(s[i]);
+    for (int i = 0; i < n; ++i) dst[i] = radixkv_attn::bf16_to_float(s[i]);
   } else {
     const uint16_t* s = static_cast<const uint16_t*>(src);
     int i = 0;
@@ -110,26 +103,18 @@ inline void to_float(const void* src, float* dst, int n) {
   }
 }
 
-struct Problem {
+// The batch (cpu_attention_common.h) with this kernel's float32 q, output and running state.
+struct Problem : radixkv_attn::PagedBatch {
   const float* q;
-  const char* k_cache;
-  const char* v_cache;
-  const int32_t* page_table;
   float* out;
   float* m;  // [T * hq] running max of the scaled scores
   float* l;  // [T * hq] running sum
-  int64_t table_stride, page_size, hq, hkv, group, d;
-  int64_t row_bytes;  // bytes of one (token, head) row of the pool: D values, or D codes + scale
   float scale;
-  const std::vector<int64_t>* prefix;
-  const std::vector<int64_t>* ext;
-  const std::vector<int64_t>* start;
-  int64_t window;  // sliding window (0: none): position p sees keys p - window + 1 .. p
 };
 
 // The first key a query at absolute position `pos` sees.
 inline int64_t first_key(const Problem& p, int64_t pos) {
-  return p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+  return radixkv_attn::window_start(p.window, pos);
 }
 
 // Byte offsets in the pool of the rows of KV head h for keys [kb, kb + nk) of page table row
@@ -761,8 +746,6 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
                                std::vector<int64_t> group_members,
                                std::vector<int64_t> group_offsets,
                                std::vector<int64_t> group_shared, int64_t window) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_attention_f32: tensors must be on the CPU");
-  TORCH_CHECK(window >= 0, "paged_attention_f32: window must be >= 0 (0: full attention)");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention_f32: q must be float32");
   KV kv;
   if (k_cache.scalar_type() == at::kFloat) {
@@ -783,41 +766,14 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
   const bool quantized = kv == KV::I8 || kv == KV::FP8;
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_attention_f32: k_cache and v_cache dtypes differ");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_attention_f32: q [T, Hq, D], caches [pages, page_size, Hkv, D] (D + 2 "
-              "when quantized)");
-  TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.dim() == 2,
-              "paged_attention_f32: page_table must be int32 [B, max_pages]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  page_table.is_contiguous(),
-              "paged_attention_f32: inputs must be contiguous");
+  const radixkv_attn::BatchRules rules{quantized ? radixkv_kvq::kScaleBytes : 0, false, 512};
+  const radixkv_attn::PagedBatch batch =
+      radixkv_attn::check_paged_batch("paged_attention_f32", q, k_cache, v_cache, page_table,
+                                      prefix_lens, extend_lens, extend_starts, window, rules);
+  const std::vector<int64_t> shared_of = radixkv_attn::check_prefix_groups(
+      "paged_attention_f32", batch, group_members, group_offsets, group_shared);
   const int64_t B = static_cast<int64_t>(extend_lens.size());
-  TORCH_CHECK(static_cast<int64_t>(prefix_lens.size()) == B &&
-                  static_cast<int64_t>(extend_starts.size()) == B && page_table.size(0) >= B,
-              "paged_attention_f32: one prefix_len, extend_len, extend_start and page row per "
-              "request");
-  const int64_t hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d + (quantized ? radixkv_kvq::kScaleBytes : 0) &&
-                  hq % hkv == 0 && d <= 512,
-              "paged_attention_f32: head shapes disagree (or head dim > 512)");
-  const int64_t page_size = k_cache.size(1);
-  const int64_t num_pages = k_cache.size(0);
-  const int32_t* tab = page_table.data_ptr<int32_t>();
-  const int64_t stride = page_table.size(1);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t total = prefix_lens[b] + extend_lens[b];
-    TORCH_CHECK(extend_lens[b] >= 0 && prefix_lens[b] >= 0 && extend_starts[b] >= 0 &&
-                    extend_starts[b] + extend_lens[b] <= q.size(0) &&
-                    (total + page_size - 1) / page_size <= stride,
-                "paged_attention_f32: request ", b, " does not fit q or its page table");
-    for (int64_t i = 0; i < (total + page_size - 1) / page_size; ++i) {
-      TORCH_CHECK(tab[b * stride + i] >= 0 && tab[b * stride + i] < num_pages,
-                  "paged_attention_f32: request ", b, " has a page id outside the pool");
-    }
-  }
-  const std::vector<int64_t> shared_of =
-      check_prefix_groups("paged_attention_f32", group_members, group_offsets, group_shared,
-                          prefix_lens, tab, stride, page_size);
+  const int64_t hq = batch.hq, hkv = batch.hkv;
   const int64_t n_groups = static_cast<int64_t>(group_shared.size());
   // Every row of a request is initialised by the first part that touches it (fill_rows); rows
   // of q that belong to no request (none in the engine's batches) are zero.
@@ -826,26 +782,12 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
   auto out = covered == q.size(0) ? at::empty_like(q) : at::zeros_like(q);
   auto m = at::empty({q.size(0), hq}, q.options());
   auto l = at::empty({q.size(0), hq}, q.options());
-  Problem p{};
+  Problem p{batch};
   p.q = q.data_ptr<float>();
-  p.k_cache = static_cast<const char*>(k_cache.data_ptr());
-  p.v_cache = static_cast<const char*>(v_cache.data_ptr());
-  p.page_table = tab;
   p.out = out.data_ptr<float>();
   p.m = m.data_ptr<float>();
   p.l = l.data_ptr<float>();
-  p.table_stride = stride;
-  p.page_size = page_size;
-  p.hq = hq;
-  p.hkv = hkv;
-  p.group = hq / hkv;
-  p.d = d;
-  p.row_bytes = k_cache.size(3) * k_cache.element_size();
   p.scale = static_cast<float>(sm_scale);
-  p.prefix = &prefix_lens;
-  p.ext = &extend_lens;
-  p.start = &extend_starts;
-  p.window = window;
   Groups gr{&group_members, &group_offsets, &group_shared};
   auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
   // Phase A: shared parts, kRowBlock stacked rows per item and KV head.
@@ -895,36 +837,3 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
 }
 
 const char* f32_kernel_isa() { return RADIXKV_STR(RADIXKV_ISA_NAME); }
-
-std::vector<int64_t> check_prefix_groups(const char* who, const std::vector<int64_t>& members,
-                                         const std::vector<int64_t>& offsets,
-                                         const std::vector<int64_t>& shared,
-                                         const std::vector<int64_t>& prefix_lens,
-                                         const int32_t* tab, int64_t stride, int64_t page_size) {
-  const int64_t B = static_cast<int64_t>(prefix_lens.size());
-  const int64_t n_groups = static_cast<int64_t>(shared.size());
-  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == (n_groups ? n_groups + 1 : 0) ||
-                  (n_groups == 0 && offsets.size() <= 1),
-              who, ": group_offsets must have one entry per group plus one");
-  std::vector<int64_t> shared_of(B, 0);
-  for (int64_t g = 0; g < n_groups; ++g) {
-    const int64_t g0 = offsets[g], g1 = offsets[g + 1];
-    TORCH_CHECK(0 <= g0 && g0 < g1 && g1 <= static_cast<int64_t>(members.size()), who,
-                ": group ", g, " has bad member offsets");
-    const int64_t S = shared[g];
-    const int64_t ref = members[g0];
-    for (int64_t mi = g0; mi < g1; ++mi) {
-      const int64_t b = members[mi];
-      TORCH_CHECK(b >= 0 && b < B && shared_of[b] == 0 && S >= 0 && S <= prefix_lens[b], who,
-                  ": group ", g, " member ", b,
-                  " is not a request, is in two groups, or its prefix is shorter than the "
-                  "shared part");
-      for (int64_t i = 0; i < (S + page_size - 1) / page_size; ++i) {
-        TORCH_CHECK(tab[b * stride + i] == tab[ref * stride + i], who, ": group ", g,
-                    " members do not share their first pages");
-      }
-      shared_of[b] = S;
-    }
-  }
-  return shared_of;
-}
