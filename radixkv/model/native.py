@@ -52,6 +52,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / "bindings.cpp",
     _CSRC / "cpu_attention.cpp",
+    _CSRC / "cpu_attention_amx.cpp",
     _CSRC / "cpu_attention_f32.cpp",
     _CSRC / "cpu_fused.cpp",
     _CSRC / "cpu_kv_store.cpp",
@@ -218,7 +219,7 @@ def load(isa: str | None = None) -> Any | None:
                 except Exception as exc:  # a compiler error must not take the engine down
                     _record_failure(target, exc)
                     modules[target] = None
-                else:  # AMX attention items (cpu_attention.cpp) default on where available
+                else:  # AMX attention items (cpu_attention_amx.cpp) default on where available
                     if os.environ.get("RADIXKV_AMX_ATTENTION", "1") == "0":
                         modules[target].set_amx_attention(False)
     module = modules[target]

@@ -1,6 +1,6 @@
-// What radixkv's AMX tile code shares (the attention's products in cpu_attention.cpp, the bf16
-// GEMM in cpu_linear.cpp): the target attribute, the one tile configuration both load, and the
-// process's tile-state permission. Used only in AVX512-BF16 builds, on hosts with AMX-BF16.
+// What radixkv's AMX tile code shares (the attention's products in cpu_attention_amx.cpp, the
+// bf16 GEMM in cpu_linear.cpp): the target attribute, the one tile configuration both load, and
+// the process's tile-state permission. Used only in AVX512-BF16 builds, on hosts with AMX-BF16.
 #pragma once
 
 #include <cstdint>
@@ -31,8 +31,8 @@ inline const TileConfig kTileConfig;
 
 // Asks Linux once for this process's AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XTILEDATA; oneDNN asks the same for its own AMX kernels): without it a tile instruction
-// faults. False off Linux. (cpu_attention.cpp)
+// faults. False off Linux. (cpu_attention_amx.cpp)
 bool amx_tiles_permitted();
 // Whether this build and host can run radixkv's AMX tile code: an AVX512-BF16 build, a host
-// whose oneDNN packs bf16 for AMX, and the tile state granted. (cpu_attention.cpp)
+// whose oneDNN packs bf16 for AMX, and the tile state granted. (cpu_attention_amx.cpp)
 bool amx_available();
