@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_pages import Case, oracle
 from test_native import rope64, rope_tables
-from test_native_f32 import Case, oracle
 
 from bench.tiny_model import tiny_loaded_model
 from radixkv import Engine, SamplingParams

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from test_native_bf16_groups import MAX_ERR, MEAN_ERR, bf16_case, errors, run
+from native_pages import BF16_MAX_ERR, BF16_MEAN_ERR, bf16_case, bf16_errors
 
 from radixkv.model import native
 
@@ -40,10 +40,10 @@ def both_paths(module, case, groups=None):
     """(AMX output, vector-path output, AMX items the first call ran)."""
     module.set_amx_attention(True)
     n0 = module.amx_attention_items()
-    with_amx = run(case, module, groups)
+    with_amx = case.run_bf16(module, groups)
     items = module.amx_attention_items() - n0
     module.set_amx_attention(False)
-    vector = run(case, module, groups)
+    vector = case.run_bf16(module, groups)
     module.set_amx_attention(True)
     return with_amx, vector, items
 
@@ -77,9 +77,9 @@ def test_amx_items_match_the_oracle_and_the_vector_path(amx, name, page, d):
     case = bf16_case(page, 9, 3, d, reqs, groups, seed=len(name) + page + d)
     with_amx, vector, items = both_paths(amx, case)
     assert items > 0, "no item ran on AMX"
-    a_max, a_mean = errors(with_amx, case)
-    v_max, _ = errors(vector, case)
-    assert a_max < MAX_ERR and a_mean < MEAN_ERR, (a_max, a_mean)
+    a_max, a_mean = bf16_errors(with_amx, case)
+    v_max, _ = bf16_errors(vector, case)
+    assert a_max < BF16_MAX_ERR and a_mean < BF16_MEAN_ERR, (a_max, a_mean)
     assert a_max <= 1.5 * v_max + 1e-3, (a_max, v_max)
 
 
@@ -87,7 +87,7 @@ def test_decodes_alone_stay_on_the_vector_path(amx):
     """A decode's item has G = 3 rows per KV head: too few for a tile, never on AMX."""
     case = bf16_case(16, 9, 3, 64, [(200 + b, 1) for b in range(8)], [], seed=3)
     n0 = amx.amx_attention_items()
-    run(case, amx)
+    case.run_bf16(amx)
     assert amx.amx_attention_items() == n0
 
 
@@ -109,12 +109,12 @@ def test_quantized_pools_stay_on_the_vector_path(amx):
     case.k_cache = quantize(case.k_cache, torch.int8)
     case.v_cache = quantize(case.v_cache, torch.int8)
     n0 = amx.amx_attention_items()
-    out = run(case, amx)
+    out = case.run_bf16(amx)
     assert amx.amx_attention_items() == n0
     case.k_cache = dequantize(case.k_cache, torch.bfloat16)
     case.v_cache = dequantize(case.v_cache, torch.bfloat16)
-    a_max, a_mean = errors(out, case)
-    assert a_max < MAX_ERR and a_mean < MEAN_ERR, (a_max, a_mean)
+    a_max, a_mean = bf16_errors(out, case)
+    assert a_max < BF16_MAX_ERR and a_mean < BF16_MEAN_ERR, (a_max, a_mean)
 
 
 def test_environment_switch_turns_amx_off_at_load(amx):
@@ -153,7 +153,7 @@ def test_atens_own_amx_kernels_are_unharmed_by_the_tile_code(amx):
     case = bf16_case(16, 9, 3, 64, [(0, 300), (37, 64), (255, 100)], [], seed=11)
     for _ in range(3):
         n0 = amx.amx_attention_items()
-        run(case, amx)
+        case.run_bf16(amx)
         assert amx.amx_attention_items() > n0
         after = aten_ops()
         for a, b in zip(before, after):

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_native_f32 import Case
+from native_pages import BF16_MAX_ERR, BF16_MEAN_ERR, bf16_case, bf16_errors
 
 from radixkv.model import native
 from radixkv.model.attention.native_backend import native_paged_attention
 from radixkv.model.attention.prefix_groups import PrefixGroup
-
-# bf16 output rounding is ~4e-3 at |o| ~ 1, and P is rounded to bf16 as in flash kernels: the
-# same bounds as the kernel's ungrouped tests (tests/test_native.py)
-MAX_ERR, MEAN_ERR = 2.5e-2, 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -26,32 +22,6 @@ def module():
     return m
 
 
-def bf16_case(page, hq, hkv, d, reqs, groups, seed):
-    case = Case(page, hq, hkv, d, reqs, groups=groups, dtype=torch.bfloat16, seed=seed)
-    case.q = case.q.to(torch.bfloat16)
-    return case
-
-
-def run(case, module, groups=None):
-    return native_paged_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.table,
-        case.prefix,
-        case.ext,
-        case.starts,
-        case.scale,
-        module,
-        case.groups if groups is None else groups,
-    )
-
-
-def errors(out, case):
-    err = (out.double() - case.reference()).abs()
-    return err.max().item(), err.mean().item()
-
-
 @pytest.mark.parametrize("size", [2, 5, 48])
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize("d", [64, 128, 80])  # 80: the portable path (groups ignored)
@@ -59,10 +29,10 @@ def test_grouped_decodes_and_extends_match_the_oracle(module, size, page, d):
     shared = 130  # mid-page for 16 and 64, not a multiple of the 64-key block
     reqs = [(shared + 7 * b % 23, 1 + (b % 3) * 4) for b in range(size)]
     case = bf16_case(page, 9, 3, d, reqs, [(range(size), shared)], seed=size + page + d)
-    grouped, plain = run(case, module), run(case, module, groups=[])
-    g_max, g_mean = errors(grouped, case)
-    p_max, _ = errors(plain, case)
-    assert g_max < MAX_ERR and g_mean < MEAN_ERR, (g_max, g_mean)
+    grouped, plain = case.run_bf16(module), case.run_bf16(module, groups=[])
+    g_max, g_mean = bf16_errors(grouped, case)
+    p_max, _ = bf16_errors(plain, case)
+    assert g_max < BF16_MAX_ERR and g_mean < BF16_MEAN_ERR, (g_max, g_mean)
     assert g_max <= 1.5 * p_max + 1e-3, (g_max, p_max)
 
 
@@ -86,41 +56,41 @@ def test_block_aligned_shared_part_is_the_ungrouped_answer_to_float32_rounding(v
     module = vector_path
     reqs = [(1024 + 20 + b, 1) for b in range(48)] + [(1024, 7), (1100, 30)]
     case = bf16_case(16, 9, 3, 64, reqs, [(range(50), 1024)], seed=5)
-    grouped, plain = run(case, module), run(case, module, groups=[])
+    grouped, plain = case.run_bf16(module), case.run_bf16(module, groups=[])
     diff = (grouped.float() - plain.float()).abs()
     big = torch.maximum(grouped.float().abs(), plain.float().abs())
     v_max = case.v_cache.float().abs().max().item()
     assert (diff <= big * 2**-7 + v_max * 2**-8).all()
     assert (diff > 0).float().mean().item() < 0.01
-    (g_max, g_mean), (p_max, p_mean) = errors(grouped, case), errors(plain, case)
-    assert g_max < MAX_ERR and g_max <= p_max * 1.05 and g_mean <= p_mean * 1.02
+    (g_max, g_mean), (p_max, p_mean) = bf16_errors(grouped, case), bf16_errors(plain, case)
+    assert g_max < BF16_MAX_ERR and g_max <= p_max * 1.05 and g_mean <= p_mean * 1.02
 
 
 def test_two_groups_ungrouped_requests_and_a_prefix_that_is_all_shared(module):
     reqs = [(96, 1), (96, 4), (50, 1), (200, 1), (210, 12), (0, 9), (33, 2), (300, 120)]
     groups = [([0, 1], 96), ([3, 4, 6, 7], 33)]
     case = bf16_case(16, 9, 3, 64, reqs, groups, seed=8)
-    g_max, g_mean = errors(run(case, module), case)
-    assert g_max < MAX_ERR and g_mean < MEAN_ERR, (g_max, g_mean)
+    g_max, g_mean = bf16_errors(case.run_bf16(module), case)
+    assert g_max < BF16_MAX_ERR and g_mean < BF16_MEAN_ERR, (g_max, g_mean)
 
 
 def test_peaked_scores_stay_finite_across_the_merge(module):
     """The shared part's running max must carry into the own part (a key there may dominate)."""
     case = bf16_case(16, 4, 4, 64, [(300, 2), (300, 1)], [([0, 1], 288)], seed=1)
     case.q = (case.q.float() * 40).to(torch.bfloat16)
-    out = run(case, module)
+    out = case.run_bf16(module)
     assert torch.isfinite(out).all()
-    assert errors(out, case)[0] < 3e-2
+    assert bf16_errors(out, case)[0] < 3e-2
 
 
 def test_bad_groups_raise_clear_errors(module):
     case = bf16_case(16, 4, 4, 64, [(40, 1), (40, 1), (20, 1)], [([0, 1], 32)], seed=2)
     with pytest.raises(RuntimeError, match="paged_attention: group 0 members do not share"):
-        run(case, module, groups=[PrefixGroup([0, 2], 16)])
+        case.run_bf16(module, groups=[PrefixGroup([0, 2], 16)])
     with pytest.raises(RuntimeError, match="two groups"):
-        run(case, module, groups=[PrefixGroup([0, 1], 32), PrefixGroup([1], 16)])
+        case.run_bf16(module, groups=[PrefixGroup([0, 1], 32), PrefixGroup([1], 16)])
     with pytest.raises(RuntimeError, match="shorter than the shared part"):
-        run(case, module, groups=[PrefixGroup([0, 1], 48)])
+        case.run_bf16(module, groups=[PrefixGroup([0, 1], 48)])
     bad = case.table.clone()
     bad[0, 0] = 10_000
     with pytest.raises(RuntimeError, match="outside the pool"):
@@ -143,12 +113,12 @@ def test_items_whose_last_block_is_short_match_the_oracle(module, amx):
     )
     before = module.set_amx_attention(amx) if amx or module.amx_attention_available() else None
     try:
-        got = run(case, module)
+        got = case.run_bf16(module)
     finally:
         if before is not None:
             module.set_amx_attention(before)
-    max_err, mean_err = errors(got, case)
-    assert max_err < MAX_ERR and mean_err < MEAN_ERR, (max_err, mean_err)
+    max_err, mean_err = bf16_errors(got, case)
+    assert max_err < BF16_MAX_ERR and mean_err < BF16_MEAN_ERR, (max_err, mean_err)
 
 
 @pytest.mark.parametrize("amx", [False, True])
@@ -167,13 +137,13 @@ def test_q_as_a_view_of_fused_qkv_rows_gives_the_contiguous_answer(module, amx):
     assert not view.is_contiguous()
     before = module.set_amx_attention(amx) if amx or module.amx_attention_available() else None
     try:
-        got = run(case, module)
+        got = case.run_bf16(module)
         case.q = view
-        assert torch.equal(run(case, module), got)
+        assert torch.equal(case.run_bf16(module), got)
     finally:
         if before is not None:
             module.set_amx_attention(before)
-    assert errors(got, case)[0] < MAX_ERR
+    assert bf16_errors(got, case)[0] < BF16_MAX_ERR
     bad_q = rows[:, : hq * d].view(t, d, hq).transpose(1, 2)  # heads strided within a token
     pages = (case.k_cache, case.v_cache, case.table, case.prefix, case.ext, case.starts)
     with pytest.raises(RuntimeError, match=r"each token's \[Hq, D\] row"):
@@ -184,7 +154,7 @@ GIL_PROBE = r"""
 import sys, threading, time
 import torch
 sys.path.insert(0, {tests!r})
-from test_native_bf16_groups import bf16_case
+from native_pages import bf16_case
 from radixkv.model import native
 m = native.load()
 # head dim 80: the portable path, slow enough (a 2,048-token causal prefill) to watch

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from native_pages import Case
 from oracle import FP32, check_rows
 
 from radixkv.model import native
@@ -32,74 +33,6 @@ def module():
     # the host path is never skipped: a build failure is a defect to see
     assert m is not None, f"native kernels failed to build: {native.build_error()}"
     return m
-
-
-def oracle(q, k_cache, v_cache, table, prefix, ext, starts, scale):
-    """Per-request float64 attention: token t (absolute position prefix + t) sees keys 0..prefix+t."""
-    page, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    g = q.shape[1] // hkv
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for b, (p, n, s) in enumerate(zip(prefix, ext, starts)):
-        if n == 0:
-            continue
-        total = p + n
-        pages = table[b, : -(-total // page)].long()
-        k = k_cache[pages].reshape(-1, hkv, d)[:total].double().repeat_interleave(g, 1)
-        v = v_cache[pages].reshape(-1, hkv, d)[:total].double().repeat_interleave(g, 1)
-        scores = torch.einsum("thd,khd->htk", q[s : s + n].double(), k) * scale
-        masked = torch.arange(total)[None, :] > (p + torch.arange(n))[:, None]
-        scores = scores.masked_fill(masked[None], float("-inf"))
-        out[s : s + n] = torch.einsum("htk,khd->thd", scores.softmax(-1), v)
-    return out
-
-
-class Case:
-    """A pool and page tables where ``groups`` of requests share their leading pages by id.
-
-    ``reqs``: ``(prefix, new)`` per request; ``groups``: ``(member indices, shared tokens)``; a
-    shared part may end mid-page (the page holding the boundary is shared too)."""
-
-    def __init__(self, page, hq, hkv, d, reqs, groups=(), dtype=torch.float32, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        need = [-(-(p + n) // page) for p, n in reqs]
-        num_pages = sum(need) + 4
-        self.k_cache = torch.randn(num_pages, page, hkv, d, generator=g).to(dtype)
-        self.v_cache = torch.randn(num_pages, page, hkv, d, generator=g).to(dtype)
-        free = torch.randperm(num_pages, generator=g).tolist()
-        self.table = torch.zeros(len(reqs), max(need), dtype=torch.int32)
-        filled = [0] * len(reqs)
-        for members, shared in groups:
-            run = [free.pop() for _ in range(-(-shared // page))]
-            for b in members:
-                self.table[b, : len(run)] = torch.tensor(run)
-                filled[b] = len(run)
-        for b, k in enumerate(need):
-            for i in range(filled[b], k):
-                self.table[b, i] = free.pop()
-        self.prefix = [p for p, _ in reqs]
-        self.ext = [n for _, n in reqs]
-        self.starts = [sum(self.ext[:b]) for b in range(len(reqs))]
-        self.q = 2 * torch.randn(sum(self.ext), hq, d, generator=g)
-        self.scale = d**-0.5
-        self.groups = [PrefixGroup(list(m), s) for m, s in groups]
-
-    def run(self, groups=None, module=None):
-        return native_paged_attention_f32(
-            self.q,
-            self.k_cache,
-            self.v_cache,
-            self.table,
-            self.prefix,
-            self.ext,
-            self.starts,
-            self.scale,
-            self.groups if groups is None else groups,
-            module,
-        )
-
-    def reference(self):
-        args = (self.q, self.k_cache, self.v_cache, self.table)
-        return oracle(*args, self.prefix, self.ext, self.starts, self.scale)
 
 
 # fresh prompts, decodes, extends after a cached prefix; lengths on and off page boundaries

@@ -13,37 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_native_f32 import Case
+from native_pages import BF16_MAX_ERR, BF16_MEAN_ERR, Case, bf16_case
 
 from radixkv.model import native
-from radixkv.model.attention.native_backend import native_paged_attention
 
 HEAD_DIMS = [64, 80, 96, 128, 256]
 # fresh prompts, decodes, extends after a cached prefix (a chunked prefill's second chunk, a
 # cache hit mid-prompt), all longer than the windows below; lengths on and off page boundaries
 WINDOWED = [(0, 150), (300, 1), (77, 1), (130, 40), (16, 1), (0, 5), (200, 70), (64, 64)]
 WINDOWS = [1, 7, 64, 100]
-
-
-def windowed_oracle(case, window):
-    """Float64 attention where the token at position p sees keys max(0, p - window + 1) .. p."""
-    page, hkv, d = case.k_cache.shape[1], case.k_cache.shape[2], case.q.shape[2]
-    g = case.q.shape[1] // hkv
-    out = torch.zeros(case.q.shape, dtype=torch.float64)
-    for b, (p, n, s) in enumerate(zip(case.prefix, case.ext, case.starts)):
-        if n == 0:
-            continue
-        total = p + n
-        pages = case.table[b, : -(-total // page)].long()
-        k, v = (c[pages].reshape(-1, hkv, d)[:total].double() for c in (case.k_cache, case.v_cache))
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        scores = torch.einsum("thd,khd->htk", case.q[s : s + n].double(), k) * case.scale
-        q_pos = (p + torch.arange(n))[:, None]
-        k_pos = torch.arange(total)[None, :]
-        visible = (k_pos <= q_pos) & (k_pos > q_pos - window)
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        out[s : s + n] = torch.einsum("htk,khd->thd", scores.softmax(-1), v)
-    return out
 
 
 def poison_outside_windows(case, window):
@@ -88,27 +66,9 @@ def test_f32_kernel_windows_match_float64(level, d):
         case = Case(page, hq, hkv, d, WINDOWED, dtype=dtype, seed=d + page)
         tol = 2e-5 if dtype == torch.float32 else 5e-5
         for window in WINDOWS:
-            got = _f32(case, m, window)
-            err = (got.double() - windowed_oracle(case, window)).abs().max().item()
+            got = case.run([], m, window)
+            err = (got.double() - case.reference(window)).abs().max().item()
             assert err < tol, (level, d, page, dtype, window, err)
-
-
-def _f32(case, m, window, groups=()):
-    from radixkv.model.attention.native_backend import native_paged_attention_f32
-
-    return native_paged_attention_f32(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.table,
-        case.prefix,
-        case.ext,
-        case.starts,
-        case.scale,
-        list(groups),
-        m,
-        window,
-    )
 
 
 @pytest.mark.parametrize("level", native.ISAS)
@@ -121,10 +81,10 @@ def test_f32_kernel_window_with_shared_prefix_groups(level):
     reqs = [(shared + 9 * b, 1 + (b % 3) * 5) for b in range(24)] + [(0, 40), (400, 1)]
     case = Case(16, 9, 3, 64, reqs, groups=[(range(24), shared)], seed=4)
     for window in (8, 64, 150, 250, 10_000):
-        grouped = _f32(case, m, window, case.groups)
-        ref = windowed_oracle(case, window)
+        grouped = case.run(module=m, window=window)
+        ref = case.reference(window)
         assert (grouped.double() - ref).abs().max().item() < 2e-5, window
-        assert (grouped - _f32(case, m, window)).abs().max().item() < 2e-5, window
+        assert (grouped - case.run([], m, window)).abs().max().item() < 2e-5, window
 
 
 @pytest.mark.parametrize("level", native.ISAS)
@@ -135,44 +95,22 @@ def test_f32_kernel_reads_no_page_outside_the_windows(level, d):
     m = level_module(level)
     window = 40
     case = Case(16, 8, 2, d, WINDOWED, seed=d)
-    ref = windowed_oracle(case, window)  # before the poison: float64 0 * NaN is NaN
+    ref = case.reference(window)  # before the poison: float64 0 * NaN is NaN
     assert poison_outside_windows(case, window) > 10
-    got = _f32(case, m, window)
+    got = case.run([], m, window)
     assert torch.isfinite(got).all()
     assert (got.double() - ref).abs().max().item() < 2e-5
-    assert not torch.isfinite(_f32(case, m, 0)).all()  # the control: full attention reads them
+    assert not torch.isfinite(case.run([], m, 0)).all()  # the control: full attention reads them
 
 
 @pytest.mark.parametrize("level", native.ISAS)
 def test_f32_kernel_window_past_the_context_is_full_attention(level):
     m = level_module(level)
     case = Case(16, 8, 2, 64, WINDOWED, seed=2)
-    full = _f32(case, m, 0)
-    assert torch.equal(_f32(case, m, 471), full)  # the longest request: 470 keys
+    full = case.run([], m, 0)
+    assert torch.equal(case.run([], m, 471), full)  # the longest request: 470 keys
     with pytest.raises(RuntimeError, match="window must be >= 0"):
-        _f32(case, m, -1)
-
-
-def bf16_case(d, seed, reqs=WINDOWED, groups=()):
-    case = Case(16, 9, 3, d, reqs, groups=groups, dtype=torch.bfloat16, seed=seed)
-    case.q = case.q.to(torch.bfloat16)
-    return case
-
-
-def _bf16(case, m, window, groups=()):
-    return native_paged_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.table,
-        case.prefix,
-        case.ext,
-        case.starts,
-        case.scale,
-        m,
-        list(groups),
-        window,
-    )
+        case.run([], m, -1)
 
 
 @pytest.mark.parametrize("level", native.ISAS)
@@ -181,13 +119,13 @@ def test_bf16_kernel_windows_match_float64(level, d):
     """The bf16 kernel (its AVX512-BF16 path where the level has it and the head dim is fast,
     else the portable path) under every window, with the bounds of tests/test_native.py."""
     m = level_module(level)
-    case = bf16_case(d, seed=d)
+    case = bf16_case(16, 9, 3, d, WINDOWED, seed=d)
     for window in WINDOWS:
-        got = _bf16(case, m, window)
+        got = case.run_bf16(m, [], window)
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
-        err = (got.double() - windowed_oracle(case, window)).abs()
-        assert err.max().item() < 2.5e-2, (level, d, window, err.max().item())
-        assert err.mean().item() < 2e-3, (level, d, window, err.mean().item())
+        err = (got.double() - case.reference(window)).abs()
+        assert err.max().item() < BF16_MAX_ERR, (level, d, window, err.max().item())
+        assert err.mean().item() < BF16_MEAN_ERR, (level, d, window, err.mean().item())
 
 
 @pytest.mark.parametrize("level", native.ISAS)
@@ -198,10 +136,13 @@ def test_bf16_kernel_window_with_groups_and_poisoned_pages(level):
     shared = 130
     reqs = [(shared + 9 * b, 1 + (b % 3) * 5) for b in range(12)] + [(0, 40), (400, 1)]
     for window in (8, 64, 150):
-        case = bf16_case(128, seed=window, reqs=reqs, groups=[(range(12), shared)])
-        ref = windowed_oracle(case, window)
+        case = bf16_case(16, 9, 3, 128, reqs, [(range(12), shared)], seed=window)
+        ref = case.reference(window)
         poison_outside_windows(case, window)
-        got = _bf16(case, m, window, case.groups)
+        got = case.run_bf16(m, window=window)
         assert torch.isfinite(got).all(), window
         err = (got.double() - ref).abs()
-        assert err.max().item() < 2.5e-2 and err.mean().item() < 2e-3, (window, err.max())
+        assert err.max().item() < BF16_MAX_ERR and err.mean().item() < BF16_MEAN_ERR, (
+            window,
+            err.max(),
+        )
