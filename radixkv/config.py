@@ -11,6 +11,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # radixkv.model.kv_quant.KV_CACHE_DTYPES
 WRITE_POLICIES = ("write_back", "write_through")
 KV_LAYOUTS = ("paged", "virtual")
+#: weight quantizations besides None (radixkv/model/int8_linear.py)
+QUANTIZATIONS = ("int8",)
 
 
 def kv_layout_clash(kv_layout: str, kv_cache_dtype: str) -> str | None:
@@ -69,6 +71,11 @@ class EngineConfig:
     ``chat_template``: a Jinja chat template (a file's path or the text itself, as vLLM's
     ``--chat-template``) replacing the model's own for chat requests. ``tokenizer``: a
     tokenizer (local directory or Hugging Face id in the local cache) replacing the model's.
+    ``quantization``: None (weights in ``dtype``) or ``int8``: every decoder layer's projection
+    (fused q/k/v, o, gate/up, down) weight-only int8 with one scale per output channel, the
+    lm_head and embedding left in ``dtype`` (radixkv/model/int8_linear.py). A GGUF source is
+    dequantized to ``dtype`` first and then re-quantized: allowed, but its error adds to the
+    GGUF's own.
     """
 
     model: str = "smollm2"
@@ -100,6 +107,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     chat_template: str | None = None
     tokenizer: str | None = None
+    quantization: str | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad knob and what values it takes."""
@@ -182,6 +190,11 @@ class EngineConfig:
             raise bad("chat_template", "expected a template file's path or Jinja template text")
         if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and self.tokenizer):
             raise bad("tokenizer", "expected a tokenizer directory or Hugging Face id")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise bad(
+                "quantization",
+                f"choose one of {', '.join(QUANTIZATIONS)} (unset: weights in the model's dtype)",
+            )
 
     @classmethod
     def knob_names(cls) -> list[str]:

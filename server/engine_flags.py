@@ -22,6 +22,7 @@ from radixkv.config import (
     EVICTION_POLICIES,
     KV_CACHE_DTYPES,
     KV_LAYOUTS,
+    QUANTIZATIONS,
     SCHEDULE_POLICIES,
     WRITE_POLICIES,
     EngineConfig,
@@ -162,6 +163,15 @@ ENGINE_FLAGS: list[EngineFlag] = [
         "auto (the model's dtype), int8 or fp8_e4m3: KV pages as 8-bit codes with a bf16 scale "
         "per token and KV head (1.94x the tokens of bf16 at head dim 64), in every tier",
         KV_CACHE_DTYPES,
+    ),
+    EngineFlag(
+        ("--quantization", "-q"),
+        "quantization",
+        "int8: the decoder layers' linears weight-only int8, one scale per output channel "
+        "(lm_head and embedding unquantized); unset: weights in --dtype. vLLM's other methods "
+        "(fp8, awq, gptq, ...) are refused: a GGUF's quantized weights are dequantized to "
+        "--dtype, and --kv-cache-dtype quantizes the KV cache",
+        QUANTIZATIONS,
     ),
 ]
 

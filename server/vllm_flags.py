@@ -2,7 +2,8 @@
 (issue 58), beyond the ones radixkv has under the same name (``--host``, ``--port``,
 ``--api-key``, ``--served-model-name``, ``--dtype``, ``--max-model-len``, ``--seed``,
 ``--block-size``, ``--gpu-memory-utilization``, ``--max-num-seqs``,
-``--max-num-batched-tokens``, ``--kv-cache-dtype``, ``--tokenizer``, ``--chat-template``,
+``--max-num-batched-tokens``, ``--kv-cache-dtype``, ``--quantization`` (``int8`` only: vLLM's
+other methods are refused by argparse's choices), ``--tokenizer``, ``--chat-template``,
 ``--enable-prefix-caching`` / ``--no-enable-prefix-caching``, ``--device``).
 
 Each flag has one of three dispositions, said at start (:func:`apply_vllm_flags`):
@@ -225,14 +226,6 @@ VLLM_FLAGS: list[VllmFlag] = [
     ),
     VllmFlag(
         ("--tokenizer-mode",), True, only(("auto", "hf"), "the model's Hugging Face tokenizer")
-    ),
-    VllmFlag(
-        ("--quantization", "-q"),
-        True,
-        refuse(
-            "radixkv loads weights in --dtype (a GGUF's quantized weights are "
-            "dequantized); see --kv-cache-dtype for the KV cache"
-        ),
     ),
     VllmFlag(
         ("--hf-overrides", "--rope-scaling", "--rope-theta"),

@@ -314,7 +314,6 @@ def test_a_vllm_launch_command_parses_and_each_flag_says_what_it_does(
         ("vllm", ["--tool-call-parser", "hermes"], "goes with --enable-auto-tool-choice"),
         ("vllm", ["--reasoning-parser", "granite"], "reasoning parsers are qwen3, deepseek_r1"),
         ("vllm", ["--allowed-origins", '["*"]'], "CORS"),
-        ("vllm", ["--quantization", "awq"], "dequantized"),
         ("vllm", ["--scheduling-policy", "priority"], "priorities"),
         ("vllm", ["--revision", "main"], "hf download"),
         ("sglang", ["--tp-size", "2"], "radixkv cluster --replicas"),

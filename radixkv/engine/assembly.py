@@ -90,6 +90,7 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
         attention_backend=cfg.attention_backend,
         kv_layout=cfg.kv_layout,
         max_model_len=max_model_len,
+        quantization=cfg.quantization,
     )
     runner = ModelRunner(loaded, spec=spec)
     num_pages = runner.num_pages

@@ -287,22 +287,27 @@ class LlamaModel(nn.Module):
         state_dict: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quantization: str | None = None,
     ) -> LlamaModel:
         """Build from a transformers state dict of ``config``'s architecture
         (:func:`radixkv.model.arch.map_weights` fuses QKV and gate/up, and refuses a weight it
         would drop). Each weight is placed as it is made and each layer packed once whole, so
         a streamed checkpoint never has the whole model in both layouts; a checkpoint that hands
         out tensors nobody else holds (``fresh_tensors``) lets each be packed without both its
-        layouts held whole (:mod:`radixkv.model.repack`)."""
-        model, place = cls._placing(config, bool(getattr(state_dict, "fresh_tensors", False)))
+        layouts held whole (:mod:`radixkv.model.repack`). ``quantization="int8"``: each layer's
+        projections become :class:`~radixkv.model.int8_linear.Int8Linear` as it completes."""
+        owned = bool(getattr(state_dict, "fresh_tensors", False))
+        model, place = cls._placing(config, owned, quantization)
         map_weights(config, state_dict, dtype, device, sink=place)
         return model._placed(place, device)
 
     @classmethod
-    def _placing(cls, config: ModelConfig, owned: bool = False) -> tuple[LlamaModel, WeightPlacer]:
+    def _placing(
+        cls, config: ModelConfig, owned: bool = False, quantization: str | None = None
+    ) -> tuple[LlamaModel, WeightPlacer]:
         with torch.device("meta"):
             model = cls(config)
-        return model, WeightPlacer(model, config.model_type, owned)
+        return model, WeightPlacer(model, config.model_type, owned, quantization)
 
     def _placed(self, placer: WeightPlacer, device: torch.device | str) -> LlamaModel:
         """The model once every weight is placed: the head tied where none was given, RoPE

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from radixkv.model.int8_linear import quantize_linears
 from radixkv.model.linear import (
     PackedEmbedding,
     PackedLinear,
@@ -48,11 +49,20 @@ class WeightPlacer:
     ``owned``: the tensors given are the placer's alone (a checkpoint read tensor by tensor), so
     a released projection is packed without both its layouts held whole
     (:mod:`radixkv.model.repack`); one whose memory another weight placed shares is not.
+    ``quantization="int8"``: a completed layer's projections are quantized instead
+    (:func:`radixkv.model.int8_linear.quantize_linears`), their float weights freed.
 
     Invariant: every name is placed at most once, and only a name the model has."""
 
-    def __init__(self, model: nn.Module, model_type: str, owned: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_type: str,
+        owned: bool = False,
+        quantization: str | None = None,
+    ) -> None:
         self.model = model
+        self.quantization = quantization
         self.model_type = model_type
         self.owned = owned
         self.names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -74,6 +84,8 @@ class WeightPlacer:
         if parts[0] == "layers" and len(parts) > 2:
             layer = self.model.get_submodule(f"layers.{parts[1]}")
             if not any(p.is_meta for p in layer.parameters()):
+                if self.quantization == "int8":
+                    quantize_linears(layer, DECODER_PROJECTIONS)
                 prepack_linears(layer, release=DECODER_PROJECTIONS, owned=self.owned_kind)
                 trim_heap()  # plain copies just freed: the next layer's must not add to them
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from radixkv.config import KV_LAYOUTS, kv_layout_clash
+from radixkv.config import KV_LAYOUTS, QUANTIZATIONS, kv_layout_clash
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch
 from radixkv.model.attention.factory import make_attention_backend
 from radixkv.model.host_cpu import has_native_bf16
@@ -147,7 +147,9 @@ class RunnerSpec:
     per-sequence ranges, :mod:`radixkv.model.virtual_kv`; falls back to paged with a warning
     where the OS page does not divide a KV page, or off Linux/CPU); ``max_model_len``: the
     longest sequence (sizes the virtual ranges; None: the model's context); ``num_threads``:
-    intra-op CPU threads (None leaves torch's setting).
+    intra-op CPU threads (None leaves torch's setting); ``quantization``: None (weights in
+    ``dtype``) or ``"int8"`` (the decoder layers' projections weight-only int8 with per-channel
+    scales, :mod:`radixkv.model.int8_linear`).
     """
 
     num_pages: int
@@ -160,8 +162,14 @@ class RunnerSpec:
     kv_layout: str = "paged"
     max_model_len: int | None = None
     num_threads: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization={self.quantization!r} is invalid: choose one of "
+                f"{', '.join(QUANTIZATIONS)} (or None: weights in the model's dtype)"
+            )
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {self.kv_layout!r}: use 'paged' or 'virtual'")
         clash = kv_layout_clash(self.kv_layout, self.kv_cache_dtype)
@@ -243,7 +251,9 @@ class ModelRunner:
                 f"paged pages in the model's dtype: use kv_layout='paged' and "
                 f"kv_cache_dtype='auto' (got {kv_layout!r}, {spec.kv_cache_dtype!r})"
             )
-        self.model = LlamaModel.from_hf_state_dict(self.config, state_dict, self.dtype, self.device)
+        self.model = LlamaModel.from_hf_state_dict(
+            self.config, state_dict, self.dtype, self.device, spec.quantization
+        )
         self.page_size = page_size
         pool_args = (
             self.config.num_layers,
