@@ -101,7 +101,13 @@ def test_int8_llama_logits_match_the_float64_oracle_of_its_dequantized_weights(i
     runner = ModelRunner(model, num_pages=8, page_size=16, dtype=torch.float32, quantization="int8")
     layer = runner.model.layers[0]
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-        assert isinstance(getattr(layer, name), Int8Linear), name
+        proj = getattr(layer, name)
+        assert isinstance(proj, Int8Linear), name
+        # only the codes (1 byte a weight) and the scales are held, no float copy
+        held = [*proj.parameters(), *proj.buffers()]
+        assert sum(t.numel() * t.element_size() for t in held if t.dim() == 2) == (
+            proj.in_features * proj.out_features
+        ), name
     assert not isinstance(runner.model.lm_head, Int8Linear)  # the head stays in float32
     torch.manual_seed(3)
     ids = torch.randint(3, 259, (40,)).tolist()
@@ -151,3 +157,23 @@ def test_the_quantization_flag_reaches_the_engine_and_refuses_vllm_s_other_metho
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'awq'" in err and "int8" in err, err
+
+
+def test_an_int8_engine_never_reads_the_unquantized_engine_s_disk_pages(int8_llama, tmp_path):
+    """The int8 model computes other K/V than the checkpoint's: its offload tiers are keyed by
+    another fingerprint (a second unquantized engine does hit the pages, so the miss is the
+    fingerprint's)."""
+    model, _ = int8_llama
+    loaded = LoadedModel(model, ByteTokenizer(), model.config, "tiny-llama3")
+    prompt = list(b"a prompt long enough to fill a few pages of the disk tier, once")
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    hits = {}
+    for name, quant in (("writer", None), ("int8", "int8"), ("plain", None)):
+        e = Engine(
+            loaded, page_size=16, dtype="float32", quantization=quant, disk_cache_dir=str(tmp_path)
+        )
+        (out,) = e.generate([prompt], params)
+        hits[name] = out.cached_tokens_by_tier.get("disk", 0)
+        e.close()  # every cached page written to the disk
+    assert hits["writer"] == 0 and hits["int8"] == 0
+    assert hits["plain"] >= 48, hits

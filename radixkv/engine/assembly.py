@@ -180,6 +180,7 @@ def build_tiers(
         getattr(runner, "hf_config", None),
         compute_dtype=getattr(runner, "dtype", None),
         weights_digest=digest,
+        quantization=cfg.quantization,
     )
     mac_key = configured_mac_key(cfg.kv_mac_key_file)  # None: the stores' own default
     disk = None
@@ -218,11 +219,14 @@ def engine_fingerprint(
     config: Any = None,
     compute_dtype: torch.dtype | None = None,
     weights_digest: bytes | None = None,
+    quantization: str | None = None,
 ) -> bytes:
     """sha256 over the model name, its config, its weights (``weights_digest``: every byte;
     without one, a sample of the first tensors), the KV dtype (for
-    quantized pages also their format and the model dtype they were computed in), the page size
-    and the KV layout: files written under one fingerprint are never read under another."""
+    quantized pages also their format and the model dtype they were computed in), the weights'
+    ``quantization`` (an int8 model's KV is not the checkpoint's: absent when None, so existing
+    fingerprints stand), the page size and the KV layout: files written under one fingerprint
+    are never read under another."""
     h = hashlib.sha256()
     parts = {
         "model": model_name,
@@ -235,6 +239,8 @@ def engine_fingerprint(
     if is_quantized(kv_pool.dtype):  # rows of codes + a bf16 scale, from which model dtype
         rotation = "hadamard" if is_rotated(kv_pool.dtype) else "unrotated"
         parts["kv_format"] = f"{rotation}/{kv_pool.dtype}+bf16-scale-per-token-head/{compute_dtype}"
+    if quantization is not None:
+        parts["weight_quantization"] = quantization
     h.update(json.dumps(parts, sort_keys=True).encode())
     if config is not None:
         try:
