@@ -196,19 +196,25 @@ def oracle_error(
         print(f"  {label_of(case):22s} {max(errs):.4f} / {statistics.mean(errs):.5f}")
 
 
+def text_perplexity(engine: Engine, text: str) -> tuple[float, int]:
+    """``engine``'s perplexity of ``text`` (one prompt, every token's prompt logprob) and its
+    length in tokens."""
+    ids = engine.tokenizer.encode(text)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    (out,) = engine.generate([ids], params)
+    nll = [-next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+    return float(torch.tensor(nll, dtype=torch.float64).mean().exp()), len(ids)
+
+
 def perplexity(model: Any, dtype: str, cases: list[Case]) -> None:
     """Perplexity of each fixed text per case (KV dtype, with or without the rotation)."""
     for path in TEXTS:
         results = {}
         for case in cases:
             e = make_engine(model, dtype, case, chunked_prefill_tokens=32, kv_cache_tokens=16384)
-            ids = e.tokenizer.encode(path.read_text())
-            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-            (out,) = e.generate([ids], params)
-            nll = [-next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
-            results[label_of(case)] = float(torch.tensor(nll, dtype=torch.float64).mean().exp())
+            results[label_of(case)], n = text_perplexity(e, path.read_text())
         base = results["unquantized"]
-        print(f"perplexity of bench/data/{path.name} ({len(ids)} tokens, chunks of 32, {dtype}):")
+        print(f"perplexity of bench/data/{path.name} ({n} tokens, chunks of 32, {dtype}):")
         for label, ppl in results.items():
             print(f"  {label:22s} {ppl:.4f}  ({(ppl / base - 1) * 100:+.2f}%)")
 

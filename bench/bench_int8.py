@@ -1,0 +1,140 @@
+"""``--quantization int8`` against the unquantized model: perplexity, decode step, load memory.
+
+    .venv/bin/python -m bench.bench_int8 [--model smollm2] [--dtype float32] [--runs 5]
+
+- **perplexity** of bench/data's two fixed texts (every token's prompt logprob, one prompt
+  each), unquantized and int8;
+- **decode step at batch 1**: one request decoding ``--tokens`` tokens, the median step after
+  the prefill, the two engines stepped alternately (one step of each in turn) so the host's
+  drift lands on both; ``--runs`` rounds of fresh requests, each round's int8/unquantized ratio
+  and the median of the ratios printed;
+- **load memory**: in a fresh process each, the resident set the model's load added (above a
+  process that imported the libraries) and the bytes of the decoder layers' tensors.
+
+SmolLM2 is read from its GGUF (Q4_1, dequantized to ``--dtype``), so "unquantized" is that
+dequantized model and int8 re-quantizes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bench.bench_kv_quant import TEXTS, text_perplexity
+from radixkv import Engine, SamplingParams
+
+QUANTS: tuple[str | None, ...] = (None, "int8")
+
+CHILD = r"""
+import json, sys
+import torch
+from radixkv.model.loader import load_model
+from radixkv.model.runner import ModelRunner
+
+def rss_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+
+name, dtype, quant = sys.argv[1], getattr(torch, sys.argv[2]), sys.argv[3] or None
+base = rss_kib()
+runner = ModelRunner(load_model(name, dtype=dtype, hf_model=False), num_pages=2, page_size=16,
+                     dtype=dtype, quantization=quant)
+# parameters, buffers and the packed copies PackedLinear holds as plain attributes
+tensors = {id(t): t for m in runner.model.layers.modules() for t in
+           [*m.parameters(recurse=False), *m.buffers(recurse=False),
+            *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]}
+layers = sum(t.numel() * t.element_size() for t in tensors.values() if not t.is_meta)
+print(json.dumps({"added_kib": rss_kib() - base, "layer_bytes": layers}))
+"""
+
+
+def label(quant: str | None) -> str:
+    return quant or "unquantized"
+
+
+def perplexity(model: str, dtype: str) -> None:
+    for path in TEXTS:
+        results = {}
+        for quant in QUANTS:
+            e = Engine(model, dtype=dtype, quantization=quant, kv_cache_tokens=16384)
+            results[label(quant)], n = text_perplexity(e, path.read_text())
+        base = results["unquantized"]
+        print(f"perplexity of bench/data/{path.name} ({n} tokens, {dtype}):", flush=True)
+        for name, ppl in results.items():
+            print(f"  {name:12s} {ppl:.4f}  ({(ppl / base - 1) * 100:+.2f}%)", flush=True)
+
+
+def decode_steps(model: str, dtype: str, runs: int, tokens: int) -> None:
+    engines = {q: Engine(model, dtype=dtype, quantization=q, kv_cache_tokens=4096) for q in QUANTS}
+    prompt = engines[None].tokenizer.encode("The history of the printing press began")
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    ratios = []
+    medians: dict[str | None, list[float]] = {q: [] for q in QUANTS}
+    for run in range(runs):
+        steps: dict[str | None, list[float]] = {q: [] for q in QUANTS}
+        for e in engines.values():
+            e.add_request(f"r{run}", prompt, params)
+            e.step()  # the prefill
+        while any(e.has_unfinished() for e in engines.values()):
+            for q, e in engines.items():
+                if e.has_unfinished():
+                    t0 = time.perf_counter()
+                    e.step()
+                    steps[q].append((time.perf_counter() - t0) * 1e3)
+        for q in QUANTS:
+            medians[q].append(statistics.median(steps[q][2:]))
+        ratios.append(medians["int8"][-1] / medians[None][-1])
+        print(
+            f"  round {run}: unquantized {medians[None][-1]:.2f} ms, int8 "
+            f"{medians['int8'][-1]:.2f} ms, ratio {ratios[-1]:.3f}",
+            flush=True,
+        )
+    print(
+        f"decode step at batch 1 ({dtype}, {tokens} tokens, {runs} rounds): median "
+        f"unquantized {statistics.median(medians[None]):.2f} ms, int8 "
+        f"{statistics.median(medians['int8']):.2f} ms, int8/unquantized "
+        f"{statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})"
+    )
+
+
+def load_memory(model: str, dtype: str) -> None:
+    print(f"load ({dtype}), each in a fresh process:")
+    for quant in QUANTS:
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, model, dtype, quant or ""],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(
+            f"  {label(quant):12s} resident set added {got['added_kib'] / 1024:.1f} MiB, decoder "
+            f"layers' tensors {got['layer_bytes'] / 2**20:.1f} MiB",
+            flush=True,
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--only", choices=("perplexity", "step", "memory"), default=None)
+    args = ap.parse_args()
+    if args.only in (None, "memory"):
+        load_memory(args.model, args.dtype)
+    if args.only in (None, "perplexity"):
+        perplexity(args.model, args.dtype)
+    if args.only in (None, "step"):
+        decode_steps(args.model, args.dtype, args.runs, args.tokens)
+
+
+if __name__ == "__main__":
+    main()
