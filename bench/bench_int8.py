@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.bench_int8 [--model smollm2] [--dtype float32] [--runs 5]
 
 - **perplexity** of bench/data's two fixed texts (every token's prompt logprob, one prompt
-  each), unquantized and int8;
+  each), unquantized and int8, and the time of that prefill (one run each);
 - **decode step at batch 1**: one request decoding ``--tokens`` tokens, the median step after
   the prefill, the two engines stepped alternately (one step of each in turn) so the host's
   drift lands on both; ``--runs`` rounds of fresh requests, each round's int8/unquantized ratio
@@ -60,14 +60,20 @@ def label(quant: str | None) -> str:
 
 def perplexity(model: str, dtype: str) -> None:
     for path in TEXTS:
-        results = {}
+        results, seconds = {}, {}
         for quant in QUANTS:
             e = Engine(model, dtype=dtype, quantization=quant, kv_cache_tokens=16384)
+            t0 = time.perf_counter()
             results[label(quant)], n = text_perplexity(e, path.read_text())
+            seconds[label(quant)] = time.perf_counter() - t0
         base = results["unquantized"]
         print(f"perplexity of bench/data/{path.name} ({n} tokens, {dtype}):", flush=True)
         for name, ppl in results.items():
-            print(f"  {name:12s} {ppl:.4f}  ({(ppl / base - 1) * 100:+.2f}%)", flush=True)
+            print(
+                f"  {name:12s} {ppl:.4f}  ({(ppl / base - 1) * 100:+.2f}%), the prefill with "
+                f"every prompt logprob {seconds[name]:.1f} s",
+                flush=True,
+            )
 
 
 def decode_steps(model: str, dtype: str, runs: int, tokens: int) -> None:

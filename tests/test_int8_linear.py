@@ -16,6 +16,7 @@ from oracle import FP32, Oracle, check_greedy_tokens, check_rows
 from radixkv import Engine, SamplingParams
 from radixkv.config import EngineConfig
 from radixkv.model.int8_linear import (
+    INT8PACK_MAX_ROWS,
     Int8Linear,
     dequantize,
     int8_kernel_available,
@@ -42,11 +43,13 @@ def test_quantized_codes_are_within_half_a_scale_of_the_weight():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features", [96, 136, 7])
-def test_int8_linear_matches_a_float64_product_of_the_dequantized_weight(dtype, in_features):
-    """The error bound is the dtype's: float32 accumulation over K terms, ``K * eps * sum|x w|``
-    (a generous forward-error bound, not a host's rounding); bf16 adds the output's rounding to
-    2^-8 relative of the magnitudes summed. In float32 the kernel must also be far nearer than quantization's own error,
-    so a layer running on the float weight instead would fail."""
+@pytest.mark.parametrize("shape", [(1,), (3,), (5, 3)], ids=["1row", "3rows", "15rows"])
+def test_int8_linear_matches_a_float64_product_of_the_dequantized_weight(dtype, in_features, shape):
+    """Both paths (ATen's kernel up to INT8PACK_MAX_ROWS rows, the dequantized weight above).
+    The error bound is the dtype's: float32 accumulation over K terms, ``K * eps * sum|x w|``
+    (a generous forward-error bound, not a host's rounding); bf16 adds the output's rounding,
+    2^-7 of the magnitudes summed. In float32 the result must also be far nearer than
+    quantization's own error, so a layer running on the float weight instead would fail."""
     torch.manual_seed(1)
     linear = torch.nn.Linear(in_features, 48, bias=True).to(dtype)
     with torch.no_grad():
@@ -56,9 +59,10 @@ def test_int8_linear_matches_a_float64_product_of_the_dequantized_weight(dtype, 
         "aten" if int8_kernel_available() and in_features % 8 == 0 else "dequantize"
     )
     assert not hasattr(layer, "weight") and layer.qweight.dtype == torch.int8
-    x = torch.randn(5, 3, in_features).to(dtype)
+    assert INT8PACK_MAX_ROWS == 3  # the shapes straddle it
+    x = torch.randn(*shape, in_features).to(dtype)
     got = layer(x)
-    assert got.shape == (5, 3, 48) and got.dtype == dtype
+    assert got.shape == (*shape, 48) and got.dtype == dtype
     w64 = dequantize(layer.qweight, layer.scales, torch.float64)
     truth = x.double() @ w64.T + linear.bias.double()
     scale = x.double().abs() @ w64.abs().T + linear.bias.double().abs()
