@@ -14,8 +14,10 @@ both as ids; greedy, EOS ignored, ``--max-tokens`` each. The users arrive togeth
   user's question in one batch, then one token per user per step. Its greedy pick is the argmax
   of the row's logits.
 
-Each (engine, users) case runs in a fresh process, the engines alternated within a repeat; each
-repeat uses a new system prompt (neither engine has it cached), after one untimed warm-up. Per
+Each repeat of each (engine, users) case runs in a fresh process, a warm-up round (untimed, its
+own system prompt) and then the timed round; the engines' order alternates from one repeat to the
+next, so a drift in the host's load falls on both. Each repeat uses a new system prompt (neither
+engine has it cached). Per
 user: TTFT = first token's time since the requests were given; TPOT = (last - first) / (n - 1).
 Printed: the medians over users and repeats, and radixkv / llama.cpp for each. The threads are
 the same for both (``--threads``, default: the cores torch sees).
@@ -35,6 +37,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -278,6 +281,23 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
+ENGINES = ("llamacpp", "radixkv")
+
+
+def run_worker(name: str, rounds: list, gguf: str, args: argparse.Namespace) -> dict:
+    """One engine over ``rounds`` (a warm-up, then the timed ones) in a fresh process."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(rounds, f)
+        f.flush()
+        cmd = [sys.executable, "-m", "bench.bench_llamacpp", "--worker", name]
+        cmd += ["--gguf", gguf, "--rounds-file", f.name, "--dtype", args.dtype]
+        cmd += ["--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", default=None, help="GGUF file (default: SmolLM2 Q4_1)")
@@ -313,18 +333,14 @@ def main() -> None:
     rows = []
     for users in (int(u) for u in args.users.split(",")):
         rounds = [prompts(tokenizer, users, rep) for rep in range(args.repeats + 1)]
-        path = Path(f"/tmp/bench_llamacpp_{os.getpid()}_{users}.json")
-        path.write_text(json.dumps(rounds))
-        res: dict[str, dict] = {}
-        for name in ("llamacpp", "radixkv"):
-            cmd = [sys.executable, "-m", "bench.bench_llamacpp", "--worker", name]
-            cmd += ["--gguf", gguf, "--rounds-file", str(path), "--dtype", args.dtype]
-            cmd += ["--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
-            res[name] = json.loads(out.stdout.strip().splitlines()[-1])
-        path.unlink()
+        res: dict[str, dict] = {n: {"ttft": [], "tpot": [], "tokens": []} for n in ENGINES}
+        for rep in range(1, args.repeats + 1):
+            for name in ENGINES if rep % 2 else ENGINES[::-1]:
+                got = run_worker(name, [rounds[0], rounds[rep]], gguf, args)
+                for key in ("ttft", "tpot"):
+                    res[name][key] += got[key]
+                res[name]["tokens"] = res[name]["tokens"] or got["tokens"]
+                res[name]["dtype"] = got["dtype"]
         agree = 0
         for a, b in zip(res["radixkv"]["tokens"], res["llamacpp"]["tokens"], strict=False):
             if a != b:

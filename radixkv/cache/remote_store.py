@@ -133,8 +133,6 @@ class RemoteStore:
         self.namespace = namespace
         self.batch_pages = batch_pages
         self.max_pending = max(1, max_pending)
-        self.retry_min = retry_min
-        self.retry_max = retry_max
         self.recent_ttl = recent_ttl
         self.max_recent = 1 << 16
         self._lock = threading.Lock()
@@ -184,6 +182,26 @@ class RemoteStore:
                 target=self._writer, name="radixkv-remote-writer", daemon=True
             )
             self._thread.start()
+
+    @property
+    def retry_min(self) -> float:
+        """The probes' first backoff (seconds) while a shard is down; set it on the store or
+        on :attr:`health`, one value."""
+        return self.health.retry_min
+
+    @retry_min.setter
+    def retry_min(self, value: float) -> None:
+        self.health.retry_min = value
+
+    @property
+    def retry_max(self) -> float:
+        """The probes' longest backoff (seconds) while a shard is down (one value with
+        :attr:`health`'s)."""
+        return self.health.retry_max
+
+    @retry_max.setter
+    def retry_max(self, value: float) -> None:
+        self.health.retry_max = value
 
     @property
     def available(self) -> bool:

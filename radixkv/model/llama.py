@@ -325,7 +325,7 @@ class LlamaModel(nn.Module):
         # CPU float32, and bf16 with native bf16: every linear prepacked (radixkv.model.linear),
         # keeping only its packed copy where that is all the GEMM reads
         pack_tied_head(self, placer.owned_kind)
-        prepack_linears(self, release=(*DECODER_PROJECTIONS, "lm_head"))
+        prepack_linears(self, release=(*DECODER_PROJECTIONS, "lm_head"), owned=placer.owned_kind)
         trim_heap()
         return self.eval()
 

@@ -21,6 +21,7 @@ slower.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import torch
@@ -31,7 +32,7 @@ __all__ = ["memory_kind", "pack_dropping_source", "pack_in_place"]
 STEP_ELEMENTS = 16384
 #: file pages are dropped once this many bytes of them are packed
 DROP_BYTES = 1 << 20
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE  # 4 KiB on x86-64; 16 or 64 KiB on some arm64 kernels
 _MADV_DONTNEED = 4
 
 
