@@ -742,6 +742,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         + ["--served-model-name", "svc", "--api-key-file", "/tmp/keys.txt"]
         + ["--kv-mac-key-file", "/tmp/kv.key", "--tokenizer", "tok-dir"]
         + ["--chat-template", "t.jinja", "--gpu-memory-utilization", "0.9"]
+        + ["--quantization", "int8"]
     )
     assert engine_kwargs(args) == {
         "kv_cache_memory_gb": 0.5,
@@ -758,6 +759,7 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         "kv_mac_key_file": "/tmp/kv.key",
         "tokenizer": "tok-dir",
         "chat_template": "t.jinja",
+        "quantization": "int8",
         "kv_cache_memory_fraction": 0.9,
     }
     assert (args.served_model_name, args.api_key_file, args.api_key) == (
