@@ -57,6 +57,7 @@ _SOURCES = [
     _CSRC / "cpu_fused.cpp",
     _CSRC / "cpu_kv_store.cpp",
     _CSRC / "cpu_linear.cpp",
+    _CSRC / "cpu_quant_linear.cpp",
     _CSRC / "cpu_sample.cpp",
 ]
 # every header of csrc, so a new one (or an edit to one) is in the build's hash and rebuilds it

@@ -5,6 +5,7 @@
 #include "cpu_fused.h"
 #include "cpu_kv_store.h"
 #include "cpu_linear.h"
+#include "cpu_quant_linear.h"
 #include "cpu_sample.h"
 
 #include <cstdlib>
@@ -108,6 +109,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "W [N, K] float32 -> [N / cols, K, cols], the layout f32_gemm reads");
   m.def("f32_gemm", &NoGil<&f32_gemm>::call,
         "x [M, K] W^T for float32 rows, W from pack_f32_weight");
+  m.def("quant_gemm_types", &quant_gemm_types,
+        "GGML type ids quant_gemm multiplies natively (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14)");
+  m.def("quant_gemm_into", &NoGil<&quant_gemm_into>::call,
+        "out[:, :N] = x [M, K] (float32/bf16) Wdeq^T, w [N, row_bytes] uint8 raw GGML rows of "
+        "ggml_type, decoded exactly in registers, float32 sums; out float32 or x's dtype, "
+        "last stride 1",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("out"));
+  m.def("quant_gemm", &NoGil<&quant_gemm>::call,
+        "quant_gemm_into into a new [M, N] tensor of x's dtype", pybind11::arg("x"),
+        pybind11::arg("w"), pybind11::arg("ggml_type"));
+  m.def("quant_dequantize_rows", &NoGil<&quant_dequantize_rows>::call,
+        "Rows ids (int64 [T]) of raw GGML rows w dequantized exactly, as [T, K] of dtype",
+        pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("ids"),
+        pybind11::arg("dtype"));
   m.def("rope_", &NoGil<&rope_>::call,
         "In-place rotate-half RoPE on the first heads of each bf16 row");
 }
