@@ -11,8 +11,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # radixkv.model.kv_quant.KV_CACHE_DTYPES
 WRITE_POLICIES = ("write_back", "write_through")
 KV_LAYOUTS = ("paged", "virtual")
-#: weight quantizations besides None (radixkv/model/int8_linear.py)
-QUANTIZATIONS = ("int8",)
+#: weight quantizations besides None (radixkv/model/int8_linear.py; gguf:
+#: radixkv/model/gguf_quantized.py)
+QUANTIZATIONS = ("int8", "gguf")
 
 
 def kv_layout_clash(kv_layout: str, kv_cache_dtype: str) -> str | None:
@@ -75,7 +76,10 @@ class EngineConfig:
     (fused q/k/v, o, gate/up, down) weight-only int8 with one scale per output channel, the
     lm_head and embedding left in ``dtype`` (radixkv/model/int8_linear.py). A GGUF source is
     dequantized to ``dtype`` first and then re-quantized: allowed, but its error adds to the
-    GGUF's own.
+    GGUF's own. ``gguf``: the model is a ``.gguf`` file whose block-quantized tensors (Q8_0,
+    Q4_0, Q4_1, Q4_K, Q6_K, ...) stay quantized in memory and are multiplied block by block,
+    activations in ``dtype`` (float32 or bfloat16; radixkv/model/gguf_quantized.py); any other
+    model is refused at load.
     """
 
     model: str = "smollm2"

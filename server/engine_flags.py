@@ -168,9 +168,11 @@ ENGINE_FLAGS: list[EngineFlag] = [
         ("--quantization", "-q"),
         "quantization",
         "int8: the decoder layers' linears weight-only int8, one scale per output channel "
-        "(lm_head and embedding unquantized); unset: weights in --dtype. vLLM's other methods "
-        "(fp8, awq, gptq, ...) are refused: a GGUF's quantized weights are dequantized to "
-        "--dtype, and --kv-cache-dtype quantizes the KV cache",
+        "(lm_head and embedding unquantized); gguf: a .gguf model's quantized blocks (Q8_0, "
+        "Q4_0, Q4_1, Q4_K, Q6_K) kept as the file has them and multiplied without dequantizing "
+        "the matrices (llama, mistral and qwen2 GGUFs); unset: weights in --dtype (a GGUF "
+        "dequantized). vLLM's other methods (fp8, awq, gptq, ...) are refused; "
+        "--kv-cache-dtype quantizes the KV cache",
         QUANTIZATIONS,
     ),
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,18 +191,25 @@ def write_gguf(
     qtype: str = "F32",
     name: str = "",
     extra: dict[str, np.ndarray] | None = None,
+    quantize: Callable[[str, np.ndarray], tuple[np.ndarray, Any]] | None = None,
 ) -> dict:
     """Write ``model`` (a transformers causal LM) to ``path`` as llama.cpp would, its 2-D weights
     in ``qtype`` (``"F32"``, ``"F16"``, ``"Q8_0"``, ...), plus the ``extra`` tensors (by GGUF
     name, F32). Returns the model's state dict with the values the file holds (each weight
-    through the file's type and back)."""
+    through the file's type and back). ``quantize(gguf_name, values)``, where given, says what
+    each 2-D tensor is stored as instead (``(data, ggml type)``; the returned state dict is then
+    not the file's: read the file back for an oracle)."""
     import gguf
 
     arch = GGUF_ARCH[model.config.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     _metadata(writer, model, arch, name or f"tiny-{model.config.model_type}")
     for gguf_name, t in _tensors(model, arch):
-        data, kind = _quantize(t.numpy(), qtype)
+        values = t.numpy()
+        if quantize is not None and values.ndim == 2:
+            data, kind = quantize(gguf_name, values)
+        else:
+            data, kind = _quantize(values, qtype)
         writer.add_tensor(gguf_name, data, raw_dtype=kind)
     for gguf_name, data in (extra or {}).items():
         writer.add_tensor(gguf_name, data.astype(np.float32))

@@ -768,6 +768,9 @@ def test_serve_flags_map_to_engine_knobs() -> None:
         None,
     )
     covered |= set(engine_kwargs(args))
+    # every value of the choice flags added since: --quantization gguf (a GGUF's own blocks)
+    gguf = parser.parse_args(["serve", "model.gguf", "--quantization", "gguf"])
+    assert engine_kwargs(gguf)["quantization"] == "gguf"
     from radixkv.config import EngineConfig
     from radixkv.server.cli import ENGINE_FLAGS
 

@@ -71,7 +71,11 @@ def assemble(cfg: EngineConfig, model: Any) -> EngineParts:
     from radixkv.model.runner import ModelRunner, RunnerSpec, default_dtype
 
     # a name is streamed into radixkv's layout (no transformers model is built)
-    loaded = load_model(model, hf_model=False) if isinstance(model, str) else model
+    loaded = (
+        load_model(model, hf_model=False, quantization=cfg.quantization)
+        if isinstance(model, str)
+        else model
+    )
     if cfg.tokenizer:  # a tokenizer of its own (the loaded model is shared: not mutated)
         loaded = dataclasses.replace(loaded, tokenizer=load_tokenizer(cfg.tokenizer))
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))

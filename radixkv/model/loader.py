@@ -201,22 +201,13 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _save_cache(model: Any, tokenizer: Any, target: Path, source: Path) -> None:
-    """Save a dequantised model atomically: write into a temp dir, then rename."""
+def _save_atomically(target: Path, source: Path, write: Any, what: str) -> None:
+    """Make cache directory ``target`` (of GGUF ``source``) with ``write(directory)``: written
+    into a temp dir, marked with ``radixkv_source.json``, then renamed (a failure only logs)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
-        from safetensors.torch import save_model
-
-        config = copy.deepcopy(model.config)
-        if hasattr(config, "quantization_config"):
-            # The weights are already dequantised: save them as a plain float32 checkpoint.
-            del config.quantization_config
-        config.save_pretrained(str(tmp))
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        from radixkv.model.gguf_config import save_tokenizer
-
-        save_tokenizer(tokenizer, tmp)  # loads back as built from the GGUF, not rebuilt
+        write(tmp)
         (tmp / "radixkv_source.json").write_text(
             json.dumps({"source": str(source), "format": _CACHE_FORMAT_VERSION})
         )
@@ -226,8 +217,26 @@ def _save_cache(model: Any, tokenizer: Any, target: Path, source: Path) -> None:
             # Another process won the race; its copy is as good as ours.
             shutil.rmtree(tmp, ignore_errors=True)
     except Exception as exc:  # the cache is an optimisation: never fail the load for it
-        logger.warning("could not cache dequantised weights in %s: %s", target, exc)
+        logger.warning("could not cache %s in %s: %s", what, target, exc)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_cache(model: Any, tokenizer: Any, target: Path, source: Path) -> None:
+    """Save a dequantised model atomically: write into a temp dir, then rename."""
+    from safetensors.torch import save_model
+
+    from radixkv.model.gguf_config import save_tokenizer
+
+    def write(tmp: Path) -> None:
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            # The weights are already dequantised: save them as a plain float32 checkpoint.
+            del config.quantization_config
+        config.save_pretrained(str(tmp))
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tokenizer(tokenizer, tmp)  # loads back as built from the GGUF, not rebuilt
+
+    _save_atomically(target, source, write, "dequantised weights")
 
 
 def _gguf_cache_target(path: Path) -> Path | None:
@@ -364,10 +373,62 @@ def _streamed(name: str) -> LoadedModel | None:
     return _stream_hf_dir(path, display) if has_safetensors(path) else None
 
 
+def _gguf_metadata(path: Path) -> tuple[Any, Any]:
+    """GGUF ``path``'s completed config and tokenizer (:func:`~radixkv.model.gguf_config.
+    gguf_config`; transformers' reading of the metadata takes seconds and a few hundred MB for
+    a 49k vocabulary): from its weight cache where one is made, else from a metadata-only cache
+    (config and tokenizer, no weights) made on the first load."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from radixkv.model.gguf_config import gguf_config, save_tokenizer
+
+    weights = _gguf_cache_target(path)
+    for target in (weights, weights.with_name(weights.name + "-meta") if weights else None):
+        if target is not None and (target / "radixkv_source.json").is_file():
+            try:
+                config = _quiet_from_pretrained(AutoConfig.from_pretrained, str(target))
+                return config, _quiet_from_pretrained(AutoTokenizer.from_pretrained, str(target))
+            except Exception as exc:
+                logger.warning("metadata cache %s unreadable (%s); reading the GGUF", target, exc)
+    config = gguf_config(path)  # refuses what radixkv cannot serve, by name
+    tokenizer = _quiet_from_pretrained(
+        AutoTokenizer.from_pretrained, str(path.parent), gguf_file=path.name
+    )
+    if weights is not None:
+
+        def write(tmp: Path) -> None:
+            config.save_pretrained(str(tmp))
+            save_tokenizer(tokenizer, tmp)
+
+        _save_atomically(weights.with_name(weights.name + "-meta"), path, write, "GGUF metadata")
+    return config, tokenizer
+
+
+def _gguf_quantized(name: str) -> LoadedModel:
+    """``name`` (``"smollm2"`` or a ``.gguf`` path) as a :class:`LoadedModel` whose ``weights``
+    are the file's own tensors (:class:`~radixkv.model.gguf_weights.GgufWeights`), for
+    ``quantization="gguf"``; anything else is refused saying what to do."""
+    from radixkv.model.gguf_weights import GgufWeights, check_quantized_architecture
+
+    smollm2 = name.lower() in _SMOLLM2_ALIASES
+    path = smollm2_gguf_path() if smollm2 else Path(name).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(
+            f"quantization='gguf' (--quantization gguf) serves a .gguf file in its own "
+            f"quantization, and {name!r} is not one: pass a .gguf file's path (or 'smollm2'), or "
+            "leave --quantization unset (or use int8 for a float checkpoint)"
+        )
+    weights = GgufWeights(path)
+    config, tokenizer = _gguf_metadata(path)
+    check_quantized_architecture(weights.header.arch, config.model_type)
+    return LoadedModel(None, tokenizer, config, SMOLLM2_NAME if smollm2 else path.stem, weights)
+
+
 def load_model(
     name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
     dtype: torch.dtype | str | None = torch.float32,
     hf_model: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from local files (a Hugging Face id missing from the
     local cache is downloaded, :func:`resolve_hf_id`).
@@ -383,12 +444,22 @@ def load_model(
             a local HF model directory, a Hugging Face id (``org/name``) whose snapshot is in the
             local HF cache (``HF_HOME``; see :func:`resolve_hf_id`), or a ``.gguf`` file.
         dtype: dtype of the returned HF model's weights (float32 by default).
+        quantization: ``"gguf"`` (needs ``hf_model=False``): a ``.gguf`` file (or ``"smollm2"``)
+            read as its own tensors, nothing dequantized or cached
+            (:mod:`radixkv.model.gguf_quantized`); ``ValueError`` for any other model. Other
+            values change nothing here (the runner quantizes).
 
     Raises:
         ModelNotFoundError: the model cannot be found locally.
     """
     torch_dtype = _resolve_dtype(dtype)
     name = str(name_or_path)
+    if quantization == "gguf":
+        if hf_model:
+            raise ValueError(
+                "quantization='gguf' builds no transformers model: pass hf_model=False"
+            )
+        return _gguf_quantized(name)
     if not hf_model:
         streamed = _streamed(name)
         if streamed is not None:

@@ -148,8 +148,9 @@ class RunnerSpec:
     where the OS page does not divide a KV page, or off Linux/CPU); ``max_model_len``: the
     longest sequence (sizes the virtual ranges; None: the model's context); ``num_threads``:
     intra-op CPU threads (None leaves torch's setting); ``quantization``: None (weights in
-    ``dtype``) or ``"int8"`` (the decoder layers' projections weight-only int8 with per-channel
-    scales, :mod:`radixkv.model.int8_linear`).
+    ``dtype``), ``"int8"`` (the decoder layers' projections weight-only int8 with per-channel
+    scales, :mod:`radixkv.model.int8_linear`) or ``"gguf"`` (a GGUF's quantized tensors kept
+    as the file has them, :mod:`radixkv.model.gguf_quantized`: CPU, float32 or bfloat16).
     """
 
     num_pages: int
@@ -169,6 +170,15 @@ class RunnerSpec:
             raise ValueError(
                 f"quantization={self.quantization!r} is invalid: choose one of "
                 f"{', '.join(QUANTIZATIONS)} (or None: weights in the model's dtype)"
+            )
+        if self.quantization == "gguf" and (
+            torch.device(self.device).type != "cpu"
+            or self.dtype not in (torch.float32, torch.bfloat16)
+        ):
+            raise ValueError(
+                f"quantization='gguf' runs on the CPU in float32 or bfloat16 (got "
+                f"{torch.device(self.device).type}, {self.dtype}): leave quantization unset to serve the GGUF "
+                "dequantized"
             )
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {self.kv_layout!r}: use 'paged' or 'virtual'")
@@ -251,9 +261,21 @@ class ModelRunner:
                 f"paged pages in the model's dtype: use kv_layout='paged' and "
                 f"kv_cache_dtype='auto' (got {kv_layout!r}, {spec.kv_cache_dtype!r})"
             )
-        self.model = LlamaModel.from_hf_state_dict(
-            self.config, state_dict, self.dtype, self.device, spec.quantization
-        )
+        if spec.quantization == "gguf":
+            from radixkv.model.gguf_quantized import build_quantized_model
+            from radixkv.model.gguf_weights import GgufWeights
+
+            if not isinstance(state_dict, GgufWeights):
+                raise ValueError(
+                    "quantization='gguf' serves a .gguf file's own quantized tensors: load the "
+                    "model by its .gguf path (or 'smollm2') with quantization='gguf' "
+                    "(radixkv.model.loader.load_model), or leave quantization unset"
+                )
+            self.model = build_quantized_model(self.config, state_dict, self.dtype)
+        else:
+            self.model = LlamaModel.from_hf_state_dict(
+                self.config, state_dict, self.dtype, self.device, spec.quantization
+            )
         self.page_size = page_size
         pool_args = (
             self.config.num_layers,

@@ -1,0 +1,211 @@
+"""Linears and embeddings over GGUF block-quantized rows (``--quantization gguf``).
+
+A GGUF tensor of a block-quantized ggml type stores each output row ``n`` of a weight ``W[N, K]``
+as ``K / block`` blocks (``gguf.GGML_QUANT_SIZES``: Q8_0 34 bytes per 32 weights, Q4_0 18,
+Q4_1 20, Q4_K 144 per 256, Q6_K 210 per 256): a row is a whole number of blocks, so rows can be
+permuted, split and concatenated as raw bytes without touching a value. The quantized model *is*
+the one with the dequantized weights (``gguf.quants.dequantize`` of those bytes, what
+transformers' GGUF reader makes of the file): that is what the tests judge against a float64
+forward of, so the only error beyond quantization's own is the product's arithmetic.
+
+:class:`QuantLinear` holds one or more row *segments* ``(raw uint8 [n_i, row_bytes_i],
+ggml_type_i)`` whose rows are the output rows in order (a fused q/k/v projection is the q, k
+and v tensors' rows; gate/up the gate's then the up's), so a file whose q/k/v differ in type
+(Q4_K_M puts Q6_K on some) still fuses. ``forward`` writes each segment's columns of one
+``[M, N]`` output: through the native op ``quant_gemm_into`` (:mod:`radixkv.model.native`;
+the weight dequantized in registers, never whole) where the build has it for that type, else by
+the torch fallback (the segment dequantized per call by ``gguf.quants.dequantize``, then
+``F.linear``: the same values, slow, with a one-time warning).
+
+:class:`QuantEmbedding` gathers rows of the token embedding the same way
+(``quant_dequantize_rows``, fallback: ``gguf.quants.dequantize`` of the selected rows); a tied
+head is a :class:`QuantLinear` over the same raw tensor, held once.
+
+Activations stay in the model's dtype (float32 or bfloat16); the output is in the input's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixkv.model.gguf_weights import block_shape, dequantize_rows, type_name
+
+__all__ = ["QuantEmbedding", "QuantLinear", "can_dequantize", "native_types"]
+
+log = logging.getLogger(__name__)
+_warned: set[int] = set()
+
+
+@cache
+def can_dequantize(ggml_type: int) -> bool:
+    """Whether ``gguf.quants.dequantize`` reads ``ggml_type`` (the torch fallback's need)."""
+    import gguf
+
+    _, size = block_shape(ggml_type)
+    try:
+        gguf.quants.dequantize(np.zeros((1, size), np.uint8), gguf.GGMLQuantizationType(ggml_type))
+    except (NotImplementedError, ValueError, KeyError):
+        return False
+    return True
+
+
+def _native() -> Any:
+    from radixkv.model import native
+
+    return native.load()
+
+
+@cache
+def native_types() -> frozenset[int]:
+    """The ggml types the native build multiplies (``quant_gemm_types``; empty without it)."""
+    module = _native()
+    if module is None or not hasattr(module, "quant_gemm_types"):
+        return frozenset()
+    return frozenset(int(t) for t in module.quant_gemm_types())
+
+
+def _warn_fallback(ggml_type: int, what: str) -> None:
+    if ggml_type not in _warned:
+        _warned.add(ggml_type)
+        log.warning(
+            "%s %s: the native build has no kernel for it; dequantizing per call with "
+            "gguf.quants (correct, slow)",
+            type_name(ggml_type),
+            what,
+        )
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` the rows of ``segments`` (``(raw, ggml_type)`` pairs,
+    ``raw`` uint8 ``[n_i, row_bytes_i]``), concatenated: ``out_features = sum n_i``.
+
+    Invariants: every segment's rows dequantize to ``in_features`` values (whole blocks);
+    ``kernels[i]`` is ``"native"`` (``quant_gemm_into``) or ``"dequantize"`` (the fallback) and
+    never changes; the raw tensors are never modified (a tied head shares the embedding's).
+    Inference only."""
+
+    def __init__(
+        self,
+        segments: Sequence[tuple[torch.Tensor, int]],
+        in_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if not segments:
+            raise ValueError("a QuantLinear needs at least one segment")
+        self.in_features = in_features
+        self.types = [int(t) for _, t in segments]
+        self.offsets: list[int] = []
+        n = 0
+        for i, (raw, ggml_type) in enumerate(segments):
+            per_block, size = block_shape(ggml_type)
+            if raw.dtype != torch.uint8 or raw.dim() != 2 or not raw.is_contiguous():
+                raise ValueError(f"segment {i}: raw rows must be contiguous uint8 [n, row_bytes]")
+            if in_features % per_block or raw.shape[1] != in_features // per_block * size:
+                raise ValueError(
+                    f"segment {i}: {type_name(ggml_type)} rows of {raw.shape[1]} bytes do not "
+                    f"hold {in_features} weights"
+                )
+            self.register_buffer(f"raw{i}", raw, persistent=False)
+            self.offsets.append(n)
+            n += raw.shape[0]
+        self.out_features = n
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        native = native_types()
+        self.kernels = ["native" if t in native else "dequantize" for t in self.types]
+        for t, kernel in zip(self.types, self.kernels, strict=True):
+            if kernel == "dequantize":
+                if not can_dequantize(t):
+                    raise ValueError(f"{type_name(t)}: neither a native kernel nor gguf.quants")
+                _warn_fallback(t, "linear")
+
+    @property
+    def raws(self) -> list[torch.Tensor]:
+        """Each segment's raw rows, in order."""
+        return [getattr(self, f"raw{i}") for i in range(len(self.types))]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantized rows held."""
+        return sum(r.numel() for r in self.raws)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        module = None
+        for raw, ggml_type, off, kernel in zip(
+            self.raws, self.types, self.offsets, self.kernels, strict=True
+        ):
+            cols = out[:, off : off + raw.shape[0]]
+            if kernel == "native":
+                module = module or _native()
+                module.quant_gemm_into(rows, raw, ggml_type, cols)
+            else:
+                cols.copy_(F.linear(rows, dequantize_rows(raw, ggml_type, x.dtype)))
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(
+            f"{r.shape[0]} rows {type_name(t)} ({k})"
+            for r, t, k in zip(self.raws, self.types, self.kernels, strict=True)
+        )
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, {kinds}"
+        )
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding over block-quantized rows: ``forward(ids)`` dequantizes only the rows
+    asked for (native ``quant_dequantize_rows``, else ``gguf.quants.dequantize`` of those rows),
+    in ``dtype``. ``weight`` is a meta tensor of the table's shape and ``dtype`` (what the
+    model reads the activations' dtype from); the raw rows are ``raw``, never modified."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.ggml_type = int(ggml_type)
+        self.num_embeddings, self.embedding_dim = raw.shape[0], embedding_dim
+        self.register_buffer("raw", raw, persistent=False)
+        self.weight = nn.Parameter(
+            torch.empty(raw.shape[0], embedding_dim, dtype=dtype, device="meta"),
+            requires_grad=False,
+        )
+        module = _native()
+        self.kernel = (
+            "native"
+            if module is not None
+            and hasattr(module, "quant_dequantize_rows")
+            and self.ggml_type in native_types()
+            else "dequantize"
+        )
+        if self.kernel == "dequantize" and not can_dequantize(self.ggml_type):
+            raise ValueError(
+                f"{type_name(self.ggml_type)}: neither a native kernel nor gguf.quants"
+            )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64)
+        dtype = self.weight.dtype
+        if self.kernel == "native":
+            rows = _native().quant_dequantize_rows(self.raw, self.ggml_type, flat, dtype)
+        else:
+            rows = dequantize_rows(self.raw[flat.cpu()], self.ggml_type, dtype)
+        return rows.to(ids.device).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, {type_name(self.ggml_type)} rows "
+            f"({self.kernel})"
+        )

@@ -1,0 +1,312 @@
+"""``quantization="gguf"`` (radixkv/model/gguf_quantized.py, radixkv/model/quant_linear.py): a
+GGUF's block-quantized tensors kept as the file's bytes and multiplied without dequantizing the
+matrices, judged against a float64 forward of the *dequantized* weights (the file's values, as
+transformers reads them), so the only error judged is the arithmetic's: quantization's own is
+in both, and a model running on anything but the file's values (the float weights it was
+quantized from, rows in the wrong order) misses by far more than the contract.
+
+- the layer: random blocks of every type the native op serves (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K),
+  one projection of mixed types, against a float64 product of ``gguf.quants.dequantize``;
+- tiny GGUFs (tests/gguf_files.py, as llama.cpp writes them) in Q8_0, Q4_0 and Q4_1 (gguf-py
+  quantizes those), and one whose tensors are random Q4_K / Q6_K / Q8_0 blocks of mixed types
+  (gguf-py cannot quantize K-quants: the blocks are random, their values what transformers reads
+  back): prefill, a mixed step with a prefix shared on pages, decodes, within the FP32 contract
+  of tests/oracle.py; the engine's greedy tokens and a prefix hit; the server's
+  ``/v1/completions``;
+- SmolLM2's own Q4_1 file: logits within the FP32 contract of transformers' float64 forward of
+  the same file, and the load's memory;
+- a model that is not a GGUF, or an architecture not built quantized, refused by name.
+"""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from architectures import VOCAB, tiny_model
+from fake_engine import ServerThread
+from gguf_files import stored_model, write_gguf
+from oracle import BF16, FP32, Oracle, check_greedy_tokens, check_rows
+from test_model import MixedScenario
+
+from bench.tiny_model import byte_level_hf_tokenizer
+from radixkv import Engine, SamplingParams
+from radixkv.model import quant_linear
+from radixkv.model.arch import UnsupportedModelError
+from radixkv.model.gguf_weights import GgufWeights, block_shape, dequantize_rows
+from radixkv.model.loader import load_model
+from radixkv.model.quant_linear import QuantEmbedding, QuantLinear
+from radixkv.model.runner import ModelRunner, RequestSlice
+
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+#: per type, the byte offsets of a block's float16 scales and the range drawn for them (the rest
+#: of a block is any bytes: every pattern is a valid code)
+SCALES = {
+    Q8_0: ([0], (0.0, 2e-3)),
+    Q4_0: ([0], (0.0, 2e-2)),
+    Q4_1: ([0, 2], (0.0, 2e-2)),
+    Q4_K: ([0, 2], (0.0, 3e-4)),
+    Q6_K: ([208], (0.0, 3e-5)),
+}
+
+
+def random_blocks(ggml_type: int, rows: int, k: int, seed: int) -> np.ndarray:
+    """Random rows of ``ggml_type`` blocks (uint8 ``[rows, row_bytes]``) with finite scales."""
+    per_block, size = block_shape(ggml_type)
+    g = np.random.default_rng(seed)
+    data = g.integers(0, 256, (rows, k // per_block, size), dtype=np.uint8)
+    offsets, (lo, hi) = SCALES[ggml_type]
+    for at in offsets:
+        scale = g.uniform(lo, hi, (rows, k // per_block)).astype(np.float16)
+        if ggml_type == Q4_1 and at == 2:  # Q4_1's min: either sign
+            scale = (scale * np.sign(g.uniform(-1, 1, scale.shape))).astype(np.float16)
+        data[:, :, at : at + 2] = scale.view(np.uint8).reshape(rows, k // per_block, 2)
+    return data.reshape(rows, -1)
+
+
+@pytest.fixture(params=["fallback", "native"])
+def kernels(request, monkeypatch):
+    """Each layer test runs the torch fallback and, where the build has them, the native ops."""
+    if request.param == "fallback":
+        monkeypatch.setattr(quant_linear, "native_types", lambda: frozenset())
+    elif not quant_linear.native_types():
+        pytest.skip("the native build has no quant_gemm op here")
+    return request.param
+
+
+def _product_bound(x: torch.Tensor, w64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 accumulation over K terms, ``K * eps * sum|x w|``; bf16 adds the output's
+    rounding (2^-8 relative, doubled for the native op's bf16 accumulation order)."""
+    scale = x.double().abs() @ w64.abs().T
+    bound = x.shape[-1] * torch.finfo(torch.float32).eps * scale
+    return bound + 2.0**-7 * scale if dtype == torch.bfloat16 else bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize(
+    "types", [[Q8_0], [Q4_0], [Q4_1], [Q4_K], [Q6_K], [Q4_K, Q6_K, Q8_0]], ids=str
+)
+def test_quant_linear_matches_a_float64_product_of_the_dequantized_rows(
+    types, rows, dtype, kernels
+):
+    """One segment per type (the last case: q/k/v of three types fused, as a Q4_K_M file's),
+    against ``x @ dequantize(rows)^T`` in float64; quantization's own error (the product with
+    the float weights the blocks would have come from) is out of reach: the rows are random."""
+    k = 512
+    raws = [random_blocks(t, 24 + 8 * i, k, seed=i) for i, t in enumerate(types)]
+    bias = torch.randn(sum(r.shape[0] for r in raws))
+    layer = QuantLinear([(torch.from_numpy(r), t) for r, t in zip(raws, types)], k, bias)
+    assert set(layer.kernels) == {"native" if kernels == "native" else "dequantize"}
+    w64 = torch.cat(
+        [dequantize_rows(torch.from_numpy(r), t, torch.float64) for r, t in zip(raws, types)]
+    )
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k).to(dtype)
+    got = layer(x)
+    assert got.shape == (rows, w64.shape[0]) and got.dtype == dtype
+    truth = x.double() @ w64.T + bias.double()
+    bound = _product_bound(x, w64, dtype) + (
+        2.0**-7 * bias.abs().double() if dtype == torch.bfloat16 else 0
+    )
+    assert ((got.double() - truth).abs() <= bound).all(), (got.double() - truth).abs().max()
+
+
+@pytest.mark.parametrize("ggml_type", [Q8_0, Q4_1, Q6_K])
+def test_quant_embedding_gathers_the_dequantized_rows_exactly(ggml_type, kernels):
+    raw = torch.from_numpy(random_blocks(ggml_type, 50, 256, seed=3))
+    table = dequantize_rows(raw, ggml_type, torch.float32)
+    embed = QuantEmbedding(raw, ggml_type, 256, torch.float32)
+    ids = torch.tensor([[4, 49, 0], [4, 7, 7]])
+    assert torch.equal(embed(ids), table[ids])
+    bf16 = QuantEmbedding(raw, ggml_type, 256, torch.bfloat16)
+    assert torch.equal(bf16(ids), table[ids].to(torch.bfloat16))
+
+
+def _mixed_k_quants(name: str, values: np.ndarray) -> tuple[np.ndarray, object]:
+    """Random K-quant blocks for every 2-D tensor: q and the MLP's gate/down Q4_K, k, v and the
+    head Q6_K, o and the embedding Q8_0 (Q4_K_M's kind of mix, q/k/v of three types)."""
+    import gguf
+
+    kinds = {"attn_q": Q4_K, "attn_k": Q6_K, "attn_v": Q8_0, "attn_output": Q8_0}
+    kinds |= {"ffn_gate": Q4_K, "ffn_up": Q6_K, "ffn_down": Q4_K, "token_embd": Q8_0}
+    kinds |= {"output": Q6_K}
+    kind = next(v for key, v in kinds.items() if name.split(".")[-2] == key)
+    seed = sum(name.encode())
+    return random_blocks(kind, values.shape[0], values.shape[1], seed), gguf.GGMLQuantizationType(
+        kind
+    )
+
+
+#: (architecture, file type) of the tiny GGUFs; llama3's intermediate size is whole Q8_0 / Q4
+#: blocks (every projection stays quantized), qwen2's is not (its down_proj is F16 in the file,
+#: llama.cpp's fallback: a float linear) and its head is tied to the embedding
+CASES = [
+    ("llama3", "Q8_0"),
+    ("llama3", "Q4_0"),
+    ("llama3", "Q4_1"),
+    ("qwen2", "Q4_1"),
+    ("llama3", "K-quants"),
+]
+OVERRIDES = {
+    "llama3": dict(intermediate_size=128),
+    "K-quants": dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, head_dim=32),
+}
+
+
+def tiny_gguf(name: str, qtype: str, where) -> tuple[str, Oracle]:
+    """The tiny model written as a ``qtype`` GGUF, and the oracle of the values the file holds."""
+    model = tiny_model(name, **OVERRIDES.get(qtype, OVERRIDES.get(name, {})))
+    path = where / f"tiny-{name}.{qtype}.gguf"
+    if qtype == "K-quants":
+        write_gguf(model, path, quantize=_mixed_k_quants)
+        held = load_model(str(path), dtype=torch.float32).hf_model  # transformers' reading
+    else:
+        write_gguf(model, path, qtype)
+        held = stored_model(model, qtype)
+    return str(path), Oracle(held)
+
+
+@pytest.fixture
+def weight_cache(tmp_path, monkeypatch):
+    from radixkv.model import native
+
+    native.load()  # built under the session's cache dir, before the test's own
+    monkeypatch.setenv("RADIXKV_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize(("name", "qtype"), CASES)
+def test_a_tiny_gguf_served_quantized_matches_the_float64_oracle(
+    name, qtype, tmp_path, weight_cache
+):
+    path, oracle = tiny_gguf(name, qtype, tmp_path)
+    scenario = MixedScenario.build(oracle, VOCAB, decode_steps=4)
+    loaded = load_model(path, hf_model=False, quantization="gguf")
+    runner = ModelRunner(
+        loaded, num_pages=64, page_size=16, dtype=torch.float32, quantization="gguf"
+    )
+    model = runner.model
+    layer = model.layers[0]
+    assert isinstance(layer.qkv_proj, QuantLinear) and isinstance(layer.gate_up_proj, QuantLinear)
+    assert isinstance(model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
+    if name == "qwen2":  # the tied head reads the embedding's rows, held once
+        assert model.lm_head.raws[0] is model.embed_tokens.raw
+        assert layer.qkv_proj.bias is not None
+    # q's rows are transformers' (llama.cpp's row permutation undone on the raw rows)
+    q = dequantize_rows(layer.qkv_proj.raws[0], layer.qkv_proj.types[0], torch.float32)
+    want = oracle.hf32.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(q, want)
+    assert scenario.judge(scenario.run(runner), oracle, FP32, f"gguf-quantized {qtype}") > 0
+
+
+def test_a_bf16_model_over_the_quantized_rows_is_within_the_bf16_contract(tmp_path, weight_cache):
+    path, oracle = tiny_gguf("llama3", "Q4_1", tmp_path)
+    loaded = load_model(path, hf_model=False, quantization="gguf")
+    runner = ModelRunner(
+        loaded, num_pages=8, page_size=16, dtype=torch.bfloat16, quantization="gguf"
+    )
+    ids = [b + 3 for b in b"bf16 activations over Q4_1 blocks"]
+    got = runner.forward(runner.build_batch([RequestSlice(ids, 0, list(range(8)))]), True)
+    check_rows(got, oracle.logits(ids), oracle.references(ids, torch.bfloat16), BF16, "gguf bf16")
+
+
+def test_the_engine_serves_a_quantized_gguf_greedy_with_a_prefix_hit(tmp_path, weight_cache):
+    path, oracle = tiny_gguf("llama3", "Q4_0", tmp_path)
+    engine = Engine(
+        model=path, dtype="float32", page_size=16, kv_cache_tokens=1024, quantization="gguf"
+    )
+    try:
+        prompt = [b + 3 for b in b"a quantized GGUF, served as the file stores it: twice"]
+        n = 10
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        first, second = (engine.generate([prompt], params)[0] for _ in range(2))
+        assert second.cached_tokens == len(prompt) // 16 * 16 > 0
+        for out in (first, second):
+            tokens = list(out.outputs[0].token_ids)
+            ids = prompt + tokens
+            at = slice(len(prompt) - 1, len(ids) - 1)
+            truth, bound, _ = oracle.judged(ids, at, FP32, prefill=len(prompt))
+            assert check_greedy_tokens(tokens, truth, bound, "gguf engine greedy") > n // 2
+        assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    finally:
+        engine.close()
+
+
+def test_completions_over_a_quantized_gguf_equal_transformers_generate(tmp_path, weight_cache):
+    from radixkv.server.app import create_app
+
+    path, oracle = tiny_gguf("qwen2", "Q4_1", tmp_path)
+    tok = byte_level_hf_tokenizer()
+    prompt = "the server, on the file's own blocks"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    model = oracle.model(torch.float64)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :]
+    engine = Engine(
+        model=path, dtype="float32", page_size=16, kv_cache_tokens=1024, quantization="gguf"
+    )
+    with ServerThread(create_app(engine)) as server:
+        native = {
+            "text": prompt,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        }
+        r = httpx.post(f"{server.base_url}/generate", json=native, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == want.tolist()
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tok.decode(want.tolist(), skip_special_tokens=True)
+
+
+def test_a_model_that_is_not_a_gguf_is_refused_saying_what_to_do(tmp_path, tiny_model):
+    tiny = tmp_path / "hf"
+    tiny_model.hf_model.save_pretrained(tiny)
+    with pytest.raises(ValueError, match=r"not one: pass a \.gguf file's path"):
+        Engine(model=str(tiny), dtype="float32", kv_cache_tokens=256, quantization="gguf")
+    with pytest.raises(ValueError, match="load the model by its .gguf path"):
+        ModelRunner(tiny_model, num_pages=4, page_size=16, quantization="gguf")
+    with pytest.raises(ValueError, match="CPU in float32 or bfloat16"):
+        ModelRunner(tiny_model, num_pages=4, page_size=16, quantization="gguf", dtype=torch.float16)
+
+
+def test_an_architecture_not_built_quantized_is_refused_by_name(tmp_path, weight_cache):
+    path = tmp_path / "tiny-phi3.gguf"
+    write_gguf(tiny_model("phi3"), path, "Q8_0")
+    with pytest.raises(
+        UnsupportedModelError, match=r"GGUF architecture 'phi3'.*leave --quantization unset"
+    ):
+        load_model(str(path), hf_model=False, quantization="gguf")
+
+
+@pytest.mark.real_model
+def test_smollm2_q4_1_served_quantized_matches_transformers_float64(real_model, real_oracle):
+    """The packaged file itself (210 Q4_1 tensors, a Q8_0 embedding tied to the head): every
+    position's logits within the FP32 contract of transformers' float64 forward of the same
+    file (transformers dequantizes the same blocks)."""
+    loaded = load_model("smollm2", hf_model=False, quantization="gguf")
+    assert isinstance(loaded.weights, GgufWeights)
+    runner = ModelRunner(
+        loaded, num_pages=8, page_size=16, dtype=torch.float32, quantization="gguf"
+    )
+    held = sum(
+        m.nbytes
+        for m in runner.model.modules()
+        if isinstance(m, QuantLinear) and m is not runner.model.lm_head
+    )
+    held += runner.model.embed_tokens.raw.numel()
+    assert runner.model.lm_head.raws[0] is runner.model.embed_tokens.raw
+    assert 0.97 < held / loaded.weights.path.stat().st_size <= 1.0  # the blocks, held once
+    ids = real_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    got = runner.forward(runner.build_batch([RequestSlice(ids, 0, list(range(8)))]), True)
+    check_rows(
+        got,
+        real_oracle.logits(ids),
+        real_oracle.references(ids, torch.float32),
+        FP32,
+        "gguf smollm2",
+    )
