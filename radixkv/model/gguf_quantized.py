@@ -53,6 +53,7 @@ from radixkv.model.gguf_weights import (
 from radixkv.model.linear import prepack_linears
 from radixkv.model.llama import LlamaModel
 from radixkv.model.model_config import ModelConfig
+from radixkv.model.placement import trim_heap
 from radixkv.model.quant_linear import QuantEmbedding, QuantLinear, can_dequantize, native_types
 
 __all__ = ["build_quantized_model", "projection_kind"]
@@ -143,6 +144,9 @@ def build_quantized_model(config: ModelConfig, weights: GgufWeights, dtype: torc
             "GGUF; leave --quantization unset"
         )
     build = _Builder(config, weights, dtype)
+    # the heap the tokenizer's load freed (~30 MB for a 49k vocabulary) back to the OS first:
+    # the blocks are read into fresh mappings, which would not reuse it
+    trim_heap()
     with torch.device("meta"):
         model = LlamaModel(config)
     for i, layer in enumerate(model.layers):
