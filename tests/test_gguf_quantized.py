@@ -194,10 +194,12 @@ def test_a_tiny_gguf_served_quantized_matches_the_float64_oracle(
     if name == "qwen2":  # the tied head reads the embedding's rows, held once
         assert model.lm_head.raws[0] is model.embed_tokens.raw
         assert layer.qkv_proj.bias is not None
-    # q's rows are transformers' (llama.cpp's row permutation undone on the raw rows)
+    # q's rows are transformers' (llama.cpp's row permutation undone on the raw rows); q/k/v of
+    # one type are one segment, one kernel call
     q = dequantize_rows(layer.qkv_proj.raws[0], layer.qkv_proj.types[0], torch.float32)
     want = oracle.hf32.model.layers[0].self_attn.q_proj.weight
-    assert torch.equal(q, want)
+    assert torch.equal(q[: want.shape[0]], want)
+    assert len(layer.qkv_proj.types) == (3 if qtype == "K-quants" else 1)
     assert scenario.judge(scenario.run(runner), oracle, FP32, f"gguf-quantized {qtype}") > 0
 
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from radixkv.model.gguf_weights import block_shape, dequantize_rows, type_name
 
-__all__ = ["QuantEmbedding", "QuantLinear", "can_dequantize", "native_types"]
+__all__ = ["QuantEmbedding", "QuantLinear", "can_dequantize", "merge_segments", "native_types"]
 
 log = logging.getLogger(__name__)
 _warned: set[int] = set()
@@ -83,9 +83,28 @@ def _warn_fallback(ggml_type: int, what: str) -> None:
         )
 
 
+def merge_segments(
+    segments: Sequence[tuple[torch.Tensor, int]],
+) -> list[tuple[torch.Tensor, int]]:
+    """``segments`` with each run of adjacent segments of one ggml type (and row size) made one
+    (their rows concatenated, in order): one kernel call a run instead of one a tensor (a
+    fused q/k/v of one type is one product). A lone segment keeps its tensor (a tied head's rows
+    stay the embedding's)."""
+    runs: list[list[tuple[torch.Tensor, int]]] = []
+    for raw, t in segments:
+        if runs and runs[-1][0][1] == t and runs[-1][0][0].shape[1:] == raw.shape[1:]:
+            runs[-1].append((raw, t))
+        else:
+            runs.append([(raw, t)])
+    return [
+        run[0] if len(run) == 1 else (torch.cat([r for r, _ in run]), run[0][1]) for run in runs
+    ]
+
+
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` the rows of ``segments`` (``(raw, ggml_type)`` pairs,
-    ``raw`` uint8 ``[n_i, row_bytes_i]``), concatenated: ``out_features = sum n_i``.
+    ``raw`` uint8 ``[n_i, row_bytes_i]``), concatenated: ``out_features = sum n_i``; adjacent
+    segments of one type are held as one (:func:`merge_segments`).
 
     Invariants: every segment's rows dequantize to ``in_features`` values (whole blocks);
     ``kernels[i]`` is ``"native"`` (``quant_gemm_into``) or ``"dequantize"`` (the fallback) and
@@ -101,6 +120,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         if not segments:
             raise ValueError("a QuantLinear needs at least one segment")
+        segments = merge_segments(segments)
         self.in_features = in_features
         self.types = [int(t) for _, t in segments]
         self.offsets: list[int] = []
