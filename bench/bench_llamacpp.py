@@ -8,6 +8,9 @@ both as ids; greedy, EOS ignored, ``--max-tokens`` each. The users arrive togeth
 - **radixkv**: ``Engine(gguf)`` through its Python API, in the host's default dtype unless
   ``--dtype`` says (radixkv dequantizes a GGUF's weights on load). Shared prefixes are computed
   once (its radix cache).
+- **radixkv-gguf**: the same with ``quantization="gguf"``: the file's own quantized blocks,
+  multiplied without dequantizing the matrices (radixkv/model/gguf_quantized.py), activations
+  in the same dtype. ``--engines`` picks the engines (default: all three).
 - **llama.cpp**: llama-cpp-python's low-level API (``llama_decode`` over one batch holding every
   user's row), the file's own quantization. It is given the same sharing: the system prompt is
   decoded once into sequence 0 and copied to the others (``llama_memory_seq_cp``), then every
@@ -154,11 +157,19 @@ def per_user(stamps: list[list[float]], start: float) -> tuple[list[float], list
     return ttft, tpot
 
 
-def run_radixkv(gguf: str, rounds: list[list[list[int]]], max_tokens: int, dtype: str) -> dict:
+def run_radixkv(
+    gguf: str,
+    rounds: list[list[list[int]]],
+    max_tokens: int,
+    dtype: str,
+    quantization: str | None = None,
+) -> dict:
     """TTFT / TPOT of radixkv's engine over the rounds (first round untimed) and its tokens."""
     from radixkv import Engine, SamplingParams
 
     knobs: dict[str, Any] = {"max_running_requests": max(8, len(rounds[0]))}
+    if quantization:
+        knobs["quantization"] = quantization
     if dtype != "auto":
         knobs["dtype"] = dtype
     engine = Engine(gguf, **knobs)
@@ -274,14 +285,15 @@ def run_llama_cpp(gguf: str, rounds: list[list[list[int]]], max_tokens: int, thr
 def worker(args: argparse.Namespace) -> None:
     """One case in this process: prints its result as JSON on the last line."""
     rounds = json.loads(Path(args.rounds_file).read_text())
-    if args.worker == "radixkv":
-        result = run_radixkv(args.gguf, rounds, args.max_tokens, args.dtype)
+    if args.worker.startswith("radixkv"):
+        quantization = "gguf" if args.worker == "radixkv-gguf" else None
+        result = run_radixkv(args.gguf, rounds, args.max_tokens, args.dtype, quantization)
     else:
         result = run_llama_cpp(args.gguf, rounds, args.max_tokens, args.threads)
     print(json.dumps(result))
 
 
-ENGINES = ("llamacpp", "radixkv")
+ENGINES = ("llamacpp", "radixkv", "radixkv-gguf")
 
 
 def run_worker(name: str, rounds: list, gguf: str, args: argparse.Namespace) -> dict:
@@ -307,9 +319,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="radixkv's dtype (auto: the host's)")
     parser.add_argument("--threads", type=int, default=0, help="0: torch's thread count")
     parser.add_argument("--build", action="store_true", help="build llama-cpp-python first")
-    parser.add_argument("--worker", choices=("radixkv", "llamacpp"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}"
+    )
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--rounds-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    engines = tuple(e for e in ENGINES if e in args.engines.split(","))
+    if "llamacpp" not in engines or len(engines) < 2:
+        sys.exit(f"--engines: llamacpp and at least one radixkv engine ({', '.join(ENGINES)})")
     import torch
 
     args.threads = args.threads or torch.get_num_threads()
@@ -333,36 +351,51 @@ def main() -> None:
     rows = []
     for users in (int(u) for u in args.users.split(",")):
         rounds = [prompts(tokenizer, users, rep) for rep in range(args.repeats + 1)]
-        res: dict[str, dict] = {n: {"ttft": [], "tpot": [], "tokens": []} for n in ENGINES}
+        res: dict[str, dict] = {n: {"ttft": [], "tpot": [], "tokens": []} for n in engines}
         for rep in range(1, args.repeats + 1):
-            for name in ENGINES if rep % 2 else ENGINES[::-1]:
+            for name in engines if rep % 2 else engines[::-1]:
                 got = run_worker(name, [rounds[0], rounds[rep]], gguf, args)
                 for key in ("ttft", "tpot"):
                     res[name][key] += got[key]
                 res[name]["tokens"] = res[name]["tokens"] or got["tokens"]
                 res[name]["dtype"] = got["dtype"]
-        agree = 0
-        for a, b in zip(res["radixkv"]["tokens"], res["llamacpp"]["tokens"], strict=False):
-            if a != b:
-                break
-            agree += 1
+        agree = {n: agreed(res[n]["tokens"], res["llamacpp"]["tokens"]) for n in engines[1:]}
         prompt_len = len(rounds[1][0])
         shared = shared_prefix(rounds[1])
         rows.append((users, prompt_len, shared, res, agree))
-    print(
-        "\n| users | prompt (shared) | llama.cpp TTFT ms | radixkv TTFT ms | ratio "
-        "| llama.cpp TPOT ms | radixkv TPOT ms | ratio | greedy agree |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print_table(rows, engines[1:], args.max_tokens)
+
+
+def agreed(tokens: list[int], reference: list[int]) -> int:
+    """How many leading greedy tokens equal the reference's."""
+    n = 0
+    for a, b in zip(tokens, reference, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def print_table(rows: list, ours: tuple[str, ...], max_tokens: int) -> None:
+    """One row per user count: llama.cpp's TTFT and TPOT, then each radixkv engine's with its
+    ratio to llama.cpp's, and how many greedy tokens agree."""
+    head = "| users | prompt (shared) | llama.cpp TTFT ms | llama.cpp TPOT ms |"
+    for n in ours:
+        head += f" {n} TTFT ms | ratio | {n} TPOT ms | ratio | greedy agree |"
+    print("\n" + head)
+    print("|" + " --- |" * (head.count("|") - 1))
     for users, prompt_len, shared, res, agree in rows:
-        ttft = [statistics.median(res[n]["ttft"]) * 1e3 for n in ("llamacpp", "radixkv")]
-        tpot = [statistics.median(res[n]["tpot"]) * 1e3 for n in ("llamacpp", "radixkv")]
-        print(
-            f"| {users} | {prompt_len} ({shared}) | {ttft[0]:.1f} | {ttft[1]:.1f} "
-            f"| {ttft[1] / ttft[0]:.2f}x | {tpot[0]:.2f} | {tpot[1]:.2f} | {tpot[1] / tpot[0]:.2f}x "
-            f"| {agree}/{args.max_tokens} |"
-        )
-    print(f"radixkv dtype: {rows[0][3]['radixkv']['dtype']}; ratio: radixkv / llama.cpp")
+        ttft = {n: statistics.median(res[n]["ttft"]) * 1e3 for n in res}
+        tpot = {n: statistics.median(res[n]["tpot"]) * 1e3 for n in res}
+        line = f"| {users} | {prompt_len} ({shared}) | {ttft['llamacpp']:.1f} | {tpot['llamacpp']:.2f} |"
+        for n in ours:
+            line += (
+                f" {ttft[n]:.1f} | {ttft[n] / ttft['llamacpp']:.2f}x | {tpot[n]:.2f} "
+                f"| {tpot[n] / tpot['llamacpp']:.2f}x | {agree[n]}/{max_tokens} |"
+            )
+        print(line)
+    dtypes = ", ".join(f"{n} {rows[0][3][n]['dtype']}" for n in ours)
+    print(f"dtype: {dtypes}; ratio: radixkv / llama.cpp")
 
 
 if __name__ == "__main__":
