@@ -329,3 +329,34 @@ def test_smollm2_q4_1_loads_in_about_its_file_size(tmp_path):
     size = r["weights_bytes"] / 1024
     assert r["build_peak_kib"] - r["loaded_kib"] <= 1.2 * size
     assert r["peak_kib"] - r["base_kib"] <= 1.3 * size
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "F32"])
+def test_a_type_the_native_op_lacks_or_a_float_file_becomes_float_linears(
+    qtype, tmp_path, weight_cache, monkeypatch, caplog
+):
+    """A build whose op multiplies only Q4_0 (the types it lacks, here Q8_0, are dequantized at
+    load: a log line says so), and an F32 file (nothing is block-quantized): float linears,
+    still within the FP32 contract; the tied embedding of a float file is a float table."""
+    import logging
+
+    from radixkv.model import gguf_quantized
+
+    only_q4_0 = lambda: frozenset({Q4_0})  # noqa: E731
+    monkeypatch.setattr(quant_linear, "native_types", only_q4_0)
+    monkeypatch.setattr(gguf_quantized, "native_types", only_q4_0)
+    path, oracle = tiny_gguf("qwen2", qtype, tmp_path)
+    scenario = MixedScenario.build(oracle, VOCAB, decode_steps=3)
+    with caplog.at_level(logging.INFO, logger="radixkv.model.gguf_quantized"):
+        runner = ModelRunner(
+            load_model(path, hf_model=False, quantization="gguf"),
+            num_pages=64,
+            page_size=16,
+            dtype=torch.float32,
+            quantization="gguf",
+        )
+    assert "dequantized at load into float linears" in caplog.text
+    assert not any(isinstance(m, QuantLinear) for m in runner.model.modules())
+    embed = runner.model.embed_tokens
+    assert isinstance(embed, QuantEmbedding) == (qtype == "Q8_0")
+    assert scenario.judge(scenario.run(runner), oracle, FP32, f"gguf-quantized float {qtype}") > 0
