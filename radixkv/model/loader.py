@@ -9,6 +9,12 @@ GGUF loading dequantises every tensor (about 17 s for SmolLM2). The first load t
 the dequantised weights as a regular HF directory under the cache dir (``RADIXKV_CACHE_DIR`` or
 ``~/.cache/radixkv``), fingerprinted by the GGUF file's size and mtime; later loads read that
 directory in about a second. Set ``RADIXKV_NO_WEIGHT_CACHE=1`` to disable the cache.
+
+``quantization="gguf"`` reads the file's own tensors instead (nothing dequantized or cached;
+:mod:`radixkv.model.gguf_quantized`); its config and tokenizer come from the weight cache where
+one exists, else from a metadata-only cache (``<weight cache>-meta``: config and tokenizer, made
+on the first such load; transformers' reading of SmolLM2's metadata takes ~14 s), which
+``RADIXKV_NO_WEIGHT_CACHE=1`` disables too.
 """
 
 from __future__ import annotations
