@@ -12,7 +12,9 @@
   process that imported the libraries) and the bytes of the decoder layers' tensors.
 
 SmolLM2 is read from its GGUF (Q4_1, dequantized to ``--dtype``), so "unquantized" is that
-dequantized model and int8 re-quantizes it.
+dequantized model and int8 re-quantizes it; ``gguf`` serves the file's own Q4_1 blocks (the same
+weights as "unquantized": its perplexity differs by the arithmetic only). ``--quantizations``
+picks the ones compared.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Any
 from bench.bench_kv_quant import TEXTS, text_perplexity
 from radixkv import Engine, SamplingParams
 
-QUANTS: tuple[str | None, ...] = (None, "int8")
+#: the quantizations compared (``--quantizations``; None: unquantized)
+QUANTS: tuple[str | None, ...] = (None, "int8", "gguf")
 
 CHILD = r"""
 import json, sys
@@ -43,8 +46,8 @@ def rss_kib():
 
 name, dtype, quant = sys.argv[1], getattr(torch, sys.argv[2]), sys.argv[3] or None
 base = rss_kib()
-runner = ModelRunner(load_model(name, dtype=dtype, hf_model=False), num_pages=2, page_size=16,
-                     dtype=dtype, quantization=quant)
+runner = ModelRunner(load_model(name, dtype=dtype, hf_model=False, quantization=quant),
+                     num_pages=2, page_size=16, dtype=dtype, quantization=quant)
 # parameters, buffers and the packed copies PackedLinear holds as plain attributes
 tensors = {id(t): t for m in runner.model.layers.modules() for t in
            [*m.parameters(recurse=False), *m.buffers(recurse=False),
@@ -58,10 +61,10 @@ def label(quant: str | None) -> str:
     return quant or "unquantized"
 
 
-def perplexity(model: str, dtype: str) -> None:
+def perplexity(model: str, dtype: str, quants: tuple[str | None, ...] = QUANTS) -> None:
     for path in TEXTS:
         results, seconds = {}, {}
-        for quant in QUANTS:
+        for quant in quants:
             e = Engine(model, dtype=dtype, quantization=quant, kv_cache_tokens=16384)
             t0 = time.perf_counter()
             results[label(quant)], n = text_perplexity(e, path.read_text())
@@ -76,14 +79,15 @@ def perplexity(model: str, dtype: str) -> None:
             )
 
 
-def decode_steps(model: str, dtype: str, runs: int, tokens: int) -> None:
-    engines = {q: Engine(model, dtype=dtype, quantization=q, kv_cache_tokens=4096) for q in QUANTS}
+def decode_steps(
+    model: str, dtype: str, runs: int, tokens: int, quants: tuple[str | None, ...] = QUANTS
+) -> None:
+    engines = {q: Engine(model, dtype=dtype, quantization=q, kv_cache_tokens=4096) for q in quants}
     prompt = engines[None].tokenizer.encode("The history of the printing press began")
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    ratios = []
-    medians: dict[str | None, list[float]] = {q: [] for q in QUANTS}
+    medians: dict[str | None, list[float]] = {q: [] for q in quants}
     for run in range(runs):
-        steps: dict[str | None, list[float]] = {q: [] for q in QUANTS}
+        steps: dict[str | None, list[float]] = {q: [] for q in quants}
         for e in engines.values():
             e.add_request(f"r{run}", prompt, params)
             e.step()  # the prefill
@@ -93,25 +97,25 @@ def decode_steps(model: str, dtype: str, runs: int, tokens: int) -> None:
                     t0 = time.perf_counter()
                     e.step()
                     steps[q].append((time.perf_counter() - t0) * 1e3)
-        for q in QUANTS:
+        for q in quants:
             medians[q].append(statistics.median(steps[q][2:]))
-        ratios.append(medians["int8"][-1] / medians[None][-1])
-        print(
-            f"  round {run}: unquantized {medians[None][-1]:.2f} ms, int8 "
-            f"{medians['int8'][-1]:.2f} ms, ratio {ratios[-1]:.3f}",
-            flush=True,
+        row = ", ".join(
+            f"{label(q)} {medians[q][-1]:.2f} ms ({medians[q][-1] / medians[None][-1]:.3f}x)"
+            for q in quants
         )
-    print(
-        f"decode step at batch 1 ({dtype}, {tokens} tokens, {runs} rounds): median "
-        f"unquantized {statistics.median(medians[None]):.2f} ms, int8 "
-        f"{statistics.median(medians['int8']):.2f} ms, int8/unquantized "
-        f"{statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})"
-    )
+        print(f"  round {run}: {row}", flush=True)
+    print(f"decode step at batch 1 ({dtype}, {tokens} tokens, {runs} rounds), medians:")
+    for q in quants:
+        ratios = [m / b for m, b in zip(medians[q], medians[None], strict=True)]
+        print(
+            f"  {label(q):12s} {statistics.median(medians[q]):.2f} ms, /unquantized "
+            f"{statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})"
+        )
 
 
-def load_memory(model: str, dtype: str) -> None:
+def load_memory(model: str, dtype: str, quants: tuple[str | None, ...] = QUANTS) -> None:
     print(f"load ({dtype}), each in a fresh process:")
-    for quant in QUANTS:
+    for quant in quants:
         out = subprocess.run(
             [sys.executable, "-c", CHILD, model, dtype, quant or ""],
             capture_output=True,
@@ -133,13 +137,19 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--only", choices=("perplexity", "step", "memory"), default=None)
+    ap.add_argument(
+        "--quantizations",
+        default="none,int8,gguf",
+        help="compared: none (unquantized, always the baseline), int8, gguf (the GGUF's own blocks)",
+    )
     args = ap.parse_args()
+    quants = (None, *(q for q in args.quantizations.split(",") if q in QUANTS))
     if args.only in (None, "memory"):
-        load_memory(args.model, args.dtype)
+        load_memory(args.model, args.dtype, quants)
     if args.only in (None, "perplexity"):
-        perplexity(args.model, args.dtype)
+        perplexity(args.model, args.dtype, quants)
     if args.only in (None, "step"):
-        decode_steps(args.model, args.dtype, args.runs, args.tokens)
+        decode_steps(args.model, args.dtype, args.runs, args.tokens, quants)
 
 
 if __name__ == "__main__":
