@@ -10,14 +10,26 @@
 //
 // Two paths:
 // - up to kDecodeRows rows of x (a decode step): each weight row is read once, its blocks decoded
-//   in registers (AVX2) and multiplied against up to 4 rows of x per decode, several float32
-//   accumulators per row so the FMA chains overlap. Workers own contiguous runs of output rows,
+//   in registers (AVX2) and multiplied against all those rows of x, several float32
+//   accumulators per row so the FMA chains overlap. Nibbles become floats without an
+//   int-to-float conversion (a small integer's float32 is its bf16 bits shifted up 16: two byte
+//   lookups and unpacks), which leaves a group's weights in a fixed permutation (nibble_order):
+//   x's groups are permuted to match once per call. Workers own contiguous runs of output rows,
 //   so each streams one contiguous stretch of the weight from DRAM.
-// - more rows (a prefill chunk), or the portable build: a panel of kPanel weight rows is decoded
-//   into a float32 scratch (L2-resident) and every row of x runs through it with a register-tiled
-//   FMA loop of dot products.
+// - more rows (a prefill chunk): a panel of 16 weight rows is decoded and packed k-major into a
+//   float32 scratch (L1/L2-resident) and every row of x runs through it with a 6 x 16 register
+//   tile of FMAs, as radixkv's float32 GEMM runs over its packed weight (AVX2 builds); the
+//   portable build decodes kPanel rows into a row-major scratch and tiles dot products over it.
 //
 // Bytes of a block, per 32 weights: Q4_0 18, Q4_1 20, Q8_0 34, Q4_K 18, Q6_K 26.25.
+//
+// Measured (bench/bench_quant_gemm.py, AMD EPYC Zen 3, AVX2, 2 threads, SmolLM2-135M's linears,
+// weights streamed from DRAM, medians; 2026-12-07): a forward's linears (30 layers + lm_head)
+// take, Q4_1 layers with the Q8_0 head of SmolLM2's Q4_1 file vs radixkv's float32 GEMM vs
+// F.linear: 1 row 8.0 / 20.4 / 34.8 ms, 4 rows 12.4 / 18.9 / 72.8, 8 rows 24.1 / 23.3 / 67.8,
+// 64 rows 110 / 102 / 182. At 1 row the decode runs at 10.5 GB/s of Q4_1 (17 G weights/s) and
+// 19.5 GB/s of Q8_0, below the host's streaming rate (f32_gemm reads 26-28 GB/s): the decode's
+// shuffles and FMAs, not DRAM, bound it.
 
 #include "cpu_quant_linear.h"
 
@@ -43,7 +55,7 @@ namespace {
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
 // Rows of x up to which the register-decode path runs (AVX2 builds); the panel path above.
-constexpr int64_t kDecodeRows = 8;
+constexpr int64_t kDecodeRows = 8;  // 5-8 rows: two decodes a block, 0.7-0.8x the panel's time
 // Weight rows decoded into the scratch per panel (a multiple of the panel tile's kNr).
 constexpr int64_t kPanel = 12;
 
@@ -71,32 +83,62 @@ inline void k4_scale_min(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
   }
 }
 
-// 32 consecutive decoded weights: four 8-float vectors on AVX2, an array otherwise.
+// 32 decoded weights of a group: four 8-float vectors on AVX2, an array otherwise. The nibble
+// formats' AVX2 decode yields them in kNibbleOrder (below), the others in order.
 #if RADIXKV_QUANT_AVX2
 struct Group {
   __m256 v[4];
 };
+// Lane p of the nibble decode's vectors (v[p / 8][p % 8]) holds weight kNibbleOrder[p] of the
+// group: each 128-bit half of v[j] holds 4 consecutive weights, 4 j (low half) and 16 + 4 j
+// (high half), the order in-lane unpacks leave them in.
+inline int64_t nibble_order(int64_t p) { return 4 * (p / 8) + p % 4 + 16 * (p % 8 / 4); }
+template <bool Nibbles>
 inline void store_group(float* dst, const Group& g) {
-  for (int j = 0; j < 4; ++j) _mm256_storeu_ps(dst + 8 * j, g.v[j]);
+  for (int j = 0; j < 4; ++j) {
+    if (Nibbles) {
+      _mm_storeu_ps(dst + 4 * j, _mm256_castps256_ps128(g.v[j]));
+      _mm_storeu_ps(dst + 16 + 4 * j, _mm256_extractf128_ps(g.v[j], 1));
+    } else {
+      _mm256_storeu_ps(dst + 8 * j, g.v[j]);
+    }
+  }
 }
-// 8 bytes (the low half of v) widened to floats, signed or unsigned.
+// 8 bytes (the low half of v) widened to floats.
 inline __m256 cvt_i8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
-inline __m256 cvt_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-// 16 bytes -> two vectors of a group: signed ones scaled, unsigned ones scaled and offset (d q
-// exact, one rounding).
+// 16 signed bytes -> two vectors of a group, scaled (d q exact, one rounding).
 inline void widen16(__m128i b, __m256 d, __m256* v) {
   v[0] = _mm256_mul_ps(cvt_i8(b), d);
   v[1] = _mm256_mul_ps(cvt_i8(_mm_unpackhi_epi64(b, b)), d);
 }
-inline void widen16_fma(__m128i b, __m256 d, __m256 m, __m256* v) {
-  v[0] = _mm256_fmadd_ps(cvt_u8(b), d, m);
-  v[1] = _mm256_fmadd_ps(cvt_u8(_mm_unpackhi_epi64(b, b)), d, m);
+// 32 nibbles q (one a byte; lane 0 weights 0-15, lane 1 weights 16-31) -> d q + m in kNibbleOrder.
+// A small integer's float32 has its low 16 bits zero, so float(q) is its bf16 bits (two byte
+// lookups) shifted up 16: four shuffles and an unpack per 8 weights, no int-to-float conversion.
+inline void nibbles_fma(__m256i q, __m256 d, __m256 m, __m256* v) {
+  // bf16 bits of 0.0, 1.0, ..., 15.0: low bytes, high bytes (each 128-bit lane looks up its own)
+  const __m256i lut_lo = _mm256_setr_epi8(0, -128, 0, 64, -128, -96, -64, -32, 0, 16, 32, 48, 64,
+                                          80, 96, 112, 0, -128, 0, 64, -128, -96, -64, -32, 0, 16,
+                                          32, 48, 64, 80, 96, 112);
+  const __m256i lut_hi = _mm256_setr_epi8(0, 63, 64, 64, 64, 64, 64, 64, 65, 65, 65, 65, 65, 65,
+                                          65, 65, 0, 63, 64, 64, 64, 64, 64, 64, 65, 65, 65, 65,
+                                          65, 65, 65, 65);
+  const __m256i lo = _mm256_shuffle_epi8(lut_lo, q), hi = _mm256_shuffle_epi8(lut_hi, q);
+  const __m256i p0 = _mm256_unpacklo_epi8(lo, hi), p1 = _mm256_unpackhi_epi8(lo, hi);
+  const __m256i z = _mm256_setzero_si256();
+  v[0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, p0)), d, m);
+  v[1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, p0)), d, m);
+  v[2] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, p1)), d, m);
+  v[3] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, p1)), d, m);
 }
 #else
 struct Group {
   float v[32];
 };
-inline void store_group(float* dst, const Group& g) { std::memcpy(dst, g.v, sizeof(g.v)); }
+inline int64_t nibble_order(int64_t p) { return p; }
+template <bool Nibbles>
+inline void store_group(float* dst, const Group& g) {
+  std::memcpy(dst, g.v, sizeof(g.v));
+}
 #endif
 
 // Each format: kBlock weights in kBytes bytes; groups(block, f) calls f(g, group) for its
@@ -109,17 +151,18 @@ template <bool HasMin>
 struct Nibbles32 {
   static constexpr int64_t kBlock = 32, kBytes = HasMin ? 20 : 18;
   static constexpr const char* kName = HasMin ? "Q4_1" : "Q4_0";
+  static constexpr bool kNibbles = true;
   template <class F>
   static void groups(const uint8_t* b, F&& f) {
     const float d = fp16(b), m = HasMin ? fp16(b + 2) : -8.f * d;
     const uint8_t* qs = b + (HasMin ? 4 : 2);
     Group g;
 #if RADIXKV_QUANT_AVX2
-    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    widen16_fma(_mm_and_si128(q, m4), dv, mv, g.v);
-    widen16_fma(_mm_and_si128(_mm_srli_epi16(q, 4), m4), dv, mv, g.v + 2);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4),
+                                         _mm_and_si128(q, m4));
+    nibbles_fma(nib, _mm256_set1_ps(d), _mm256_set1_ps(m), g.v);
 #else
     for (int i = 0; i < 16; ++i) {
       g.v[i] = d * static_cast<float>(qs[i] & 0xF) + m;
@@ -135,6 +178,7 @@ using Q4_1 = Nibbles32<true>;
 struct Q8_0 {
   static constexpr int64_t kBlock = 32, kBytes = 34;
   static constexpr const char* kName = "Q8_0";
+  static constexpr bool kNibbles = false;
   template <class F>
   static void groups(const uint8_t* b, F&& f) {
     Group g;
@@ -156,6 +200,7 @@ struct Q8_0 {
 struct Q4_K {
   static constexpr int64_t kBlock = 256, kBytes = 144;
   static constexpr const char* kName = "Q4_K";
+  static constexpr bool kNibbles = true;
   template <class F>
   static void groups(const uint8_t* b, F&& f) {
     const float d = fp16(b), dmin = fp16(b + 2);
@@ -173,8 +218,7 @@ struct Q4_K {
         const int s = 2 * j + h;
         const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc[s]));
         const __m256 ms = _mm256_set1_ps(-(dmin * static_cast<float>(mn[s])));
-        widen16_fma(_mm256_castsi256_si128(nib[h]), ds, ms, g.v);
-        widen16_fma(_mm256_extracti128_si256(nib[h], 1), ds, ms, g.v + 2);
+        nibbles_fma(nib[h], ds, ms, g.v);
         f(s, g);
       }
 #else
@@ -198,6 +242,7 @@ struct Q4_K {
 struct Q6_K {
   static constexpr int64_t kBlock = 256, kBytes = 210;
   static constexpr const char* kName = "Q6_K";
+  static constexpr bool kNibbles = false;
   template <class F>
   static void groups(const uint8_t* b, F&& f) {
     const float d = fp16(b + 208);
@@ -244,7 +289,7 @@ template <class Q>
 inline void decode_row(const uint8_t* w, int64_t nb, float* dst) {
   for (int64_t b = 0; b < nb; ++b) {
     Q::groups(w + b * Q::kBytes,
-              [&](int g, const Group& grp) { store_group(dst + b * Q::kBlock + 32 * g, grp); });
+              [&](int g, const Group& grp) { store_group<Q::kNibbles>(dst + b * Q::kBlock + 32 * g, grp); });
   }
 }
 
@@ -313,6 +358,7 @@ void decode_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x
 }
 #endif
 
+#if !RADIXKV_QUANT_AVX2
 // The panel path's register tile: MR rows of x by NR decoded weight rows (wf, row stride k),
 // dot products over k (a multiple of 32) in vectors of the build's width.
 constexpr int kMr = 4, kNr = 3;
@@ -372,6 +418,111 @@ void panel_rows_range(const uint8_t* w, int64_t row_bytes, int64_t nb, const flo
   }
 }
 
+#endif
+
+#if RADIXKV_QUANT_AVX2
+// The AVX2 builds' panel: kPackCols weight rows decoded, then packed k-major (packed[kk * 16 +
+// i] = Wdeq[row i, kk]) so a kPackMr x 2 register tile of FMAs runs over it as radixkv's float32
+// GEMM does over its packed weight: per k, two weight vectors, one broadcast of x per row.
+constexpr int64_t kPackCols = 16;
+constexpr int kPackMr = 6;
+
+// The 8 x 8 floats r[0..7] (rows) transposed in place (r[j] becomes column j).
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Weight rows [p0, p0 + p) (p <= kPackCols) decoded into rows [kPackCols, k] (rows past p
+// zero), then packed into packed [k, kPackCols].
+template <class Q>
+void pack_panel(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t p0, int64_t p,
+                float* rows, float* packed) {
+  for (int64_t i = 0; i < kPackCols; ++i) {
+    if (i < p) decode_row<Q>(w + (p0 + i) * row_bytes, k / Q::kBlock, rows + i * k);
+    else std::memset(rows + i * k, 0, k * sizeof(float));
+  }
+  for (int64_t h = 0; h < kPackCols / 8; ++h) {
+    for (int64_t kk = 0; kk < k; kk += 8) {
+      __m256 t[8];
+      for (int c = 0; c < 8; ++c) t[c] = _mm256_loadu_ps(rows + (8 * h + c) * k + kk);
+      transpose8(t);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(packed + (kk + j) * kPackCols + 8 * h, t[j]);
+    }
+  }
+}
+
+// MR rows of x times the packed panel into c [MR, kPackCols].
+template <int MR>
+inline void packed_tile(const float* x, int64_t k, const float* packed, float* c) {
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < 2; ++q) acc[r][q] = _mm256_setzero_ps();
+  // k >= 32: a do-while (with a loop that may run zero times GCC kept the accumulators in
+  // memory as well, a store after every FMA)
+  int64_t kk = 0;
+  do {
+    const __m256 b0 = _mm256_loadu_ps(packed + kk * kPackCols);
+    const __m256 b1 = _mm256_loadu_ps(packed + kk * kPackCols + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * k + kk);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  } while (++kk < k);
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < 2; ++q) _mm256_storeu_ps(c + r * kPackCols + 8 * q, acc[r][q]);
+}
+
+template <int MR = kPackMr>
+inline void packed_rows(int64_t rows, const float* x, int64_t k, const float* packed, float* c) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return packed_tile<MR>(x, k, packed, c);
+    packed_rows<MR - 1>(rows, x, k, packed, c);
+  }
+}
+
+// Output rows [n0, n1) for all m rows of x, kPackCols weight rows per packed panel; scratch
+// holds 2 kPackCols k floats.
+template <class Q, class Out>
+void packed_rows_range(const uint8_t* w, int64_t row_bytes, const float* x, int64_t m, int64_t k,
+                       Out* y, int64_t ldy, int64_t n0, int64_t n1, float* scratch) {
+  float* packed = scratch + kPackCols * k;
+  for (int64_t p0 = n0; p0 < n1; p0 += kPackCols) {
+    const int64_t p = std::min(kPackCols, n1 - p0);
+    pack_panel<Q>(w, row_bytes, k, p0, p, scratch, packed);
+    for (int64_t r0 = 0; r0 < m; r0 += kPackMr) {
+      const int64_t rows = std::min<int64_t>(kPackMr, m - r0);
+      alignas(32) float c[kPackMr * kPackCols];
+      packed_rows(rows, x + r0 * k, k, packed, c);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t i = 0; i < p; ++i) put(y + (r0 + r) * ldy + p0 + i, c[r * kPackCols + i]);
+      }
+    }
+  }
+}
+#endif
+
+// A worker's panel scratch, in floats per input.
+#if RADIXKV_QUANT_AVX2
+constexpr int64_t kPanelScratch = 2 * kPackCols;
+#else
+constexpr int64_t kPanelScratch = kPanel;
+#endif
+
 // y [m, >= n] (row stride ldy) = x [m, k] float32 times the n rows of w, workers over contiguous
 // runs of output rows.
 template <class Q, class Out>
@@ -382,18 +533,31 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int
   // a worker's run of rows is a multiple of 4 (panel rows / a cache line of float outputs)
   const int64_t units = (n + 3) / 4;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  // the decode path multiplies a nibble format's groups in kNibbleOrder: x's groups reordered
+  // to match, once per call
+  std::vector<float> reordered;
+  const float* xd = x;
+  if (decode && Q::kNibbles && RADIXKV_QUANT_AVX2) {
+    reordered.resize(m * k);
+    for (int64_t i = 0; i < m * k; i += 32) {
+      for (int64_t p = 0; p < 32; ++p) reordered[i + p] = x[i + nibble_order(p)];
+    }
+    xd = reordered.data();
+  }
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scratch(decode ? 0 : kPanel * k);
+    std::vector<float> scratch(decode ? 0 : kPanelScratch * k);
     for (int64_t wk = w0; wk < w1; ++wk) {
       const int64_t n0 = std::min(n, units * wk / workers * 4);
       const int64_t n1 = std::min(n, units * (wk + 1) / workers * 4);
 #if RADIXKV_QUANT_AVX2
       if (decode) {
-        decode_rows<Q>(w, row_bytes, nb, x, m, k, y, ldy, n0, n1);
-        continue;
+        decode_rows<Q>(w, row_bytes, nb, xd, m, k, y, ldy, n0, n1);
+      } else {
+        packed_rows_range<Q>(w, row_bytes, x, m, k, y, ldy, n0, n1, scratch.data());
       }
-#endif
+#else
       panel_rows_range<Q>(w, row_bytes, nb, x, m, k, y, ldy, n0, n1, scratch.data());
+#endif
     }
   });
 }
