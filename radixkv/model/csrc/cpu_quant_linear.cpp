@@ -72,6 +72,22 @@ inline float fp16(const uint8_t* p) {
 #endif
 }
 
+#if RADIXKV_QUANT_AVX2
+// Every fp16's float32 (256 KB, filled once by init_half_table before the first kernel runs):
+// the 32-blocks' decode turns its scales into vectors with a table load and a broadcast load,
+// which leaves the vector pipes to the shuffles and FMAs (M=1 on Q4_1: 9.0 -> 8.0 cycles a
+// block, Zen 3); a matrix's scales touch few of the table's lines.
+float g_half[65536];
+void init_half_table() {
+  static const bool done = [] {
+    for (uint32_t h = 0; h < 65536; ++h) g_half[h] = fp16(reinterpret_cast<const uint8_t*>(&h));
+    return true;
+  }();
+  (void)done;
+}
+inline __m256 fp16_splat(const uint8_t* p) { return _mm256_broadcast_ss(g_half + load_u16(p)); }
+#endif
+
 // Q4_K's 8 six-bit sub-block scales and minimums from its 12 packed bytes (ggml's
 // get_scale_min_k4).
 inline void k4_scale_min(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
@@ -154,16 +170,18 @@ struct Nibbles32 {
   static constexpr bool kNibbles = true;
   template <class F>
   static void groups(const uint8_t* b, F&& f) {
-    const float d = fp16(b), m = HasMin ? fp16(b + 2) : -8.f * d;
     const uint8_t* qs = b + (HasMin ? 4 : 2);
     Group g;
 #if RADIXKV_QUANT_AVX2
+    const __m256 d = fp16_splat(b);
+    const __m256 m = HasMin ? fp16_splat(b + 2) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4),
                                          _mm_and_si128(q, m4));
-    nibbles_fma(nib, _mm256_set1_ps(d), _mm256_set1_ps(m), g.v);
+    nibbles_fma(nib, d, m, g.v);
 #else
+    const float d = fp16(b), m = HasMin ? fp16(b + 2) : -8.f * d;
     for (int i = 0; i < 16; ++i) {
       g.v[i] = d * static_cast<float>(qs[i] & 0xF) + m;
       g.v[i + 16] = d * static_cast<float>(qs[i] >> 4) + m;
@@ -183,7 +201,7 @@ struct Q8_0 {
   static void groups(const uint8_t* b, F&& f) {
     Group g;
 #if RADIXKV_QUANT_AVX2
-    const __m256 d = _mm256_set1_ps(fp16(b));
+    const __m256 d = fp16_splat(b);
     widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), d, g.v);
     widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)), d, g.v + 2);
 #else
@@ -617,6 +635,9 @@ void quant_gemm_into(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type
     TORCH_CHECK(out.stride(1) == 1 || out.size(1) <= 1, fn,
                 ": out's last stride must be 1, got ", out.strides());
     if (m == 0 || n == 0) return;
+#if RADIXKV_QUANT_AVX2
+    init_half_table();
+#endif
     const at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat);
     const float* xp = xf.data_ptr<float>();
     const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -655,6 +676,9 @@ at::Tensor quant_dequantize_rows(const at::Tensor& w, int64_t ggml_type, const a
       TORCH_CHECK(idp[i] >= 0 && idp[i] < n, fn, ": ids[", i, "] = ", idp[i],
                   " is out of range for ", n, " rows");
     }
+#if RADIXKV_QUANT_AVX2
+    init_half_table();
+#endif
     at::Tensor out = at::empty({t, k}, w.options().dtype(at::kFloat));
     float* op = out.data_ptr<float>();
     const uint8_t* wp = w.data_ptr<uint8_t>();
