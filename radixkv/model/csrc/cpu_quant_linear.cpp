@@ -574,6 +574,7 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int
         packed_rows_range<Q>(w, row_bytes, x, m, k, y, ldy, n0, n1, scratch.data());
       }
 #else
+      (void)xd;  // the portable build has no decode path
       panel_rows_range<Q>(w, row_bytes, nb, x, m, k, y, ldy, n0, n1, scratch.data());
 #endif
     }
