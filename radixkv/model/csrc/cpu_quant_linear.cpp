@@ -26,10 +26,10 @@
 // Measured (bench/bench_quant_gemm.py, AMD EPYC Zen 3, AVX2, 2 threads, SmolLM2-135M's linears,
 // weights streamed from DRAM, medians; 2026-12-07): a forward's linears (30 layers + lm_head)
 // take, Q4_1 layers with the Q8_0 head of SmolLM2's Q4_1 file vs radixkv's float32 GEMM vs
-// F.linear: 1 row 8.0 / 20.4 / 34.8 ms, 4 rows 12.4 / 18.9 / 72.8, 8 rows 24.1 / 23.3 / 67.8,
-// 64 rows 110 / 102 / 182. At 1 row the decode runs at 10.5 GB/s of Q4_1 (17 G weights/s) and
-// 19.5 GB/s of Q8_0, below the host's streaming rate (f32_gemm reads 26-28 GB/s): the decode's
-// shuffles and FMAs, not DRAM, bound it.
+// F.linear: 1 row 7.4 / 18.7 / 33.8 ms, 4 rows 12.5 / 17.2 / 70.4 (with the fp16 table); before
+// it, 8 rows 24.1 / 23.3 / 67.8, 64 rows 110 / 102 / 182. At 1 row the decode runs at 12 GB/s of
+// Q4_1 (19 G weights/s) and 21 GB/s of Q8_0, below the host's streaming rate (f32_gemm reads
+// 26-32 GB/s): the decode's instructions, not DRAM, bound it.
 
 #include "cpu_quant_linear.h"
 
