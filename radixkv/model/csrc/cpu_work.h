@@ -12,8 +12,8 @@ namespace radixkv_work {
 
 // Runs every item of `items` (each with an int64 `cost`): sorted longest first, taken from a
 // shared counter by at most one worker per torch thread, so causal prefills (whose later blocks
-// cost more) balance. Each worker makes its scratch once with `make_scratch()` and calls
-// `run(item, scratch)` per item. While more than two items per worker are left, a worker
+// cost more) balance. Each worker gets its scratch once from `make_scratch()` (a value, or a
+// reference to one its thread keeps) and calls `run(item, scratch)` per item. While more than two items per worker are left, a worker
 // takes its next item before running the current one and calls `prefetch(next, scratch)`
 // first, so the next item's first memory is on its way while the current one computes (a
 // decode's K/V pages come cold from DRAM after the linears).
@@ -27,7 +27,7 @@ void run_longest_first(std::vector<Item>& items, MakeScratch make_scratch, Run r
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    auto scratch = make_scratch();
+    decltype(auto) scratch = make_scratch();  // a value, or a reference to a reused one
     int64_t i = next.fetch_add(1);
     while (i < n_items) {
       // Take ahead only while many items are left: with few, and long, ones (a prefill's) a
