@@ -124,10 +124,9 @@ def split_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` of the fused QKV rows ``[T, (Hq + 2 Hkv) D]``."""
     hq, hkv, d = heads
-    t = qkv.shape[0]
-    q = qkv[:, : hq * d].view(t, hq, d)
-    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    # two ops (``split_with_sizes``: no Python wrapper) where six slices and views cost ~10 us
+    # a layer on the Zen 3 host
+    q, k, v = qkv.view(qkv.shape[0], hq + 2 * hkv, d).split_with_sizes((hq, hkv, hkv), 1)
     return q, k, v
 
 

@@ -33,7 +33,7 @@ prompt's KV once per step, not 64 times.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from radixkv.model.attention.base import (
     AttentionBackend,
     ForwardBatch,
     rows_contiguous,
+    split_qkv,
     torch_store_kvcache,
 )
 from radixkv.model.attention.prefix_groups import PrefixGroup, shared_prefix_groups
@@ -156,6 +157,11 @@ class NativeAttnMeta:
     extend_lens: list[int]
     extend_starts: list[int]
     groups: list[PrefixGroup]
+    #: ``groups`` as the kernels take them (members, offsets, shared), made once per step
+    group_args: tuple[list[int], list[int], list[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.group_args = _group_lists(self.groups)
 
 
 class NativeAttentionBackend(AttentionBackend):
@@ -275,6 +281,45 @@ def native_paged_attention_f32(
 
 class NativeCascadeBackend(NativeAttentionBackend):
     """CPU backend over the float32-math kernel (any ISA), with the same shared-prefix groups."""
+
+    def forward_qkv(
+        self,
+        ops: Any,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: tuple[int, int, int],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        sm_scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """:meth:`AttentionBackend.forward_qkv` with float32 rows over a float32 pool in three
+        native calls (RoPE, the store, the kernel) and no Python between them: the per-layer
+        wrappers' checks and conversions cost ~25 us a layer, as much as a 1-token decode's
+        kernel (Zen 3). Other dtypes and quantized pools take the general path."""
+        if qkv.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            return super().forward_qkv(
+                ops, qkv, cos, sin, heads, k_cache, v_cache, meta, sm_scale, window
+            )
+        hq, hkv, d = heads
+        module: Any = self.module  # never None: __init__ raises without a build
+        ops.rope_(qkv, cos, sin, hq + hkv, d)
+        q, k, v = split_qkv(qkv, heads)  # each token's k, v row contiguous (store_kv_'s rule)
+        module.store_kv_(k, v, k_cache, v_cache, meta.out_slots)
+        return module.paged_attention_f32(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.prefix_lens,
+            meta.extend_lens,
+            meta.extend_starts,
+            float(sm_scale),
+            *meta.group_args,
+            int(window or 0),
+        )
 
     def forward(
         self,
