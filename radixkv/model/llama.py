@@ -19,7 +19,7 @@ The attention reads and writes the KV pool through a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,19 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class FusedParts(NamedTuple):
+    """What :meth:`DecoderLayer.forward_fused` calls, looked up once (see ``_fused_parts``)."""
+
+    norm_in: RMSNorm
+    post_norm: RMSNorm
+    qkv: nn.Module
+    o: nn.Module
+    #: the dense gate/up projection; a sparse layer's experts (``moe(h, act)``)
+    gate_up: nn.Module
+    #: the down projection; None in a sparse layer
+    down: nn.Module | None
+
+
 def _norm_or_none(present: bool, dim: int, eps: float) -> RMSNorm | None:
     return RMSNorm(dim, eps) if present else None
 
@@ -107,6 +120,27 @@ class DecoderLayer(nn.Module):
         if self.moe is None:
             self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
             self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__.pop("_parts_cache", None)  # a submodule may change: look them up afresh
+        super().__setattr__(name, value)
+
+    def _fused_parts(self) -> FusedParts:
+        """``(input norm, post-attention norm, qkv, o, gate_up, down)`` for :meth:`forward_fused`,
+        whose ``forward`` it calls (``nn.Module.__call__`` and ``__getattr__`` cost ~1 us each,
+        ~13 us a layer on the Zen 3 host); made once, again after any attribute of the layer is
+        set. A sparse layer's gate_up is its experts, its down None."""
+        parts = self.__dict__.get("_parts_cache")
+        if parts is None:
+            norm_in, post = self.input_layernorm, self.post_attention_layernorm
+            assert norm_in is not None and post is not None
+            attn = (norm_in, post, self.qkv_proj, self.o_proj)
+            if self.moe is None:
+                parts = FusedParts(*attn, self.gate_up_proj, self.down_proj)
+            else:
+                parts = FusedParts(*attn, self.moe, None)
+            self.__dict__["_parts_cache"] = parts
+        return parts
 
     def norm_qk_(self, qkv: torch.Tensor) -> None:
         """q/k RMSNorm of the fused projection's rows, in place (before RoPE)."""
@@ -198,16 +232,17 @@ class DecoderLayer(nn.Module):
         cos 1 and sin 0). Returns this layer's MLP output, pending for the next.
         """
         t = x.shape[0]
-        norm_in = self.input_layernorm
-        assert norm_in is not None and self.post_attention_layernorm is not None
+        norm_in, post, qkv_proj, o_proj, gate_up_proj, down_proj = self._fused_parts()
+        w_in = norm_in._parameters["weight"]  # the weight as placed (no __getattr__)
         h = (
-            ops.rms_norm(x, norm_in.weight, norm_in.eps)
+            ops.rms_norm(x, w_in, norm_in.eps)
             if pending is None
-            else ops.add_rms_norm(x, pending, norm_in.weight, norm_in.eps)
+            else ops.add_rms_norm(x, pending, w_in, norm_in.eps)
         )
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        qkv = self.qkv_proj(h)
-        self.norm_qk_(qkv)
+        qkv = qkv_proj.forward(h)
+        if self.q_norm is not None:
+            self.norm_qk_(qkv)
         tables = rope[self.rope_kind]
         assert tables is not None
         plan = windows.get(self.window) if self.window is not None else None
@@ -220,12 +255,14 @@ class DecoderLayer(nn.Module):
             o = backend.forward_qkv(
                 ops, qkv, tables[0], tables[1], heads, k_cache, v_cache, meta, self.sm_scale, window
             )
-        a = self.o_proj(o.reshape(t, self.q_size))
+        a = o_proj.forward(o.reshape(t, self.q_size))
         if self.residual_multiplier != 1.0:
             a.mul_(self.residual_multiplier)
-        post = self.post_attention_layernorm
-        h = ops.add_rms_norm(x, a, post.weight, post.eps)
-        m = self._mlp(h, ops.silu_mul)
+        h = ops.add_rms_norm(x, a, post._parameters["weight"], post.eps)
+        if down_proj is None:  # the routed experts
+            m = gate_up_proj(h, ops.silu_mul)
+        else:
+            m = down_proj.forward(ops.silu_mul(gate_up_proj.forward(h)))
         if self.residual_multiplier != 1.0:
             m.mul_(self.residual_multiplier)
         return m
