@@ -233,7 +233,7 @@ class DecoderLayer(nn.Module):
         """
         t = x.shape[0]
         norm_in, post, qkv_proj, o_proj, gate_up_proj, down_proj = self._fused_parts()
-        w_in = norm_in._parameters["weight"]  # the weight as placed (no __getattr__)
+        w_in = norm_in.weight
         h = (
             ops.rms_norm(x, w_in, norm_in.eps)
             if pending is None
@@ -258,7 +258,7 @@ class DecoderLayer(nn.Module):
         a = o_proj.forward(o.reshape(t, self.q_size))
         if self.residual_multiplier != 1.0:
             a.mul_(self.residual_multiplier)
-        h = ops.add_rms_norm(x, a, post._parameters["weight"], post.eps)
+        h = ops.add_rms_norm(x, a, post.weight, post.eps)
         if down_proj is None:  # the routed experts
             m = gate_up_proj(h, ops.silu_mul)
         else:
