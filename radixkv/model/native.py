@@ -57,6 +57,7 @@ _SOURCES = [
     _CSRC / "cpu_fused.cpp",
     _CSRC / "cpu_kv_store.cpp",
     _CSRC / "cpu_linear.cpp",
+    _CSRC / "cpu_quant_dot.cpp",
     _CSRC / "cpu_quant_linear.cpp",
     _CSRC / "cpu_sample.cpp",
 ]

@@ -5,6 +5,7 @@
 #include "cpu_fused.h"
 #include "cpu_kv_store.h"
 #include "cpu_linear.h"
+#include "cpu_quant_dot.h"
 #include "cpu_quant_linear.h"
 #include "cpu_sample.h"
 
@@ -119,6 +120,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm", &NoGil<&quant_gemm>::call,
         "quant_gemm_into into a new [M, N] tensor of x's dtype", pybind11::arg("x"),
         pybind11::arg("w"), pybind11::arg("ggml_type"));
+  m.def("quant_dot_types", &quant_dot_types,
+        "GGML type ids quant_gemm_q8_into multiplies (Q4_0 2, Q4_1 3, Q8_0 8)");
+  m.def("quant_dot_max_rows", &quant_dot_max_rows, "The most rows of x quant_gemm_q8_into takes");
+  m.def("quant_gemm_q8_into", &NoGil<&quant_gemm_q8_into>::call,
+        "out[:, :N] ~= x [M <= 8, K] float32 Wdeq^T with x quantized to int8 per 32-block "
+        "(scale amax / 127, float32) and integer block dots, as llama.cpp; w [N, row_bytes] uint8 "
+        "raw GGML rows of ggml_type; out float32, last stride 1",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("out"));
   m.def("quant_dequantize_rows", &NoGil<&quant_dequantize_rows>::call,
         "Rows ids (int64 [T]) of raw GGML rows w dequantized exactly, as [T, K] of dtype",
         pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("ids"),
