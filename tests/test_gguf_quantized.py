@@ -15,7 +15,10 @@ quantized from, rows in the wrong order) misses by far more than the contract.
   ``/v1/completions``;
 - SmolLM2's own Q4_1 file: logits within the FP32 contract of transformers' float64 forward of
   the same file, and the load's memory;
-- a model that is not a GGUF, or an architecture not built quantized, refused by name.
+- a model that is not a GGUF, or an architecture not built quantized, refused by name;
+- the int8-activation decode path (``RADIXKV_QUANT_ACTIVATIONS=int8``, the default: x quantized
+  per 32-block as llama.cpp does) within the BF16 contract; every other test here runs with
+  ``float`` activations (weights-only quantization), the FP32 contract's path.
 """
 
 from __future__ import annotations
@@ -63,6 +66,13 @@ def random_blocks(ggml_type: int, rows: int, k: int, seed: int) -> np.ndarray:
             scale = (scale * np.sign(g.uniform(-1, 1, scale.shape))).astype(np.float16)
         data[:, :, at : at + 2] = scale.view(np.uint8).reshape(rows, k // per_block, 2)
     return data.reshape(rows, -1)
+
+
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch):
+    """The FP32 contract is weights-only quantization's: the int8-activation path is off unless
+    a test turns it on."""
+    monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", "float")
 
 
 @pytest.fixture(params=["fallback", "native"])
@@ -212,6 +222,39 @@ def test_a_bf16_model_over_the_quantized_rows_is_within_the_bf16_contract(tmp_pa
     ids = [b + 3 for b in b"bf16 activations over Q4_1 blocks"]
     got = runner.forward(runner.build_batch([RequestSlice(ids, 0, list(range(8)))]), True)
     check_rows(got, oracle.logits(ids), oracle.references(ids, torch.bfloat16), BF16, "gguf bf16")
+
+
+@pytest.mark.parametrize(
+    ("name", "qtype"), [("llama3", "Q4_1"), ("qwen2", "Q8_0"), ("llama3", "Q4_0")]
+)
+def test_int8_activations_decode_within_the_bf16_contract(
+    name, qtype, tmp_path, weight_cache, monkeypatch
+):
+    """Decode rows (<= 8, float32) through quant_gemm_q8_into: x quantized to int8 per block
+    costs ~2^-8 relative per linear, bf16 activations' order, so the model is judged by the
+    BF16 contract against the float64 forward of the file's values; prefill rows (> 8) stay on
+    the float path. The op is counted, so the check cannot pass on the float path alone."""
+    monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", "int8")
+    module = quant_linear._native()
+    if not quant_linear.dot_types()[0]:
+        pytest.skip("the native build has no quant_gemm_q8_into here")
+    calls = [0]
+    op = module.quant_gemm_q8_into
+
+    def counted(*args):
+        calls[0] += 1
+        return op(*args)
+
+    monkeypatch.setattr(module, "quant_gemm_q8_into", counted)
+    path, oracle = tiny_gguf(name, qtype, tmp_path)
+    scenario = MixedScenario.build(oracle, VOCAB, decode_steps=4)
+    loaded = load_model(path, hf_model=False, quantization="gguf")
+    runner = ModelRunner(
+        loaded, num_pages=64, page_size=16, dtype=torch.float32, quantization="gguf"
+    )
+    assert runner.model.layers[0].qkv_proj.int8_rows == [8]
+    assert scenario.judge(scenario.run(runner), oracle, BF16, f"gguf int8-activations {qtype}") > 0
+    assert calls[0] > 0
 
 
 def test_the_engine_serves_a_quantized_gguf_greedy_with_a_prefix_hit(tmp_path, weight_cache):

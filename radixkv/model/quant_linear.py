@@ -22,11 +22,22 @@ the torch fallback (the segment dequantized per call by ``gguf.quants.dequantize
 head is a :class:`QuantLinear` over the same raw tensor, held once.
 
 Activations stay in the model's dtype (float32 or bfloat16); the output is in the input's.
+
+Decode rows: a float32 input of at most ``quant_dot_max_rows()`` (8) rows through a segment of a
+type in ``quant_dot_types()`` (Q4_0, Q4_1, Q8_0) runs ``quant_gemm_q8_into`` instead, which
+quantizes x per 32-block to int8 (float32 scale) and multiplies with integer dot products, as
+llama.cpp does (2-3x fewer instructions a weight than decoding the weight to float). That adds
+x's quantization error (``sum_b (d_b / 2) sum |w|`` per output, radixkv/model/csrc/
+cpu_quant_dot.cpp), so a model on it is held to the bf16 contract of tests/oracle.py, not
+float32's. The environment variable ``RADIXKV_QUANT_ACTIVATIONS``, read when a layer is built,
+chooses: ``int8`` (the default: llama.cpp's way) or ``float`` (weights-only quantization, the
+float32 contract, every row through ``quant_gemm_into``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
@@ -38,7 +49,18 @@ from torch import nn
 
 from radixkv.model.gguf_weights import block_shape, dequantize_rows, type_name
 
-__all__ = ["QuantEmbedding", "QuantLinear", "can_dequantize", "merge_segments", "native_types"]
+__all__ = [
+    "QuantEmbedding",
+    "QuantLinear",
+    "activation_mode",
+    "can_dequantize",
+    "dot_types",
+    "merge_segments",
+    "native_types",
+]
+
+#: ``RADIXKV_QUANT_ACTIVATIONS``'s values (the module docstring)
+ACTIVATION_MODES = ("int8", "float")
 
 log = logging.getLogger(__name__)
 _warned: set[int] = set()
@@ -70,6 +92,26 @@ def native_types() -> frozenset[int]:
     if module is None or not hasattr(module, "quant_gemm_types"):
         return frozenset()
     return frozenset(int(t) for t in module.quant_gemm_types())
+
+
+@cache
+def dot_types() -> tuple[frozenset[int], int]:
+    """The ggml types ``quant_gemm_q8_into`` multiplies and the most rows it takes (empty, 0
+    without the op)."""
+    module = _native()
+    if module is None or not hasattr(module, "quant_dot_types"):
+        return frozenset(), 0
+    return frozenset(int(t) for t in module.quant_dot_types()), int(module.quant_dot_max_rows())
+
+
+def activation_mode() -> str:
+    """``RADIXKV_QUANT_ACTIVATIONS`` (``int8`` when unset); raises on another value."""
+    mode = os.environ.get("RADIXKV_QUANT_ACTIVATIONS", "int8")
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(
+            f"RADIXKV_QUANT_ACTIVATIONS={mode!r}: use one of {', '.join(ACTIVATION_MODES)}"
+        )
+    return mode
 
 
 def _warn_fallback(ggml_type: int, what: str) -> None:
@@ -108,7 +150,8 @@ class QuantLinear(nn.Module):
 
     Invariants: every segment's rows dequantize to ``in_features`` values (whole blocks);
     ``kernels[i]`` is ``"native"`` (``quant_gemm_into``) or ``"dequantize"`` (the fallback) and
-    never changes; the raw tensors are never modified (a tied head shares the embedding's).
+    never changes; ``int8_rows[i]`` is the most float32 rows segment i multiplies with int8
+    activations (``quant_gemm_q8_into``; 0: never), fixed at construction; the raw tensors are never modified (a tied head shares the embedding's).
     Inference only."""
 
     def __init__(
@@ -141,6 +184,8 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         native = native_types()
         self.kernels = ["native" if t in native else "dequantize" for t in self.types]
+        served, max_rows = dot_types() if activation_mode() == "int8" else (frozenset(), 0)
+        self.int8_rows = [max_rows if t in served else 0 for t in self.types]
         for t, kernel in zip(self.types, self.kernels, strict=True):
             if kernel == "dequantize":
                 if not can_dequantize(t):
@@ -163,11 +208,15 @@ class QuantLinear(nn.Module):
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         module = None
-        for raw, ggml_type, off, kernel in zip(
-            self.raws, self.types, self.offsets, self.kernels, strict=True
+        m = rows.shape[0] if rows.dtype == torch.float32 else 0
+        for raw, ggml_type, off, kernel, int8_rows in zip(
+            self.raws, self.types, self.offsets, self.kernels, self.int8_rows, strict=True
         ):
             cols = out[:, off : off + raw.shape[0]]
-            if kernel == "native":
+            if 0 < m <= int8_rows:
+                module = module or _native()
+                module.quant_gemm_q8_into(rows, raw, ggml_type, cols)
+            elif kernel == "native":
                 module = module or _native()
                 module.quant_gemm_into(rows, raw, ggml_type, cols)
             else:
