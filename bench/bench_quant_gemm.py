@@ -8,7 +8,9 @@ For each shape (N x K: qkv 960 x 576, o_proj 576 x 576, gate_up 3072 x 576, down
 lm_head 49152 x 576) and row count M it times
 
 * ``q4_1``, ``q8_0``: ``quant_gemm_into`` over the raw GGML rows (``gguf.quants.quantize`` of a
-  random matrix), into a preallocated float32 output;
+  random matrix), into a preallocated float32 output: float activations;
+* ``q4_1_q8``, ``q8_0_q8`` (the q8dot columns, M <= 8 only): ``quant_gemm_q8_into`` over the same
+  rows, x quantized to int8 per block and integer dot products (llama.cpp's way);
 * ``f32_gemm``: radixkv's float32 GEMM over ``pack_f32_weight``'s layout;
 * ``F.linear``: torch's float32 linear (MKL) on the plain weight;
 
@@ -16,7 +18,8 @@ each over enough distinct copies of its weight (at least 160 MB in all) cycled c
 that every call reads its weight from DRAM, as a forward does (a decode step streams each
 layer's weights once). It prints milliseconds per call and the weight bytes read per second, and
 per M a ``model`` line: 30 layers of qkv + o_proj + gate_up + down plus one lm_head, the time a
-forward's linears take at these speeds (``q4_1`` with the Q8_0 head of SmolLM2's Q4_1 file).
+forward's linears take at these speeds (``q4_1`` with the Q8_0 head of SmolLM2's Q4_1 file, and
+``q4_1_q8`` with ``q8_0_q8``'s).
 Each call is timed alone and the paths interleave; a path's figure is the median over ``--rounds``
 rounds of calls (the host is shared: see :func:`median_time`).
 """
@@ -85,6 +88,11 @@ def paths(n: int, k: int, m: int, mod: object) -> tuple[dict[str, Callable[[int]
         qs = copies_of(torch.from_numpy(quants.quantize(w.numpy(), qtype)))
         fns[name] = lambda i, qs=qs, t=int(qtype): mod.quant_gemm_into(x, qs[i % len(qs)], t, out)
         nbytes[name] = qs[0].numel()
+        if m <= mod.quant_dot_max_rows():
+            fns[name + "_q8"] = lambda i, qs=qs, t=int(qtype): mod.quant_gemm_q8_into(
+                x, qs[i % len(qs)], t, out
+            )
+            nbytes[name + "_q8"] = nbytes[name]
     packed = copies_of(mod.pack_f32_weight(w))
     fns["f32_gemm"] = lambda i: mod.f32_gemm(x, packed[i % len(packed)])
     plain = copies_of(w)
@@ -105,11 +113,12 @@ def main() -> None:
     assert mod is not None, native.build_error()
     print("host:", format_platform_info(platform_info(torch.float32)))
     print(f"kernels: {native.kernel_isa()}, torch threads {torch.get_num_threads()}")
-    names = ("q4_1", "q8_0", "f32_gemm", "F.linear")
     for m in (int(r) for r in args.rows.split(",")):
+        names: tuple[str, ...] = ("q4_1", "q8_0", "f32_gemm", "F.linear")
+        if m <= mod.quant_dot_max_rows():
+            names = ("q4_1_q8", "q8_0_q8", *names)
         print(f"\nM={m}  " + "  ".join(f"{p:>20s}" for p in names) + "   (ms, weight GB/s)")
         model = dict.fromkeys(names, 0.0)
-        model["q4_1"] = 0.0
         for shape, (n, k, times) in SHAPES.items():
             fns, nbytes = paths(n, k, m, mod)
             with torch.inference_mode():
@@ -120,7 +129,7 @@ def main() -> None:
             print(f"{shape:8s} {n:5d}x{k:<4d} {cells}")
             for p in names:
                 # SmolLM2's Q4_1 file stores lm_head (token_embd) as Q8_0
-                src = "q8_0" if p == "q4_1" and shape == "lm_head" else p
+                src = p.replace("q4_1", "q8_0") if shape == "lm_head" else p
                 model[p] += best[src] * times
             del fns
         print(
@@ -128,6 +137,10 @@ def main() -> None:
             + "  ".join(f"{model[p] * 1e3:8.3f} {'':11s}" for p in names)
             + "  (30 layers + lm_head; q4_1 with a Q8_0 head)"
         )
+        if "q4_1_q8" in model:
+            print(
+                f"  q8dot / float activations (q4_1 model): {model['q4_1_q8'] / model['q4_1']:.2f}x"
+            )
 
 
 if __name__ == "__main__":
