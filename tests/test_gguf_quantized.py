@@ -328,16 +328,33 @@ def test_an_architecture_not_built_quantized_is_refused_by_name(tmp_path, weight
         load_model(str(path), hf_model=False, quantization="gguf")
 
 
+def _smollm2_runner() -> tuple[ModelRunner, object]:
+    """A float32 runner over SmolLM2's packaged Q4_1 file, quantized as stored, and the load."""
+    loaded = load_model("smollm2", hf_model=False, quantization="gguf")
+    runner = ModelRunner(
+        loaded, num_pages=8, page_size=16, dtype=torch.float32, quantization="gguf"
+    )
+    return runner, loaded
+
+
+def _check_smollm2(runner, real_model, real_oracle, tokens, contract, path) -> None:
+    """One forward of the first ``tokens`` (all: None) of a fixed sentence, every row's logits
+    within ``contract`` of the oracle."""
+    ids = real_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    ids = ids[:tokens]
+    got = runner.forward(runner.build_batch([RequestSlice(ids, 0, list(range(8)))]), True)
+    check_rows(
+        got, real_oracle.logits(ids), real_oracle.references(ids, contract.dtype), contract, path
+    )
+
+
 @pytest.mark.real_model
 def test_smollm2_q4_1_served_quantized_matches_transformers_float64(real_model, real_oracle):
     """The packaged file itself (210 Q4_1 tensors, a Q8_0 embedding tied to the head): every
     position's logits within the FP32 contract of transformers' float64 forward of the same
     file (transformers dequantizes the same blocks)."""
-    loaded = load_model("smollm2", hf_model=False, quantization="gguf")
+    runner, loaded = _smollm2_runner()
     assert isinstance(loaded.weights, GgufWeights)
-    runner = ModelRunner(
-        loaded, num_pages=8, page_size=16, dtype=torch.float32, quantization="gguf"
-    )
     held = sum(
         m.nbytes
         for m in runner.model.modules()
@@ -346,15 +363,7 @@ def test_smollm2_q4_1_served_quantized_matches_transformers_float64(real_model, 
     held += runner.model.embed_tokens.raw.numel()
     assert runner.model.lm_head.raws[0] is runner.model.embed_tokens.raw
     assert 0.97 < held / loaded.weights.path.stat().st_size <= 1.0  # the blocks, held once
-    ids = real_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
-    got = runner.forward(runner.build_batch([RequestSlice(ids, 0, list(range(8)))]), True)
-    check_rows(
-        got,
-        real_oracle.logits(ids),
-        real_oracle.references(ids, torch.float32),
-        FP32,
-        "gguf smollm2",
-    )
+    _check_smollm2(runner, real_model, real_oracle, None, FP32, "gguf smollm2")
 
 
 @pytest.mark.real_model
@@ -422,17 +431,6 @@ def test_smollm2_q4_1_int8_activations_within_the_bf16_contract(
     monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", "int8")
     if not quant_linear.dot_types()[0]:
         pytest.skip("the native build has no quant_gemm_q8_into here")
-    loaded = load_model("smollm2", hf_model=False, quantization="gguf")
-    runner = ModelRunner(
-        loaded, num_pages=8, page_size=16, dtype=torch.float32, quantization="gguf"
-    )
+    runner, _ = _smollm2_runner()
     assert runner.model.lm_head.int8_rows == [8]
-    ids = real_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because")[:8]
-    got = runner.forward(runner.build_batch([RequestSlice(ids, 0, list(range(8)))]), True)
-    check_rows(
-        got,
-        real_oracle.logits(ids),
-        real_oracle.references(ids, torch.bfloat16),
-        BF16,
-        "gguf smollm2 int8-activations",
-    )
+    _check_smollm2(runner, real_model, real_oracle, 8, BF16, "gguf smollm2 int8-activations")
