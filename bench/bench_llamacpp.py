@@ -10,7 +10,11 @@ both as ids; greedy, EOS ignored, ``--max-tokens`` each. The users arrive togeth
   once (its radix cache).
 - **radixkv-gguf**: the same with ``quantization="gguf"``: the file's own quantized blocks,
   multiplied without dequantizing the matrices (radixkv/model/gguf_quantized.py), activations
-  in the same dtype. ``--engines`` picks the engines (default: all three).
+  in the same dtype (weights-only quantization, radixkv's default).
+- **radixkv-gguf-int8**: the same with ``RADIXKV_QUANT_ACTIVATIONS=int8``: decode rows'
+  activations quantized per 32-block to int8 and multiplied by integer dot products, llama.cpp's
+  own scheme (opt-in in radixkv: bf16-class precision, radixkv/model/quant_linear.py).
+  ``--engines`` picks the engines (default: all four).
 - **llama.cpp**: llama-cpp-python's low-level API (``llama_decode`` over one batch holding every
   user's row), the file's own quantization. It is given the same sharing: the system prompt is
   decoded once into sequence 0 and copied to the others (``llama_memory_seq_cp``), then every
@@ -286,14 +290,16 @@ def worker(args: argparse.Namespace) -> None:
     """One case in this process: prints its result as JSON on the last line."""
     rounds = json.loads(Path(args.rounds_file).read_text())
     if args.worker.startswith("radixkv"):
-        quantization = "gguf" if args.worker == "radixkv-gguf" else None
+        quantization = "gguf" if args.worker.startswith("radixkv-gguf") else None
+        if args.worker == "radixkv-gguf-int8":
+            os.environ["RADIXKV_QUANT_ACTIVATIONS"] = "int8"  # read as the layers are built
         result = run_radixkv(args.gguf, rounds, args.max_tokens, args.dtype, quantization)
     else:
         result = run_llama_cpp(args.gguf, rounds, args.max_tokens, args.threads)
     print(json.dumps(result))
 
 
-ENGINES = ("llamacpp", "radixkv", "radixkv-gguf")
+ENGINES = ("llamacpp", "radixkv", "radixkv-gguf", "radixkv-gguf-int8")
 
 
 def run_worker(name: str, rounds: list, gguf: str, args: argparse.Namespace) -> dict:

@@ -16,7 +16,7 @@ quantized from, rows in the wrong order) misses by far more than the contract.
 - SmolLM2's own Q4_1 file: logits within the FP32 contract of transformers' float64 forward of
   the same file, and the load's memory;
 - a model that is not a GGUF, or an architecture not built quantized, refused by name;
-- the int8-activation decode path (``RADIXKV_QUANT_ACTIVATIONS=int8``, the default: x quantized
+- the int8-activation decode path (``RADIXKV_QUANT_ACTIVATIONS=int8``, opt-in: x quantized
   per 32-block as llama.cpp does) within the BF16 contract; every other test here runs with
   ``float`` activations (weights-only quantization), the FP32 contract's path.
 """
@@ -70,8 +70,8 @@ def random_blocks(ggml_type: int, rows: int, k: int, seed: int) -> np.ndarray:
 
 @pytest.fixture(autouse=True)
 def float_activations(monkeypatch):
-    """The FP32 contract is weights-only quantization's: the int8-activation path is off unless
-    a test turns it on."""
+    """The FP32 contract is weights-only quantization's (the default): the int8-activation path
+    is off unless a test turns it on."""
     monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", "float")
 
 
@@ -419,13 +419,13 @@ def test_a_type_the_native_op_lacks_or_a_float_file_becomes_float_linears(
     reason="measured on the Zen 3 host: row 1 is 3.89x transformers-bf16's error (contract 3x); "
     "rows 0-7 0.86-3.89x with int8 activations everywhere, 0.20-0.69x with float ones; no one "
     "projection dominates (any one kind kept float: worst 2.0-3.8x). int8 activations cost ~2-4x "
-    "bf16 activations' error on SmolLM2: whether that contract or the default changes is open",
+    "bf16 activations' error on SmolLM2, so the default is float activations (opt-in int8)",
 )
 @pytest.mark.real_model
 def test_smollm2_q4_1_int8_activations_within_the_bf16_contract(
     real_model, real_oracle, monkeypatch
 ):
-    """The packaged Q4_1 file with int8 activations (the default decode path): an 8-token
+    """The packaged Q4_1 file with int8 activations (the opt-in decode path): an 8-token
     forward (8 rows: every linear on quant_gemm_q8_into) within the BF16 contract of
     transformers' float64 forward of the same file."""
     monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", "int8")
