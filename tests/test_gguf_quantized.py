@@ -257,6 +257,35 @@ def test_int8_activations_decode_within_the_bf16_contract(
     assert calls[0] > 0
 
 
+def test_int8_activations_never_read_the_float_activation_engine_s_disk_pages(
+    tmp_path, weight_cache, monkeypatch
+):
+    """int8 activations compute other K/V than float ones from the same blocks: the offload
+    tiers are keyed apart (a second float-activation engine does hit the pages, so the miss is
+    the fingerprint's)."""
+    if not quant_linear.dot_types()[0]:
+        pytest.skip("the native build has no quant_gemm_q8_into here")
+    path, _ = tiny_gguf("llama3", "Q4_0", tmp_path)
+    prompt = [b + 3 for b in b"a prompt long enough to fill a few pages of the disk tier, once"]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    hits = {}
+    for name, mode in (("writer", "float"), ("int8", "int8"), ("float", "float")):
+        monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", mode)
+        engine = Engine(
+            model=path,
+            dtype="float32",
+            page_size=16,
+            kv_cache_tokens=1024,
+            quantization="gguf",
+            disk_cache_dir=str(tmp_path / "disk"),
+        )
+        (out,) = engine.generate([prompt], params)
+        hits[name] = out.cached_tokens_by_tier.get("disk", 0)
+        engine.close()  # every cached page written to the disk
+    assert hits["writer"] == 0 and hits["int8"] == 0, hits
+    assert hits["float"] >= 48, hits
+
+
 def test_the_engine_serves_a_quantized_gguf_greedy_with_a_prefix_hit(tmp_path, weight_cache):
     path, oracle = tiny_gguf("llama3", "Q4_0", tmp_path)
     engine = Engine(

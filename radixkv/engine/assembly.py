@@ -184,7 +184,7 @@ def build_tiers(
         getattr(runner, "hf_config", None),
         compute_dtype=getattr(runner, "dtype", None),
         weights_digest=digest,
-        quantization=cfg.quantization,
+        quantization=_weight_quantization(cfg.quantization),
     )
     mac_key = configured_mac_key(cfg.kv_mac_key_file)  # None: the stores' own default
     disk = None
@@ -213,6 +213,18 @@ def build_tiers(
         disk_write_policy=cfg.disk_write_policy,
         remote_write_policy=cfg.remote_write_policy,
     )
+
+
+def _weight_quantization(quantization: str | None) -> str | None:
+    """The fingerprint's name of the weights' arithmetic: ``quantization``, and for ``gguf`` with
+    int8 activations (``RADIXKV_QUANT_ACTIVATIONS=int8``) ``gguf+int8-activations``, whose K/V
+    differ from the float-activation engine's (radixkv/model/quant_linear.py)."""
+    if quantization == "gguf":
+        from radixkv.model.quant_linear import activation_mode
+
+        if activation_mode() == "int8":
+            return "gguf+int8-activations"
+    return quantization
 
 
 def engine_fingerprint(
