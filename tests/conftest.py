@@ -112,3 +112,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(f"host ISA: {native.host_isa()}")
     for path, ratio in sorted(RATIOS.items()):
         terminalreporter.write_line(f"{path:32s} {ratio:8.3f}")
+
+
+@pytest.fixture
+def weight_cache(tmp_path, monkeypatch):
+    """A weight cache of the test's own (RADIXKV_CACHE_DIR), the native build loaded first."""
+    from radixkv.model import native
+
+    native.load()  # built under the session's cache dir, before the test's own
+    monkeypatch.setenv("RADIXKV_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"

@@ -178,15 +178,6 @@ def tiny_gguf(name: str, qtype: str, where) -> tuple[str, Oracle]:
     return str(path), Oracle(held)
 
 
-@pytest.fixture
-def weight_cache(tmp_path, monkeypatch):
-    from radixkv.model import native
-
-    native.load()  # built under the session's cache dir, before the test's own
-    monkeypatch.setenv("RADIXKV_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 @pytest.mark.parametrize(("name", "qtype"), CASES)
 def test_a_tiny_gguf_served_quantized_matches_the_float64_oracle(
     name, qtype, tmp_path, weight_cache
@@ -233,28 +224,27 @@ def test_int8_activations_decode_within_the_bf16_contract(
     """Decode rows (<= 8, float32) through quant_gemm_q8_into: x quantized to int8 per block
     costs ~2^-8 relative per linear, bf16 activations' order, so the model is judged by the
     BF16 contract against the float64 forward of the file's values; prefill rows (> 8) stay on
-    the float path. The op is counted, so the check cannot pass on the float path alone."""
-    monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", "int8")
-    module = quant_linear._native()
+    the float path. The same scenario on the float path (weights-only) is run beside it: the
+    prefill's rows must equal it bit for bit and the decode rows must not, so the check cannot
+    pass on the float path alone (the op is called from Python or from the native decoder
+    stack, so it is not counted)."""
     if not quant_linear.dot_types()[0]:
         pytest.skip("the native build has no quant_gemm_q8_into here")
-    calls = [0]
-    op = module.quant_gemm_q8_into
-
-    def counted(*args):
-        calls[0] += 1
-        return op(*args)
-
-    monkeypatch.setattr(module, "quant_gemm_q8_into", counted)
     path, oracle = tiny_gguf(name, qtype, tmp_path)
     scenario = MixedScenario.build(oracle, VOCAB, decode_steps=4)
-    loaded = load_model(path, hf_model=False, quantization="gguf")
-    runner = ModelRunner(
-        loaded, num_pages=64, page_size=16, dtype=torch.float32, quantization="gguf"
-    )
-    assert runner.model.layers[0].qkv_proj.int8_rows == [8]
-    assert scenario.judge(scenario.run(runner), oracle, BF16, f"gguf int8-activations {qtype}") > 0
-    assert calls[0] > 0
+    got = {}
+    for mode in ("float", "int8"):
+        monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", mode)
+        loaded = load_model(path, hf_model=False, quantization="gguf")
+        runner = ModelRunner(
+            loaded, num_pages=64, page_size=16, dtype=torch.float32, quantization="gguf"
+        )
+        assert runner.model.layers[0].qkv_proj.int8_rows == ([8] if mode == "int8" else [0])
+        got[mode] = scenario.run(runner)
+    assert scenario.judge(got["int8"], oracle, BF16, f"gguf int8-activations {qtype}") > 0
+    prefill = scenario.prompt_lens["A"]  # A's prompt: one forward of 45 rows, the float path
+    assert torch.equal(got["int8"]["A"][:prefill], got["float"]["A"][:prefill])
+    assert not torch.equal(got["int8"]["A"][-1], got["float"]["A"][-1])  # a 3-row decode step
 
 
 def test_int8_activations_never_read_the_float_activation_engine_s_disk_pages(

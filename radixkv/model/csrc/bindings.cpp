@@ -128,6 +128,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(scale amax / 127, float32) and integer block dots, as llama.cpp; w [N, row_bytes] uint8 "
         "raw GGML rows of ggml_type; out float32, last stride 1",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("out"));
+  m.def("quant_linear", &NoGil<&quant_linear>::call,
+        "A QuantLinear segment's whole call: x [M, K] Wdeq^T as a new tensor, through "
+        "quant_gemm_q8_into when x is float32 with M <= int8_rows (and the type is served), else "
+        "quant_gemm",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("ggml_type"),
+        pybind11::arg("int8_rows"));
   m.def("quant_dequantize_rows", &NoGil<&quant_dequantize_rows>::call,
         "Rows ids (int64 [T]) of raw GGML rows w dequantized exactly, as [T, K] of dtype",
         pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("ids"),

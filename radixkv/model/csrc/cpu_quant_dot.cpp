@@ -40,6 +40,8 @@
 
 #include "cpu_quant_dot.h"
 
+#include <ATen/ops/empty.h>
+
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -48,6 +50,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "cpu_quant_linear.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -303,4 +307,18 @@ void quant_gemm_q8_into(const at::Tensor& x, const at::Tensor& w, int64_t ggml_t
     gemm_q8<F>(x.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, w.size(1),
                out.data_ptr<float>(), out.stride(0));
   });
+}
+
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t ggml_type,
+                        int64_t int8_rows) {
+  TORCH_CHECK(x_in.dim() == 2, "quant_linear: x must be 2-D rows [M, K], got ", x_in.sizes());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0);
+  const bool served = ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0;
+  if (!(served && x.scalar_type() == at::kFloat && m > 0 && m <= std::min(int8_rows, kMaxRows))) {
+    return quant_gemm(x, w, ggml_type);
+  }
+  at::Tensor out = at::empty({m, w.size(0)}, x.options());
+  quant_gemm_q8_into(x, w, ggml_type, out);
+  return out;
 }

@@ -21,3 +21,9 @@ int64_t quant_dot_max_rows();
 // Q4_1) to a float32 sum. Error bound: cpu_quant_dot.cpp's header.
 void quant_gemm_q8_into(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type,
                         const at::Tensor& out);
+// A linear's one call: a new [M, N] tensor of x's dtype, x W^T through quant_gemm_q8_into when x
+// is float32 with 1 <= M <= min(int8_rows, quant_dot_max_rows()) and ggml_type is one it serves,
+// else through quant_gemm (float activations). int8_rows = 0: always quant_gemm. x [M, K] 2-D
+// (made contiguous here); w as quant_gemm_q8_into's.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type,
+                        int64_t int8_rows);
