@@ -1,6 +1,7 @@
 """Where a decode step's time goes: one engine's steps at batch 1 and 8, by part.
 
     .venv/bin/python -m bench.bench_step_breakdown [--model smollm2] [--batch 1,8] [--steps 48]
+        [--quantization gguf]
 
 Each batch: ``--batch`` requests of a short prompt decode ``--steps`` greedy tokens together
 (EOS ignored); each timed step's wall time is split by wrapping, with ``time.perf_counter``,
@@ -11,12 +12,14 @@ and the RoPE tables; "model glue" is the rest of the model's forward (its Python
 calls), "runner / engine" the rest of ``Engine.step`` (schedule, batch building, sampling,
 bookkeeping). The wrappers cost ~0.3 us a call, counted in the parts they wrap.
 
-``--plain``: only each batch's median step, nothing wrapped (for an A/B between checkouts).
+``--plain``: only each batch's median step, nothing wrapped (for an A/B between checkouts; the
+layers as one native call where the model allows it, as an engine runs them).
 
 Then the fixed cost alone: the same model forward (batch 1, 8) with every decoder linear a
 no-op returning a preallocated output of its shape (zeros: the model's other ops unchanged),
 the median of ``--steps`` forwards, and the same with the real linears, so their difference is
-the linears' share.
+the linears' share; and the forward with the layers as one native call
+(radixkv/model/decoder_stack.py), which the breakdown itself turns off (its parts are inside it).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from radixkv import Engine, SamplingParams
 from radixkv.model.linear import PackedLinear
 from radixkv.model.platform_info import format_platform_info, platform_info
+from radixkv.model.quant_linear import QuantLinear
 
 PARTS = (
     "linear qkv",
@@ -103,8 +107,10 @@ def instrument(engine: Engine, clock: Clock) -> list[tuple[Any, str, Any]]:
         undo.append((obj, name, obj.__dict__.get(name)))
         setattr(obj, name, value)
 
+    # the layers as one native call would hide every per-layer part inside it
+    put(model, "use_decoder_stack", False)
     for name, mod in model.named_modules():
-        if isinstance(mod, (PackedLinear, torch.nn.Linear)):
+        if isinstance(mod, (PackedLinear, QuantLinear, torch.nn.Linear)):
             put(mod, "forward", clock.wrap(_linear_kind(name.split(".")[-1]), mod.forward))
     put(model.embed_tokens, "forward", clock.wrap("embedding", model.embed_tokens.forward))
     backend = runner.backend
@@ -179,9 +185,13 @@ def plain_steps(engine: Engine, batch: int, steps: int) -> float:
     return statistics.median(walls[5:-2]) * 1e3
 
 
-def forward_only(engine: Engine, batch: int, steps: int, no_linears: bool) -> float:
+def forward_only(
+    engine: Engine, batch: int, steps: int, no_linears: bool, stack: bool = False
+) -> float:
     """Median ms of the model forward alone for a ``batch``-row decode (positions 40..),
-    with the decoder's linears no-ops returning preallocated zeros when ``no_linears``."""
+    with the decoder's linears no-ops returning preallocated zeros when ``no_linears``, the
+    layers as one native call where the model allows it when ``stack`` (the Python loop
+    otherwise)."""
     from radixkv.model.runner import RequestSlice
 
     runner = engine.runner
@@ -196,10 +206,11 @@ def forward_only(engine: Engine, batch: int, steps: int, no_linears: bool) -> fl
         for i in range(batch)
     ]
     fb = runner.build_batch(slices)
-    undo: list[tuple[Any, str, Any]] = []
+    undo: list[tuple[Any, str, Any]] = [(runner.model, "use_decoder_stack", True)]
+    runner.model.use_decoder_stack = stack
     if no_linears:
         for mod in runner.model.layers.modules():
-            if isinstance(mod, PackedLinear):
+            if isinstance(mod, (PackedLinear, QuantLinear)):
                 out = torch.zeros(batch, mod.out_features, dtype=runner.dtype)
                 undo.append((mod, "forward", mod.__dict__.get("forward")))
                 mod.forward = lambda x, out=out: out  # type: ignore[method-assign]
@@ -223,6 +234,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
+        "--quantization",
+        default=None,
+        help="the engine's weight quantization (e.g. gguf: the file's own blocks; "
+        "RADIXKV_QUANT_ACTIVATIONS=int8 for integer dot products)",
+    )
+    ap.add_argument(
         "--plain",
         action="store_true",
         help="only each batch's median step, nothing wrapped (an A/B between checkouts)",
@@ -230,7 +247,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(format_platform_info(platform_info()))
-    engine = Engine(args.model, kv_cache_tokens=8192)
+    knobs = {"quantization": args.quantization} if args.quantization else {}
+    engine = Engine(args.model, kv_cache_tokens=8192, **knobs)
     print(
         f"dtype {engine.runner.dtype}, backend {engine.runner.backend.name}, threads {torch.get_num_threads()}"
     )
@@ -247,11 +265,13 @@ def main() -> None:
             print(f"  {p:45s} {ms:7.3f} ms  {ms / mean * 100:5.1f}%")
     print()
     for b in batches:
+        stacked = forward_only(engine, b, args.steps, no_linears=False, stack=True)
         full = forward_only(engine, b, args.steps, no_linears=False)
         bare = forward_only(engine, b, args.steps, no_linears=True)
         layers = engine.runner.config.num_layers
         print(
-            f"forward batch {b}: {full:.2f} ms; decoder linears as no-ops {bare:.2f} ms "
+            f"forward batch {b}: layers in one native call {stacked:.2f} ms; Python loop "
+            f"{full:.2f} ms; loop with decoder linears as no-ops {bare:.2f} ms "
             f"({bare / layers * 1e3:.0f} us a layer, lm_head included)"
         )
 

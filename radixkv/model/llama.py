@@ -28,6 +28,7 @@ from torch import nn
 from radixkv.model.arch import map_weights, read_config
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch, split_qkv
 from radixkv.model.attention.window import WindowPlan, plan_window, windowed_attention
+from radixkv.model.decoder_stack import DecoderStack, decoder_stack
 from radixkv.model.linear import prepack_linears
 from radixkv.model.model_config import ModelConfig
 from radixkv.model.moe import SparseMoeBlock
@@ -287,6 +288,8 @@ class LlamaModel(nn.Module):
         self.rotaries = self._make_rotaries()
         # CPU: norms, RoPE and SiLU through radixkv.model.native's fused ops when built
         self.use_fused_ops = True
+        #: the fused layers as one native call where they allow it (:meth:`_decoder_stack`)
+        self.use_decoder_stack = True
         self.requires_grad_(False)
 
     def _make_rotaries(self) -> dict[str, RotaryEmbedding]:
@@ -463,6 +466,41 @@ class LlamaModel(nn.Module):
 
         return native.load()
 
+    def _decoder_stack(
+        self,
+        ops: Any,
+        backend: AttentionBackend,
+        x: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        windows: dict[int, WindowPlan],
+    ) -> DecoderStack | None:
+        """The layers as one native call (:mod:`radixkv.model.decoder_stack`) where this step
+        allows it: float32 rows and pools, a backend whose ``forward_qkv`` the native loop
+        reproduces, no window plan, and ``use_decoder_stack``. Gathered once, again after any
+        layer's parts change."""
+        if (
+            not self.use_decoder_stack
+            or windows
+            or x.dtype != torch.float32
+            or not backend.f32_layers_native
+            or not k_caches
+            or k_caches[0].dtype != torch.float32
+        ):
+            return None
+        parts = tuple(layer._fused_parts() for layer in self.layers)
+        cached = self.__dict__.get("_stack_cache")
+        if (
+            cached is None
+            or len(cached[0]) != len(parts)
+            or any(a is not b for a, b in zip(cached[0], parts, strict=True))
+        ):
+            cached = (parts, decoder_stack(list(self.layers), parts))
+            self.__dict__["_stack_cache"] = cached
+        stack = cached[1]
+        if stack is None or getattr(ops, "__name__", None) != stack.module:
+            return None
+        return stack
+
     def _forward_fused(
         self,
         ops: Any,
@@ -476,11 +514,16 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         rope = self._rope_tables(batch.positions, torch.float32, rows=True)
         x = self._embed(batch.input_ids)
+        stack = self._decoder_stack(ops, backend, x, k_caches, windows)
+        tables = None if stack is None else rope[stack.rope_kind]
         pending = None
-        for i, layer in enumerate(self.layers):
-            pending = layer.forward_fused(
-                ops, x, pending, rope, k_caches[i], v_caches[i], backend, meta, windows
-            )
+        if stack is not None and tables is not None:
+            pending = stack.run(ops, x, tables[0], tables[1], k_caches, v_caches, meta)
+        else:
+            for i, layer in enumerate(self.layers):
+                pending = layer.forward_fused(
+                    ops, x, pending, rope, k_caches[i], v_caches[i], backend, meta, windows
+                )
         assert pending is not None
         if not return_all_logits:
             x, pending = _last_token_rows(batch, x, pending)

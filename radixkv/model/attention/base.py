@@ -190,6 +190,10 @@ class AttentionBackend:
     name = "base"
     #: whether ``forward`` takes a sliding ``window`` (else the model's torch gather runs them)
     windows_in_kernel = False
+    #: whether ``forward_qkv`` on float32 rows over float32 pools is exactly the native
+    #: ``rope_``, ``store_kv_`` and ``paged_attention_f32`` calls of the backend's build, which
+    #: the native decoder stack (:mod:`radixkv.model.decoder_stack`) then makes itself
+    f32_layers_native = False
 
     def prepare(self, batch: ForwardBatch, dtype: torch.dtype) -> Any:
         """Build the per-forward metadata."""

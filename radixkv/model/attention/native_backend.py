@@ -282,6 +282,8 @@ def native_paged_attention_f32(
 class NativeCascadeBackend(NativeAttentionBackend):
     """CPU backend over the float32-math kernel (any ISA), with the same shared-prefix groups."""
 
+    f32_layers_native = True
+
     def forward_qkv(
         self,
         ops: Any,

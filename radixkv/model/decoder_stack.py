@@ -1,0 +1,146 @@
+"""The decoder layers in one native call (``decoder_layers_f32``), where a model allows it.
+
+A batch-1 decode step of a small model is mostly dispatch: per layer ~13 native ops called from
+Python (norms, four linears, RoPE, the K/V store, the attention kernel, SiLU * up). The native
+``decoder_layers_f32`` (radixkv/model/csrc/cpu_decoder.cpp) runs the same ops in the same order
+from one C++ loop, so its outputs equal the Python loop's bit for bit and only the dispatch
+between the ops goes (tests/test_decoder_stack.py compares the two).
+
+:func:`decoder_stack` says whether a model's layers are all of the kind it computes and, if so,
+gathers their weights once: pre-norm SwiGLU layers (the fused path's own condition) with no q/k
+norm, sliding window, residual multiplier, experts or bias, one RoPE kind, every linear a
+float32 :class:`~radixkv.model.linear.PackedLinear` on radixkv's GEMM or a one-segment
+:class:`~radixkv.model.quant_linear.QuantLinear`, all from the attention backend's native build.
+A step runs it when its rows and KV pools are float32 and the backend's ``forward_qkv`` is the
+three native calls the loop reproduces (:attr:`AttentionBackend.f32_layers_native`).
+
+``RADIXKV_DECODER_STACK=0`` (read when the stack is gathered) keeps the Python loop: an A/B
+switch, and what a profile of the per-layer parts needs (bench/bench_step_breakdown.py turns
+it off through ``LlamaModel.use_decoder_stack``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DecoderStack", "decoder_stack"]
+
+
+@dataclass(frozen=True)
+class DecoderStack:
+    """The layers' arguments of ``decoder_layers_f32``, gathered once.
+
+    Invariant: ``parts`` are the layers' ``_fused_parts()`` tuples it was gathered from; the
+    model gathers it again when any layer's differ (a layer's attribute was set)."""
+
+    module: str
+    parts: tuple[Any, ...]
+    norms: list[torch.Tensor]
+    eps: list[float]
+    linears: list[torch.Tensor]
+    kinds: list[int]
+    int8_rows: list[int]
+    heads: list[int]
+    rope_kind: str
+    sm_scale: float
+
+    def run(
+        self,
+        ops: Any,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        meta: Any,
+    ) -> torch.Tensor:
+        """Every layer on ``x`` (the residual stream, updated in place); returns the last
+        layer's MLP output, not yet added (the final norm adds it)."""
+        return ops.decoder_layers_f32(
+            x,
+            None,
+            self.norms,
+            self.eps,
+            self.linears,
+            self.kinds,
+            self.int8_rows,
+            self.heads,
+            cos,
+            sin,
+            k_caches,
+            v_caches,
+            meta.out_slots,
+            meta.page_table,
+            meta.prefix_lens,
+            meta.extend_lens,
+            meta.extend_starts,
+            self.sm_scale,
+            *meta.group_args,
+        )
+
+
+def enabled() -> bool:
+    """``RADIXKV_DECODER_STACK`` is not ``0``."""
+    return os.environ.get("RADIXKV_DECODER_STACK", "1") != "0"
+
+
+def decoder_stack(layers: Sequence[nn.Module], parts: Sequence[Any]) -> DecoderStack | None:
+    """The stack of ``layers`` (``DecoderLayer``\\ s with their ``_fused_parts()`` ``parts``),
+    or None where any layer is not of the kind ``decoder_layers_f32`` computes (module
+    docstring) or the switch is off."""
+    if not layers or not enabled():
+        return None
+    first = layers[0]
+    norms: list[torch.Tensor] = []
+    eps: list[float] = []
+    linears: list[torch.Tensor] = []
+    kinds: list[int] = []
+    int8_rows: list[int] = []
+    modules: set[str] = set()
+    for layer, (norm_in, post, qkv, o, gate_up, down) in zip(layers, parts, strict=True):
+        if (
+            layer.q_norm is not None
+            or layer.k_norm is not None
+            or layer.window is not None
+            or layer.moe is not None
+            or layer.residual_multiplier != 1.0
+            or layer.rope_kind != first.rope_kind
+            or layer.sm_scale != first.sm_scale
+            or (layer.num_heads, layer.num_kv_heads, layer.head_dim)
+            != (first.num_heads, first.num_kv_heads, first.head_dim)
+        ):
+            return None
+        for norm in (norm_in, post):
+            if norm.weight.dtype != torch.float32:
+                return None
+            norms.append(norm.weight)
+            eps.append(float(norm.eps))
+        for lin in (qkv, o, gate_up, down):
+            entry = lin.stack_entry() if hasattr(lin, "stack_entry") else None
+            if entry is None:
+                return None
+            module, weight, kind, rows = entry
+            modules.add(module)
+            linears.append(weight)
+            kinds.append(kind)
+            int8_rows.append(rows)
+    if len(modules) != 1:
+        return None
+    return DecoderStack(
+        module=modules.pop(),
+        parts=tuple(parts),
+        norms=norms,
+        eps=eps,
+        linears=linears,
+        kinds=kinds,
+        int8_rows=int8_rows,
+        heads=[first.num_heads, first.num_kv_heads, first.head_dim],
+        rope_kind=first.rope_kind,
+        sm_scale=float(first.sm_scale),
+    )
