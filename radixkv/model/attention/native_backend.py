@@ -113,6 +113,7 @@ def native_paged_attention(
     module: Any | None = None,
     groups: list[PrefixGroup] | None = None,
     window: int | None = None,
+    group_args: tuple[list[int], list[int], list[int]] | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D] -> o [T, Hq, D]`` (bf16) over bfloat16 or quantized pages
     (``[pages, page_size, Hkv, D + 2]`` int8 / uint8, :mod:`radixkv.model.kv_quant`); new K/V
@@ -126,7 +127,8 @@ def native_paged_attention(
     otherwise. ``module`` is the native build to call (default
     :func:`radixkv.model.native.load`). Raises ``RuntimeError`` if it is unavailable.
     ``window`` (None or 0: full attention): each query sees its last ``window`` keys, itself
-    included.
+    included. ``group_args``: ``groups`` already as the kernel takes them
+    (:attr:`NativeAttnMeta.group_args`, made once a step), used instead of ``groups``.
     """
     module = _module(module)
     table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
@@ -142,7 +144,7 @@ def native_paged_attention(
         extend_lens,
         extend_starts,
         float(sm_scale),
-        *_group_lists(groups),
+        *(group_args if group_args is not None else _group_lists(groups)),
         int(window or 0),
     )
 
@@ -230,6 +232,7 @@ class NativeAttentionBackend(AttentionBackend):
             self.module,
             meta.groups,
             window,
+            meta.group_args,
         )
 
 
@@ -254,11 +257,12 @@ def native_paged_attention_f32(
     groups: list[PrefixGroup] | None = None,
     module: Any | None = None,
     window: int | None = None,
+    group_args: tuple[list[int], list[int], list[int]] | None = None,
 ) -> torch.Tensor:
     """``q [T, Hq, D] -> o [T, Hq, D]`` (float32) over float32/bf16/fp16 or quantized pages
     (``[pages, page_size, Hkv, D + 2]`` int8 / uint8, :mod:`radixkv.model.kv_quant`), in place.
 
-    Same contract as :func:`native_paged_attention` (``window`` included); ``groups`` (see
+    Same contract as :func:`native_paged_attention` (``window``, ``group_args`` included); ``groups`` (see
     :func:`radixkv.model.attention.prefix_groups.shared_prefix_groups`) name requests whose
     first ``shared`` tokens are the same pages, read once for all members. The kernel checks
     that members really share those page ids and raises ``RuntimeError`` otherwise.
@@ -274,7 +278,7 @@ def native_paged_attention_f32(
         extend_lens,
         extend_starts,
         float(sm_scale),
-        *_group_lists(groups),
+        *(group_args if group_args is not None else _group_lists(groups)),
         int(window or 0),
     )
 
@@ -347,5 +351,6 @@ class NativeCascadeBackend(NativeAttentionBackend):
             meta.groups,
             self.module,
             window,
+            meta.group_args,
         )
         return out if out.dtype == q.dtype else out.to(q.dtype)
