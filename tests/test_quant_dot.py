@@ -113,22 +113,24 @@ def test_rows_from_ggufs_quantizer(module, qtype):
     check(y, x, w, qtype, "gguf-py rows")
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4, 8])
-def test_out_slice_of_a_wider_tensor(module, rows):
+def test_out_slice_of_a_wider_tensor(module, rows, qtype):
     """Writes out[:, :N] through out's row stride and leaves other columns alone; the result does
-    not depend on the thread count (workers own whole output rows)."""
-    w = random_rows(T.Q4_1, 33, 512, seed=1)
+    not depend on the thread count (workers own whole groups of 8 output rows, the 33rd row
+    alone)."""
+    w = random_rows(qtype, 33, 512, seed=1)
     wt = torch.from_numpy(w)
     x = rows_of_x(rows, 512, seed=2)
     wide = torch.full((rows, 50), 7.0)
-    module.quant_gemm_q8_into(x, wt, int(T.Q4_1), wide[:, 5:38])
+    module.quant_gemm_q8_into(x, wt, int(qtype), wide[:, 5:38])
     assert (wide[:, :5] == 7).all() and (wide[:, 38:] == 7).all()
-    check(wide[:, 5:38], x, w, T.Q4_1, "slice")
+    check(wide[:, 5:38], x, w, qtype, "slice")
     threads = torch.get_num_threads()
     one = torch.empty(rows, 33)
     try:
         torch.set_num_threads(1)
-        module.quant_gemm_q8_into(x, wt, int(T.Q4_1), one)
+        module.quant_gemm_q8_into(x, wt, int(qtype), one)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, wide[:, 5:38])
