@@ -27,7 +27,10 @@ next, so a drift in the host's load falls on both. Each repeat uses a new system
 engine has it cached). Per
 user: TTFT = first token's time since the requests were given; TPOT = (last - first) / (n - 1).
 Printed: the medians over users and repeats, and radixkv / llama.cpp for each. The threads are
-the same for both (``--threads``, default: the cores torch sees).
+the same for both (``--threads``, default: the cores torch sees). Then batch 1's floor for each
+engine: the bytes of weights its step reads (every linear in the layout its kernel reads;
+llama.cpp: the file's blocks, as radixkv-gguf counts them) over the host's streaming read
+bandwidth (a large float32 tensor sum, before and after the runs), and TPOT over that floor.
 
 llama-cpp-python is not a dependency of radixkv. ``--build`` makes a wheel from its sdist (PyPI,
 pinned :data:`LLAMA_CPP_VERSION`) with explicit ISA flags read from ``/proc/cpuinfo``
@@ -200,8 +203,35 @@ def run_radixkv(
             ttft += a
             tpot += b
             tokens = first_tokens
+    weights = step_weight_bytes(engine.runner.model)
     engine.close()
-    return {"ttft": ttft, "tpot": tpot, "tokens": tokens, "dtype": str(engine.runner.dtype)}
+    return {
+        "ttft": ttft,
+        "tpot": tpot,
+        "tokens": tokens,
+        "dtype": str(engine.runner.dtype),
+        "weight_bytes": weights,
+    }
+
+
+def step_weight_bytes(model: Any) -> int:
+    """Bytes of weights a decode step reads: every linear's (the layers' projections and the
+    head) in the layout its kernel reads (GGUF blocks, the packed float copy, or the plain
+    weight); norms and the one embedding row are left out (< 0.1%)."""
+    import torch
+
+    from radixkv.model.linear import PackedLinear
+    from radixkv.model.quant_linear import QuantLinear
+
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            total += mod.nbytes
+        elif isinstance(mod, PackedLinear):
+            total += mod.packed.numel() * mod.packed.element_size()
+        elif isinstance(mod, torch.nn.Linear):
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
 
 
 def run_llama_cpp(gguf: str, rounds: list[list[list[int]]], max_tokens: int, threads: int) -> dict:
@@ -354,6 +384,9 @@ def main() -> None:
     tokenizer = load_model(gguf, hf_model=False).tokenizer
     print(f"host ISA: {native.host_isa()}, threads: {args.threads}, GGUF: {Path(gguf).name}")
     print(f"max_tokens {args.max_tokens}, repeats {args.repeats} (+1 warm-up), greedy, EOS ignored")
+    from bench.bench_w1 import read_bandwidth_gbs
+
+    bandwidth = [read_bandwidth_gbs()]
     rows = []
     for users in (int(u) for u in args.users.split(",")):
         rounds = [prompts(tokenizer, users, rep) for rep in range(args.repeats + 1)]
@@ -365,11 +398,40 @@ def main() -> None:
                     res[name][key] += got[key]
                 res[name]["tokens"] = res[name]["tokens"] or got["tokens"]
                 res[name]["dtype"] = got["dtype"]
+                res[name]["weight_bytes"] = got.get("weight_bytes")
         agree = {n: agreed(res[n]["tokens"], res["llamacpp"]["tokens"]) for n in engines[1:]}
         prompt_len = len(rounds[1][0])
         shared = shared_prefix(rounds[1])
         rows.append((users, prompt_len, shared, res, agree))
     print_table(rows, engines[1:], args.max_tokens)
+    bandwidth.append(read_bandwidth_gbs())
+    print_floors(rows, engines, bandwidth)
+
+
+def print_floors(rows: list, engines: tuple[str, ...], bandwidth: list[float]) -> None:
+    """Batch 1's floor per engine: the weights a step reads at the host's streaming read
+    bandwidth (a large tensor sum's, before and after the runs; the faster one), and the
+    median TPOT over it. llama.cpp reads the file's blocks, radixkv-gguf's bytes."""
+    one = next((r for r in rows if r[0] == 1), None)
+    if one is None:
+        return
+    res = one[3]
+    gbs = max(bandwidth)
+    print(
+        f"\nbatch-1 floors: read bandwidth {bandwidth[0]:.1f} / {bandwidth[1]:.1f} GB/s "
+        f"(before / after the runs; a float32 sum over 512 MiB), floor = weights / {gbs:.1f} GB/s"
+    )
+    blocks = next((res[n]["weight_bytes"] for n in engines if n.startswith("radixkv-gguf")), None)
+    for n in engines:
+        weights = blocks if n == "llamacpp" else res[n].get("weight_bytes")
+        if not weights:
+            continue
+        floor = weights / (gbs * 1e9) * 1e3
+        tpot = statistics.median(res[n]["tpot"]) * 1e3
+        print(
+            f"  {n}: {weights / 1e6:.1f} MB -> floor {floor:.2f} ms; TPOT {tpot:.2f} ms = "
+            f"{tpot / floor:.2f}x the floor"
+        )
 
 
 def agreed(tokens: list[int], reference: list[int]) -> int:
