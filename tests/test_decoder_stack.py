@@ -2,10 +2,14 @@
 the same native ops in the same order as the Python loop over ``DecoderLayer.forward_fused``, so
 every logit row equals the loop's bit for bit (prefill, a mixed step with a shared prefix,
 decodes), for float32 weights on radixkv's GEMM and GGUF blocks (float and int8 activations);
-the call is counted, so a test cannot pass on the loop alone; layers it does not compute (q/k
-norm, windows, biases) keep the loop and their own oracle checks (tests/test_architectures.py)."""
+the call is counted, so a test cannot pass on the loop alone; with int8 activations the decodes
+run as a team of threads in one parallel region (counted too, at 1-3 threads, a shared-prefix
+group among them); layers it does not compute (q/k norm, windows, biases) keep the loop and their
+own oracle checks (tests/test_architectures.py)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -19,8 +23,13 @@ from radixkv.model.loader import load_model
 from radixkv.model.runner import ModelRunner
 
 
-def counted_runs(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A counter of ``decoder_layers_f32`` calls through ``runner``'s native build."""
+def counted_runs(
+    runner: ModelRunner,
+    monkeypatch: pytest.MonkeyPatch,
+    teams: list[tuple[int, bool]] | None = None,
+) -> list[int]:
+    """A counter of ``decoder_layers_f32`` calls through ``runner``'s native build; ``teams``
+    gets (rows, whether the step has shared-prefix groups) of each call run as a team."""
     module = getattr(runner.backend, "module", None)
     if module is None:
         pytest.skip("no native build here: the stack needs one")
@@ -29,15 +38,22 @@ def counted_runs(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[i
 
     def counted(*args):
         calls[0] += 1
+        if args[-1] and teams is not None:
+            teams.append((args[0].shape[0], bool(args[-2])))
         return op(*args)
 
     monkeypatch.setattr(module, "decoder_layers_f32", counted)
     return calls
 
 
-def stack_and_loop(runner: ModelRunner, scenario: MixedScenario, monkeypatch) -> int:
+def stack_and_loop(
+    runner: ModelRunner,
+    scenario: MixedScenario,
+    monkeypatch,
+    teams: list[tuple[int, bool]] | None = None,
+) -> int:
     """Run ``scenario`` with the stack and with the loop; every row equal; the stack's calls."""
-    calls = counted_runs(runner, monkeypatch)
+    calls = counted_runs(runner, monkeypatch, teams)
     runner.model.use_decoder_stack = True
     stacked = scenario.run(runner)
     used = calls[0]
@@ -65,6 +81,16 @@ def test_float32_layers_in_one_call_equal_the_loop_bit_for_bit(path, monkeypatch
     assert scenario.judge(scenario.run(runner), oracle, FP32, f"decoder stack {path}") > 0
 
 
+def gguf_runner(tmp_path, quant: str = "Q4_1") -> tuple[ModelRunner, MixedScenario]:
+    path, oracle = tiny_gguf("llama3", quant, tmp_path)
+    scenario = MixedScenario.build(oracle, VOCAB, decode_steps=4)
+    loaded = load_model(path, hf_model=False, quantization="gguf")
+    runner = ModelRunner(
+        loaded, num_pages=64, page_size=16, dtype=torch.float32, quantization="gguf"
+    )
+    return runner, scenario
+
+
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_gguf_blocks_in_one_call_equal_the_loop_bit_for_bit(
     activations,
@@ -73,13 +99,49 @@ def test_gguf_blocks_in_one_call_equal_the_loop_bit_for_bit(
     monkeypatch,
 ):
     monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", activations)
-    path, oracle = tiny_gguf("llama3", "Q4_1", tmp_path)
-    scenario = MixedScenario.build(oracle, VOCAB, decode_steps=4)
-    loaded = load_model(path, hf_model=False, quantization="gguf")
-    runner = ModelRunner(
-        loaded, num_pages=64, page_size=16, dtype=torch.float32, quantization="gguf"
+    runner, scenario = gguf_runner(tmp_path)
+    teams: list[tuple[int, bool]] = []
+    assert stack_and_loop(runner, scenario, monkeypatch, teams) == 1 + scenario.decode_steps
+    # the float GEMV never runs as a team; int8 activations do for the all-decode steps
+    assert len(teams) == (0 if activations == "float" else scenario.decode_steps - 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("quant", ["Q4_1", "Q4_0", "Q8_0"])
+def test_a_team_of_threads_equals_the_loop_bit_for_bit(
+    quant, threads, tmp_path, weight_cache, monkeypatch
+):
+    """The decodes as a team (one parallel region) at 1, 2 and 3 threads, each block type the
+    int8 GEMV serves: every logit row equal to the loop's, a shared-prefix group (the attention's
+    two phases) among the team's steps."""
+    monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", "int8")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner, scenario = gguf_runner(tmp_path, quant)
+        teams: list[tuple[int, bool]] = []
+        stack_and_loop(runner, scenario, monkeypatch, teams)
+    finally:
+        torch.set_num_threads(before)
+    assert len(teams) == scenario.decode_steps - 1
+    assert all(rows == 3 for rows, _ in teams)
+    assert any(groups for _, groups in teams)
+
+
+def test_team_refuses_linears_it_does_not_run(tmp_path, weight_cache, monkeypatch):
+    """Asked to run float-activation linears as a team, the native stack says why instead of
+    computing something else."""
+    monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", "float")
+    runner, scenario = gguf_runner(tmp_path)
+    scenario.run(runner)  # gathers the stack
+    stack = runner.model.__dict__["_stack_cache"][1]
+    assert stack is not None and stack.team_rows == 0
+    runner.model.__dict__["_stack_cache"] = (
+        runner.model.__dict__["_stack_cache"][0],
+        dataclasses.replace(stack, team_rows=8),
     )
-    assert stack_and_loop(runner, scenario, monkeypatch) == 1 + scenario.decode_steps
+    with pytest.raises(RuntimeError, match="int8 activations at 3 rows"):
+        scenario.run(runner)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "mistral", "qwen2", "granite"])

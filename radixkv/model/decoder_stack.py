@@ -14,9 +14,16 @@ float32 :class:`~radixkv.model.linear.PackedLinear` on radixkv's GEMM or a one-s
 A step runs it when its rows and KV pools are float32 and the backend's ``forward_qkv`` is the
 three native calls the loop reproduces (:attr:`AttentionBackend.f32_layers_native`).
 
+A decode's few rows over int8-activation block GEMVs (every linear a Q4_0 / Q4_1 / Q8_0
+``QuantLinear`` whose int8 path takes that many rows) run as a *team*: the layers inside one
+OpenMP parallel region, each thread its share of every linear's rows and attention items,
+barriers between them, instead of ~5 parallel regions and ~13 ATen calls a layer
+(:attr:`DecoderStack.team_rows`; the same results bit for bit).
+
 ``RADIXKV_DECODER_STACK=0`` (read when the stack is gathered) keeps the Python loop: an A/B
 switch, and what a profile of the per-layer parts needs (bench/bench_step_breakdown.py turns
-it off through ``LlamaModel.use_decoder_stack``).
+it off through ``LlamaModel.use_decoder_stack``). ``RADIXKV_DECODER_TEAM=0`` (read then too)
+keeps the stack off the team path.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ class DecoderStack:
     heads: list[int]
     rope_kind: str
     sm_scale: float
+    #: the most rows a step may have to run as a team (module docstring): the fewest rows any
+    #: linear's int8 path takes, where every linear has one; 0: never
+    team_rows: int = 0
 
     def run(
         self,
@@ -62,6 +72,8 @@ class DecoderStack:
     ) -> torch.Tensor:
         """Every layer on ``x`` (the residual stream, updated in place); returns the last
         layer's MLP output, not yet added (the final norm adds it)."""
+        rows = x.shape[0]
+        team = 0 < rows <= self.team_rows and sum(meta.extend_lens) == rows
         return ops.decoder_layers_f32(
             x,
             None,
@@ -82,12 +94,18 @@ class DecoderStack:
             meta.extend_starts,
             self.sm_scale,
             *meta.group_args,
+            team,
         )
 
 
 def enabled() -> bool:
     """``RADIXKV_DECODER_STACK`` is not ``0``."""
     return os.environ.get("RADIXKV_DECODER_STACK", "1") != "0"
+
+
+def team_enabled() -> bool:
+    """``RADIXKV_DECODER_TEAM`` is not ``0``."""
+    return os.environ.get("RADIXKV_DECODER_TEAM", "1") != "0"
 
 
 def decoder_stack(layers: Sequence[nn.Module], parts: Sequence[Any]) -> DecoderStack | None:
@@ -132,6 +150,9 @@ def decoder_stack(layers: Sequence[nn.Module], parts: Sequence[Any]) -> DecoderS
             int8_rows.append(rows)
     if len(modules) != 1:
         return None
+    team_rows = 0
+    if team_enabled() and all(k >= 0 for k in kinds):
+        team_rows = min(int8_rows)  # 0 where any linear runs float activations
     return DecoderStack(
         module=modules.pop(),
         parts=tuple(parts),
@@ -143,4 +164,5 @@ def decoder_stack(layers: Sequence[nn.Module], parts: Sequence[Any]) -> DecoderS
         heads=[first.num_heads, first.num_kv_heads, first.head_dim],
         rope_kind=first.rope_kind,
         sm_scale=float(first.sm_scale),
+        team_rows=team_rows,
     )

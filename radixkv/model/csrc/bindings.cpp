@@ -137,14 +137,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("int8_rows"));
   m.def("decoder_layers_f32", &NoGil<&decoder_layers_f32>::call,
         "A pre-norm SwiGLU model's decoder layers over float32 rows and pools in one call (the "
-        "Python loop's native ops in its order); x updated in place, returns the last MLP output",
+        "Python loop's native ops in its order); x updated in place, returns the last MLP output; "
+        "team: a decode's int8-activation layers in one parallel region",
         pybind11::arg("x"), pybind11::arg("pending"), pybind11::arg("norms"), pybind11::arg("eps"),
         pybind11::arg("linears"), pybind11::arg("kinds"), pybind11::arg("int8_rows"),
         pybind11::arg("heads"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("k_caches"), pybind11::arg("v_caches"), pybind11::arg("out_slots"),
         pybind11::arg("page_table"), pybind11::arg("prefix_lens"), pybind11::arg("extend_lens"),
         pybind11::arg("extend_starts"), pybind11::arg("sm_scale"), pybind11::arg("group_members"),
-        pybind11::arg("group_offsets"), pybind11::arg("group_shared"));
+        pybind11::arg("group_offsets"), pybind11::arg("group_shared"),
+        pybind11::arg("team") = false);
   m.def("quant_dequantize_rows", &NoGil<&quant_dequantize_rows>::call,
         "Rows ids (int64 [T]) of raw GGML rows w dequantized exactly, as [T, K] of dtype",
         pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("ids"),

@@ -677,33 +677,56 @@ void run_any(const Problem& p, const Groups& gr, const Item& it, Scratch& sc) {
   }
 }
 
-void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV kv) {
-  // Each thread's scratch lives as long as the thread (torch's intra-op pool), grown to the
-  // largest call's sizes and never shrunk: a decode's call would otherwise allocate and zero
-  // ~330 KB a worker (fresh mmap'd pages: ~70 us of a 1-token layer's attention on the Zen 3
-  // host). Every buffer is written before it is read (attend_tiled pads its rows explicitly).
-  auto make_scratch = [&p]() -> Scratch& {
-    thread_local Scratch sc;
-    const int64_t max_rows = std::max<int64_t>(kRowBlock + p.group, 128 * p.group);
-    const int64_t padded = (max_rows + 2 * VW - 1) / (2 * VW) * (2 * VW);
-    auto grow = [](auto& v, int64_t n) {
-      if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-    };
-    grow(sc.kt, p.d * kKeyBlock);
-    grow(sc.vb, p.d * kKeyBlock);
-    grow(sc.koff, kKeyBlock);
-    grow(sc.knext, kKeyBlock);
-    grow(sc.qbuf, max_rows * p.d);
-    grow(sc.row_index, max_rows);
-    grow(sc.row_limit, max_rows);
-    grow(sc.row_lower, max_rows);
-    grow(sc.qt, padded * p.d);
-    grow(sc.st, padded * kKeyBlock);
-    grow(sc.mrow, padded);
-    grow(sc.lrow, padded);
-    grow(sc.arow, padded);
-    return sc;
+// Each thread's scratch lives as long as the thread (torch's intra-op pool), grown to the
+// largest call's sizes and never shrunk: a decode's call would otherwise allocate and zero
+// ~330 KB a worker (fresh mmap'd pages: ~70 us of a 1-token layer's attention on the Zen 3
+// host). Every buffer is written before it is read (attend_tiled pads its rows explicitly).
+Scratch& thread_scratch(const Problem& p) {
+  thread_local Scratch sc;
+  const int64_t max_rows = std::max<int64_t>(kRowBlock + p.group, 128 * p.group);
+  const int64_t padded = (max_rows + 2 * VW - 1) / (2 * VW) * (2 * VW);
+  auto grow = [](auto& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   };
+  grow(sc.kt, p.d * kKeyBlock);
+  grow(sc.vb, p.d * kKeyBlock);
+  grow(sc.koff, kKeyBlock);
+  grow(sc.knext, kKeyBlock);
+  grow(sc.qbuf, max_rows * p.d);
+  grow(sc.row_index, max_rows);
+  grow(sc.row_limit, max_rows);
+  grow(sc.row_lower, max_rows);
+  grow(sc.qt, padded * p.d);
+  grow(sc.st, padded * kKeyBlock);
+  grow(sc.mrow, padded);
+  grow(sc.lrow, padded);
+  grow(sc.arow, padded);
+  return sc;
+}
+
+// One item on the pool's element type.
+void run_kv(const Problem& p, const Groups& gr, const Item& it, Scratch& sc, KV kv) {
+  switch (kv) {
+    case KV::F32:
+      run_any<KV::F32>(p, gr, it, sc);
+      break;
+    case KV::BF16:
+      run_any<KV::BF16>(p, gr, it, sc);
+      break;
+    case KV::F16:
+      run_any<KV::F16>(p, gr, it, sc);
+      break;
+    case KV::I8:
+      run_any<KV::I8>(p, gr, it, sc);
+      break;
+    case KV::FP8:
+      run_any<KV::FP8>(p, gr, it, sc);
+      break;
+  }
+}
+
+void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV kv) {
+  auto make_scratch = [&p]() -> Scratch& { return thread_scratch(p); };
   // a worker's next item: its first key block is prefetched before the current item runs
   auto prefetch_first = [&](const Item& it, Scratch&) {
     const int32_t* table;
@@ -723,37 +746,17 @@ void run_items(const Problem& p, const Groups& gr, std::vector<Item>& items, KV 
     block_offsets(p, table, it.h, lo, nk, off);
     prefetch_block(p, off, nk);
   };
-  radixkv_work::run_longest_first(items, make_scratch, [&](const Item& it, Scratch& sc) {
-    switch (kv) {
-      case KV::F32:
-        run_any<KV::F32>(p, gr, it, sc);
-        break;
-      case KV::BF16:
-        run_any<KV::BF16>(p, gr, it, sc);
-        break;
-      case KV::F16:
-        run_any<KV::F16>(p, gr, it, sc);
-        break;
-      case KV::I8:
-        run_any<KV::I8>(p, gr, it, sc);
-        break;
-      case KV::FP8:
-        run_any<KV::FP8>(p, gr, it, sc);
-        break;
-    }
-  }, prefetch_first);
+  radixkv_work::run_longest_first(
+      items, make_scratch, [&](const Item& it, Scratch& sc) { run_kv(p, gr, it, sc, kv); },
+      prefetch_first);
 }
 
 }  // namespace
 
-at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                               at::Tensor page_table, std::vector<int64_t> prefix_lens,
-                               std::vector<int64_t> extend_lens,
-                               std::vector<int64_t> extend_starts, double sm_scale,
-                               std::vector<int64_t> group_members,
-                               std::vector<int64_t> group_offsets,
-                               std::vector<int64_t> group_shared, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention_f32: q must be float32");
+namespace {
+
+// The pools' element type (both the same), or a clear error.
+KV pool_kind(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   KV kv;
   if (k_cache.scalar_type() == at::kFloat) {
     kv = KV::F32;
@@ -770,35 +773,37 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
                 "paged_attention_f32: the caches must be float32, bfloat16 or float16, or "
                 "quantized (int8, or uint8 holding float8_e4m3fn bits)");
   }
-  const bool quantized = kv == KV::I8 || kv == KV::FP8;
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_attention_f32: k_cache and v_cache dtypes differ");
+  return kv;
+}
+
+radixkv_attn::PagedBatch check_batch(const at::Tensor& q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& page_table,
+                                     const std::vector<int64_t>& prefix_lens,
+                                     const std::vector<int64_t>& extend_lens,
+                                     const std::vector<int64_t>& extend_starts, int64_t window,
+                                     KV kv) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention_f32: q must be float32");
+  const bool quantized = kv == KV::I8 || kv == KV::FP8;
   const radixkv_attn::BatchRules rules{quantized ? radixkv_kvq::kScaleBytes : 0, false, 512};
-  const radixkv_attn::PagedBatch batch =
-      radixkv_attn::check_paged_batch("paged_attention_f32", q, k_cache, v_cache, page_table,
-                                      prefix_lens, extend_lens, extend_starts, window, rules);
-  const std::vector<int64_t> shared_of = radixkv_attn::check_prefix_groups(
-      "paged_attention_f32", batch, group_members, group_offsets, group_shared);
+  return radixkv_attn::check_paged_batch("paged_attention_f32", q, k_cache, v_cache, page_table,
+                                         prefix_lens, extend_lens, extend_starts, window, rules);
+}
+
+// The two phases' items, each longest first (as run_longest_first orders them): A, the shared
+// parts of the prefix groups; B, each request's own part.
+void build_items(const Problem& p, const std::vector<int64_t>& group_members,
+                 const std::vector<int64_t>& group_offsets,
+                 const std::vector<int64_t>& group_shared, const std::vector<int64_t>& shared_of,
+                 std::vector<Item>& phase_a, std::vector<Item>& phase_b) {
+  const std::vector<int64_t>& prefix_lens = *p.prefix;
+  const std::vector<int64_t>& extend_lens = *p.ext;
   const int64_t B = static_cast<int64_t>(extend_lens.size());
-  const int64_t hq = batch.hq, hkv = batch.hkv;
+  const int64_t hkv = p.hkv, window = p.window;
   const int64_t n_groups = static_cast<int64_t>(group_shared.size());
-  // Every row of a request is initialised by the first part that touches it (fill_rows); rows
-  // of q that belong to no request (none in the engine's batches) are zero.
-  int64_t covered = 0;
-  for (int64_t b = 0; b < B; ++b) covered += extend_lens[b];
-  auto out = covered == q.size(0) ? at::empty_like(q) : at::zeros_like(q);
-  auto m = at::empty({q.size(0), hq}, q.options());
-  auto l = at::empty({q.size(0), hq}, q.options());
-  Problem p{batch};
-  p.q = q.data_ptr<float>();
-  p.out = out.data_ptr<float>();
-  p.m = m.data_ptr<float>();
-  p.l = l.data_ptr<float>();
-  p.scale = static_cast<float>(sm_scale);
-  Groups gr{&group_members, &group_offsets, &group_shared};
   auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
   // Phase A: shared parts, kRowBlock stacked rows per item and KV head.
-  std::vector<Item> items;
   for (int64_t g = 0; g < n_groups; ++g) {
     if (group_shared[g] == 0) continue;
     int64_t rows = 0;
@@ -819,14 +824,12 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
     for (int64_t r0 = 0; r0 < rows; r0 += block) {
       const int64_t nr = std::min(block, rows - r0);
       for (int64_t h = 0; h < hkv; ++h) {
-        items.push_back(Item{0, i32(g), i32(r0), i32(nr), i32(h), 0, keys * (nr + 8)});
+        phase_a.push_back(Item{0, i32(g), i32(r0), i32(nr), i32(h), 0, keys * (nr + 8)});
       }
     }
   }
-  run_items(p, gr, items, kv);
   // Phase B: own parts (keys shared .. prefix + t, causal; from the first token's window start
   // with a window), blocks of query tokens per KV head.
-  items.clear();
   const int64_t tok_per_item = 128;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = extend_lens[b];
@@ -835,12 +838,131 @@ at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_ca
       const int64_t lo = std::max(shared_of[b], first_key(p, prefix_lens[b] + t0));
       for (int64_t h = 0; h < hkv; ++h) {
         const int64_t keys = prefix_lens[b] + t0 + nt - lo;
-        items.push_back(Item{1, i32(b), i32(t0), i32(nt), i32(h), shared_of[b], keys * (nt + 8)});
+        phase_b.push_back(Item{1, i32(b), i32(t0), i32(nt), i32(h), shared_of[b], keys * (nt + 8)});
       }
     }
   }
-  run_items(p, gr, items, kv);
+  for (std::vector<Item>* items : {&phase_a, &phase_b}) {
+    std::stable_sort(items->begin(), items->end(),
+                     [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  }
+}
+
+}  // namespace
+
+at::Tensor paged_attention_f32(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor page_table, std::vector<int64_t> prefix_lens,
+                               std::vector<int64_t> extend_lens,
+                               std::vector<int64_t> extend_starts, double sm_scale,
+                               std::vector<int64_t> group_members,
+                               std::vector<int64_t> group_offsets,
+                               std::vector<int64_t> group_shared, int64_t window) {
+  const KV kv = pool_kind(k_cache, v_cache);
+  const radixkv_attn::PagedBatch batch = check_batch(
+      q, k_cache, v_cache, page_table, prefix_lens, extend_lens, extend_starts, window, kv);
+  const std::vector<int64_t> shared_of = radixkv_attn::check_prefix_groups(
+      "paged_attention_f32", batch, group_members, group_offsets, group_shared);
+  const int64_t hq = batch.hq;
+  // Every row of a request is initialised by the first part that touches it (fill_rows); rows
+  // of q that belong to no request (none in the engine's batches) are zero.
+  int64_t covered = 0;
+  for (const int64_t n : extend_lens) covered += n;
+  auto out = covered == q.size(0) ? at::empty_like(q) : at::zeros_like(q);
+  auto m = at::empty({q.size(0), hq}, q.options());
+  auto l = at::empty({q.size(0), hq}, q.options());
+  Problem p{batch};
+  p.q = q.data_ptr<float>();
+  p.out = out.data_ptr<float>();
+  p.m = m.data_ptr<float>();
+  p.l = l.data_ptr<float>();
+  p.scale = static_cast<float>(sm_scale);
+  Groups gr{&group_members, &group_offsets, &group_shared};
+  std::vector<Item> phase_a, phase_b;
+  build_items(p, group_members, group_offsets, group_shared, shared_of, phase_a, phase_b);
+  run_items(p, gr, phase_a, kv);
+  run_items(p, gr, phase_b, kv);
   return out;
+}
+
+struct PagedAttentionF32Plan::Impl {
+  // the call's vectors, owned here (the Problem and Groups point at them)
+  std::vector<int64_t> prefix, ext, start, members, offsets, shared;
+  Problem base{};
+  Groups groups{};
+  KV kv = KV::F32;
+  std::vector<Item> phase_a, phase_b;
+  std::vector<float> m, l;
+  std::vector<int64_t> pool_sizes;
+  at::ScalarType pool_dtype = at::kFloat;
+};
+
+PagedAttentionF32Plan::PagedAttentionF32Plan(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& page_table, const std::vector<int64_t>& prefix_lens,
+    const std::vector<int64_t>& extend_lens, const std::vector<int64_t>& extend_starts,
+    double sm_scale, const std::vector<int64_t>& group_members,
+    const std::vector<int64_t>& group_offsets, const std::vector<int64_t>& group_shared)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& im = *impl_;
+  im.prefix = prefix_lens;
+  im.ext = extend_lens;
+  im.start = extend_starts;
+  im.members = group_members;
+  im.offsets = group_offsets;
+  im.shared = group_shared;
+  im.kv = pool_kind(k_cache, v_cache);
+  const radixkv_attn::PagedBatch batch =
+      check_batch(q, k_cache, v_cache, page_table, im.prefix, im.ext, im.start, 0, im.kv);
+  const std::vector<int64_t> shared_of = radixkv_attn::check_prefix_groups(
+      "paged_attention_f32", batch, im.members, im.offsets, im.shared);
+  int64_t covered = 0;
+  for (const int64_t n : im.ext) covered += n;
+  TORCH_CHECK(covered == q.size(0), "PagedAttentionF32Plan: every row of q must belong to a "
+              "request (", covered, " of ", q.size(0), " do)");
+  im.base = Problem{batch};
+  im.base.q = nullptr;
+  im.base.out = nullptr;
+  im.m.resize(q.size(0) * batch.hq);
+  im.l.resize(q.size(0) * batch.hq);
+  im.base.m = im.m.data();
+  im.base.l = im.l.data();
+  im.base.scale = static_cast<float>(sm_scale);
+  im.groups = Groups{&im.members, &im.offsets, &im.shared};
+  build_items(im.base, im.members, im.offsets, im.shared, shared_of, im.phase_a, im.phase_b);
+  im.pool_sizes = k_cache.sizes().vec();
+  im.pool_dtype = k_cache.scalar_type();
+}
+
+PagedAttentionF32Plan::~PagedAttentionF32Plan() = default;
+
+bool PagedAttentionF32Plan::fits(const at::Tensor& k_cache, const at::Tensor& v_cache) const {
+  const Impl& im = *impl_;
+  return k_cache.sizes() == im.pool_sizes && v_cache.sizes() == im.pool_sizes &&
+         k_cache.scalar_type() == im.pool_dtype && v_cache.scalar_type() == im.pool_dtype &&
+         k_cache.is_contiguous() && v_cache.is_contiguous();
+}
+
+void PagedAttentionF32Plan::run_team(const float* q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, float* out, int tid,
+                                     int threads) const {
+  const Impl& im = *impl_;
+  Problem p = im.base;
+  p.k_cache = static_cast<const char*>(k_cache.data_ptr());
+  p.v_cache = static_cast<const char*>(v_cache.data_ptr());
+  p.q = q;
+  p.out = out;
+  Scratch& sc = thread_scratch(p);
+  // items dealt round robin in longest-first order; each item owns its rows, so which thread
+  // runs it does not change a result
+  for (size_t i = tid; i < im.phase_a.size(); i += threads) {
+    run_kv(p, im.groups, im.phase_a[i], sc, im.kv);
+  }
+  if (!im.phase_a.empty()) {
+#pragma omp barrier
+  }
+  for (size_t i = tid; i < im.phase_b.size(); i += threads) {
+    run_kv(p, im.groups, im.phase_b[i], sc, im.kv);
+  }
 }
 
 const char* f32_kernel_isa() { return RADIXKV_STR(RADIXKV_ISA_NAME); }

@@ -6,10 +6,22 @@
 // ~10 ms batch-1 step with 4-bit weights. Here the same ops run from one loop in C++: the same
 // functions in the same order on the same tensors, so the results equal the Python loop's bit
 // for bit (tests/test_decoder_stack.py compares them), and only the dispatch between them goes.
+//
+// With `team` (a decode's few rows, every linear an int8-activation block GEMV) the layers run
+// inside one OpenMP parallel region instead of ~5 a layer: each thread keeps its own copy of the
+// residual rows and computes the norms, x's int8 quantization and SiLU * up on it (a few
+// thousand values: cheaper than waking a thread), multiplies its share of each linear's output
+// rows (whole groups of 8, as quant_gemm_q8_into splits them) and runs its share of the
+// attention items (PagedAttentionF32Plan, checked once a step); thread 0 applies RoPE and stores
+// the new K/V rows. Six barriers a layer, no tensor allocated in the layer loop. The same
+// functions on the same values, so again the loop's results bit for bit.
 
 #include "cpu_decoder.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <omp.h>
 
 #include "cpu_attention.h"
 #include "cpu_fused.h"
@@ -21,6 +33,119 @@ namespace {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t int8_rows) {
   return kind < 0 ? f32_gemm(x, w) : quant_linear(x, w, kind, int8_rows);
+}
+
+// One thread's share of y [T, N] = x W^T (x quantized in xq), W raw rows of a dot type.
+void team_linear(const at::Tensor& w, int64_t kind, const radixkv_qdot::QuantizedRows& xq,
+                 int64_t k, float* y, int tid, int threads) {
+  const int64_t n = w.size(0);
+  const int64_t workers = radixkv_qdot::row_workers(n, threads);
+  if (tid >= workers) return;
+  const auto [n0, n1] = radixkv_qdot::worker_rows(n, tid, workers);
+  radixkv_qdot::dot_rows_range(kind, w.data_ptr<uint8_t>(), w.size(1), xq, k, y, n, n0, n1);
+}
+
+// The team path (file comment). x [T, H] is updated in place; returns the last MLP output.
+at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
+                               const std::vector<at::Tensor>& norms,
+                               const std::vector<double>& eps,
+                               const std::vector<at::Tensor>& linears,
+                               const std::vector<int64_t>& kinds,
+                               const std::vector<int64_t>& int8_rows, int64_t hq, int64_t hkv,
+                               int64_t d, const at::Tensor& cos, const at::Tensor& sin,
+                               std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
+                               const at::Tensor& out_slots, const PagedAttentionF32Plan& plan) {
+  static constexpr const char* fn = "decoder_layers_f32 (team)";
+  const size_t layers = k_caches.size();
+  const int64_t t = x.size(0), h = x.size(1), qkv_n = (hq + 2 * hkv) * d;
+  TORCH_CHECK(t <= quant_dot_max_rows() && h % 32 == 0 && (hq * d) % 32 == 0, fn,
+              ": a team step takes at most ", quant_dot_max_rows(), " rows and K % 32 == 0");
+  for (size_t i = 0; i < layers; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      const at::Tensor& w = linears[4 * i + j];
+      TORCH_CHECK(radixkv_qdot::is_dot_type(kinds[4 * i + j]) && int8_rows[4 * i + j] >= t &&
+                      w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+                  fn, ": layer ", i, " linear ", j, " is not raw rows of Q4_0, Q4_1 or Q8_0 "
+                  "with int8 activations at ", t, " rows");
+    }
+    TORCH_CHECK(plan.fits(k_caches[i], v_caches[i]), fn, ": layer ", i,
+                "'s pools differ from the first layer's");
+    TORCH_CHECK(norms[2 * i].numel() == h && norms[2 * i + 1].numel() == h &&
+                    norms[2 * i].is_contiguous() && norms[2 * i + 1].is_contiguous(),
+                fn, ": layer ", i, "'s norm weights must be contiguous [H]");
+  }
+  const int64_t inter = linears[2].size(0) / 2;
+  TORCH_CHECK(inter % 32 == 0, fn, ": the intermediate size must be a multiple of 32");
+  const int64_t outs[4] = {qkv_n, h, 2 * inter, h}, ins[4] = {h, hq * d, h, inter};
+  for (size_t i = 0; i < layers; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      const at::Tensor& w = linears[4 * i + j];
+      TORCH_CHECK(w.size(0) == outs[j] &&
+                      w.size(1) == ins[j] / 32 * radixkv_qdot::block_bytes(kinds[4 * i + j]),
+                  fn, ": layer ", i, " linear ", j, " is ", w.sizes(), " raw bytes, not ",
+                  outs[j], " rows of ", ins[j], " weights");
+    }
+  }
+  auto opts = x.options();
+  at::Tensor qkv = at::empty({t, qkv_n}, opts);  // rows of [q | k | v]; RoPE'd in place
+  const std::vector<at::Tensor> qkv3 =
+      qkv.view({t, hq + 2 * hkv, d}).split_with_sizes({hq, hkv, hkv}, 1);
+  const at::Tensor q = qkv3[0].contiguous();  // a copy per layer (attention reads contiguous q)
+  at::Tensor attn = at::empty({t, hq * d}, opts);
+  at::Tensor o_out = at::empty({t, h}, opts);
+  at::Tensor gate_up = at::empty({t, 2 * inter}, opts);
+  at::Tensor carry = at::empty({t, h}, opts);
+  if (pending.defined()) carry.copy_(pending);
+  const bool has_pending = pending.defined();
+  float* xs = x.data_ptr<float>();
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    // this thread's residual rows, norm output, activations and quantized x
+    std::vector<float> res(xs, xs + t * h), hn(t * h), act(t * inter);
+    radixkv_qdot::QuantizedRows xq;
+    float* cy = carry.data_ptr<float>();
+    bool add = has_pending;
+    for (size_t i = 0; i < layers; ++i) {
+      const at::Tensor* w = &linears[4 * i];
+      const int64_t* kind = &kinds[4 * i];
+      const float e0 = static_cast<float>(eps[2 * i]), e1 = static_cast<float>(eps[2 * i + 1]);
+      if (add) {
+        add_rms_norm_rows_f32(res.data(), h, cy, h, norms[2 * i].data_ptr<float>(), hn.data(), h,
+                              e0, 0, t);
+      } else {
+        rms_norm_rows_f32(res.data(), h, norms[2 * i].data_ptr<float>(), hn.data(), h, e0, 0, t);
+      }
+      add = true;
+      radixkv_qdot::quantize_rows(hn.data(), t, h, xq);
+      team_linear(w[0], kind[0], xq, h, qkv.data_ptr<float>(), tid, nt);
+#pragma omp barrier
+      if (tid == 0) {
+        rope_(qkv, cos, sin, hq + hkv, d);
+        store_kv_(qkv3[1], qkv3[2], k_caches[i], v_caches[i], out_slots);
+        q.copy_(qkv3[0]);
+      }
+#pragma omp barrier
+      plan.run_team(q.data_ptr<float>(), k_caches[i], v_caches[i], attn.data_ptr<float>(), tid,
+                    nt);
+#pragma omp barrier
+      radixkv_qdot::quantize_rows(attn.data_ptr<float>(), t, hq * d, xq);
+      team_linear(w[1], kind[1], xq, hq * d, o_out.data_ptr<float>(), tid, nt);
+#pragma omp barrier
+      add_rms_norm_rows_f32(res.data(), h, o_out.data_ptr<float>(), h,
+                            norms[2 * i + 1].data_ptr<float>(), hn.data(), h, e1, 0, t);
+      radixkv_qdot::quantize_rows(hn.data(), t, h, xq);
+      team_linear(w[2], kind[2], xq, h, gate_up.data_ptr<float>(), tid, nt);
+#pragma omp barrier
+      silu_mul_rows_f32(gate_up.data_ptr<float>(), 2 * inter, act.data(), inter, 0, t);
+      radixkv_qdot::quantize_rows(act.data(), t, inter, xq);
+      team_linear(w[3], kind[3], xq, inter, cy, tid, nt);
+#pragma omp barrier
+    }
+    if (tid == 0) std::copy(res.begin(), res.end(), xs);
+  }
+  return carry;
 }
 
 }  // namespace
@@ -38,7 +163,7 @@ at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pen
                               const std::vector<int64_t>& extend_starts, double sm_scale,
                               const std::vector<int64_t>& group_members,
                               const std::vector<int64_t>& group_offsets,
-                              const std::vector<int64_t>& group_shared) {
+                              const std::vector<int64_t>& group_shared, bool team) {
   static constexpr const char* fn = "decoder_layers_f32";
   const size_t layers = k_caches.size();
   TORCH_CHECK(v_caches.size() == layers && norms.size() == 2 * layers &&
@@ -52,6 +177,14 @@ at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pen
               ": x must be contiguous float32 rows [T, H], got ", x.scalar_type(), " ", x.sizes());
   const int64_t hq = heads[0], hkv = heads[1], d = heads[2], t = x.size(0);
   at::Tensor carry = pending.has_value() ? *pending : at::Tensor();
+  if (team && layers > 0) {
+    const at::Tensor q_shape = at::empty({t, hq, d}, x.options());
+    const PagedAttentionF32Plan plan(q_shape, k_caches[0], v_caches[0], page_table, prefix_lens,
+                                     extend_lens, extend_starts, sm_scale, group_members,
+                                     group_offsets, group_shared);
+    return decoder_layers_team(x, carry, norms, eps, linears, kinds, int8_rows, hq, hkv, d, cos, sin,
+                               k_caches, v_caches, out_slots, plan);
+  }
   for (size_t i = 0; i < layers; ++i) {
     const at::Tensor* w = &linears[4 * i];
     const int64_t* kind = &kinds[4 * i];

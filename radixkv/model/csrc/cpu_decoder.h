@@ -20,7 +20,10 @@
 // pack_f32_weight, run by f32_gemm; else a GGML type id of raw rows, run by quant_linear with
 // int8_rows[...]); k_caches[i], v_caches[i] the layer's pools. heads = (Hq, Hkv, D); cos, sin
 // the float32 RoPE tables [T, D]; out_slots and the attention arguments as paged_attention_f32
-// takes them. Returns the last layer's MLP output (pending for the final norm).
+// takes them. Returns the last layer's MLP output (pending for the final norm). team: run the
+// layers in one OpenMP parallel region (cpu_decoder.cpp); only for T <= quant_dot_max_rows()
+// rows, every linear a quant_dot type run with int8 activations at T rows (int8_rows >= T), every
+// row of x a request's, all layers' pools alike; the same results as without it.
 at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pending,
                               const std::vector<at::Tensor>& norms, const std::vector<double>& eps,
                               const std::vector<at::Tensor>& linears,
@@ -34,4 +37,4 @@ at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pen
                               const std::vector<int64_t>& extend_starts, double sm_scale,
                               const std::vector<int64_t>& group_members,
                               const std::vector<int64_t>& group_offsets,
-                              const std::vector<int64_t>& group_shared);
+                              const std::vector<int64_t>& group_shared, bool team);

@@ -142,9 +142,55 @@ inline vf silu_mul_v(vf g, vf u) {
   return g * sig * u;
 }
 
+// residual[r] += x[r], then y[r] = rms_norm(residual[r]) * w, for rows [begin, end).
+template <class E>
+void add_norm_rows(E* res, int64_t res_stride, const E* xs, int64_t x_stride, const E* w, E* y,
+                   int64_t h, float eps, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    E* dst = res + r * res_stride;
+    const E* src = xs + r * x_stride;
+    const int64_t hv = h - h % VW;
+    for (int64_t i = 0; i < hv; i += VW) store_e(dst + i, load_e(dst + i) + load_e(src + i));
+    for (int64_t i = hv; i < h; ++i) dst[i] = from_f<E>(to_f(dst[i]) + to_f(src[i]));
+  }
+  norm_rows(res, res_stride, w, y, h, eps, begin, end);
+}
+
+// y[r] = silu(gate) * up of row r = [gate (n) | up (n)], for rows [begin, end).
+template <class E>
+void silu_rows(const E* gate_up, int64_t stride, E* y, int64_t n, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const E* g = gate_up + r * stride;
+    const E* u = g + n;
+    E* dst = y + r * n;
+    const int64_t nv = n - n % VW;
+    for (int64_t i = 0; i < nv; i += VW) store_e(dst + i, silu_mul_v(load_e(g + i), load_e(u + i)));
+    for (int64_t i = nv; i < n; ++i) {
+      const float gv = to_f(g[i]);
+      dst[i] = from_f<E>(gv / (1.f + std::exp(-gv)) * to_f(u[i]));
+    }
+  }
+}
+
 constexpr int64_t kRowGrain = 16;
 
 }  // namespace
+
+void rms_norm_rows_f32(const float* x, int64_t x_stride, const float* w, float* y, int64_t h,
+                       float eps, int64_t begin, int64_t end) {
+  norm_rows(x, x_stride, w, y, h, eps, begin, end);
+}
+
+void add_rms_norm_rows_f32(float* residual, int64_t residual_stride, const float* x,
+                           int64_t x_stride, const float* w, float* y, int64_t h, float eps,
+                           int64_t begin, int64_t end) {
+  add_norm_rows(residual, residual_stride, x, x_stride, w, y, h, eps, begin, end);
+}
+
+void silu_mul_rows_f32(const float* gate_up, int64_t stride, float* y, int64_t n, int64_t begin,
+                       int64_t end) {
+  silu_rows(gate_up, stride, y, n, begin, end);
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows_2d(x, "rms_norm");
@@ -173,17 +219,8 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Ten
   dispatch_rows(x, [&](auto e0) {
     using E = decltype(e0);
     at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-      E* res = data<E>(residual);
-      const E* xs = data<E>(x);
-      for (int64_t r = b; r < e; ++r) {
-        E* dst = res + r * residual.stride(0);
-        const E* src = xs + r * x.stride(0);
-        const int64_t hv = h - h % VW;
-        for (int64_t i = 0; i < hv; i += VW) store_e(dst + i, load_e(dst + i) + load_e(src + i));
-        for (int64_t i = hv; i < h; ++i) dst[i] = from_f<E>(to_f(dst[i]) + to_f(src[i]));
-      }
-      norm_rows(res, residual.stride(0), data<E>(weight), data<E>(y), h, static_cast<float>(eps),
-                b, e);
+      add_norm_rows(data<E>(residual), residual.stride(0), data<E>(x), x.stride(0),
+                    data<E>(weight), data<E>(y), h, static_cast<float>(eps), b, e);
     });
   });
   return y;
@@ -198,17 +235,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   dispatch_rows(gate_up, [&](auto e0) {
     using E = decltype(e0);
     at::parallel_for(0, rows, kRowGrain, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const E* g = data<E>(gate_up) + r * gate_up.stride(0);
-        const E* u = g + n;
-        E* dst = data<E>(y) + r * n;
-        const int64_t nv = n - n % VW;
-        for (int64_t i = 0; i < nv; i += VW) store_e(dst + i, silu_mul_v(load_e(g + i), load_e(u + i)));
-        for (int64_t i = nv; i < n; ++i) {
-          const float gv = to_f(g[i]);
-          dst[i] = from_f<E>(gv / (1.f + std::exp(-gv)) * to_f(u[i]));
-        }
-      }
+      silu_rows(data<E>(gate_up), gate_up.stride(0), data<E>(y), n, b, e);
     });
   });
   return y;

@@ -100,45 +100,7 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
-// x [m, k] quantized per 32-block. Codes row-major [m, k]; scales and (Q4_1) scaled code sums
-// block-major [nb, kMaxRows] so one block's values for every row are adjacent.
-struct QuantizedRows {
-  int64_t m = 0, nb = 0;
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int32_t> sum8;  // 8 sum_k q_k: dot(nibble - 8, q) = dot(nibble, q) - sum8
-};
-
-void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
-  out.m = m;
-  out.nb = k / kQBlock;
-  out.q.assign(m * k, 0);
-  out.d.assign(out.nb * kMaxRows, 0.f);
-  out.s.assign(out.nb * kMaxRows, 0.f);
-  out.sum8.assign(out.nb * kMaxRows, 0);
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t b = 0; b < out.nb; ++b) {
-      const float* xb = x + r * k + b * kQBlock;
-      int8_t* qb = out.q.data() + r * k + b * kQBlock;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.f;
-      int32_t sum = 0;
-      if (amax > 0.f) {
-        for (int64_t i = 0; i < kQBlock; ++i) {
-          // nearbyint: round half to even (the default rounding mode), as numpy's rint
-          const float t = std::nearbyint(xb[i] / d);
-          const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, t)));
-          qb[i] = static_cast<int8_t>(c);
-          sum += c;
-        }
-      }
-      out.d[b * kMaxRows + r] = d;
-      out.s[b * kMaxRows + r] = d * static_cast<float>(sum);
-      out.sum8[b * kMaxRows + r] = 8 * sum;
-    }
-  }
-}
+using radixkv_qdot::QuantizedRows;
 
 // Formats: kBytes per 32 weights. codes(block, ...) gives d_w, m_w (0 for the signed formats)
 // and the 32 codes in order.
@@ -214,7 +176,7 @@ inline void dot_rows(const uint8_t* w, const QuantizedRows& xq, int64_t k, float
   for (int r = 0; r < MR; ++r) y[r * ldy] = hsum8(acc[r]) + (F::kMin ? mins[r] : 0.f);
 }
 
-constexpr int64_t kGroup = 8;  // weight rows multiplied together: one float vector lane each
+constexpr int64_t kGroup = radixkv_qdot::kGroupRows;  // weight rows multiplied together: one float vector lane each
 // Q8_0 groups at this many rows of x and more transpose the 8 rows' codes (hadd tree below)
 constexpr int kQ8TransposeRows = 5;
 
@@ -494,15 +456,13 @@ template <class F>
 void gemm_q8(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
              float* y, int64_t ldy) {
   QuantizedRows xq;
-  quantize_rows(x, m, k, xq);
+  radixkv_qdot::quantize_rows(x, m, k, xq);
   // runs of output rows in multiples of 8: whole groups of 8 rows (so which rows are grouped, and
   // so every output's summation order, does not depend on the thread count)
-  const int64_t units = (n + 7) / 8;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  const int64_t workers = radixkv_qdot::row_workers(n, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t wk = w0; wk < w1; ++wk) {
-      const int64_t n0 = std::min(n, units * wk / workers * 8);
-      const int64_t n1 = std::min(n, units * (wk + 1) / workers * 8);
+      const auto [n0, n1] = radixkv_qdot::worker_rows(n, wk, workers);
       dot_range<F>(w, row_bytes, xq, k, y, ldy, n0, n1);
     }
   });
@@ -521,6 +481,69 @@ void with_dot_format(int64_t ggml_type, Fn&& fn) {
 }
 
 }  // namespace
+
+namespace radixkv_qdot {
+
+void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
+  out.m = m;
+  out.nb = k / kQBlock;
+  out.q.assign(m * k, 0);
+  out.d.assign(out.nb * kMaxRows, 0.f);
+  out.s.assign(out.nb * kMaxRows, 0.f);
+  out.sum8.assign(out.nb * kMaxRows, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < out.nb; ++b) {
+      const float* xb = x + r * k + b * kQBlock;
+      int8_t* qb = out.q.data() + r * k + b * kQBlock;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.f;
+      int32_t sum = 0;
+      if (amax > 0.f) {
+        for (int64_t i = 0; i < kQBlock; ++i) {
+          // nearbyint: round half to even (the default rounding mode), as numpy's rint
+          const float t = std::nearbyint(xb[i] / d);
+          const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, t)));
+          qb[i] = static_cast<int8_t>(c);
+          sum += c;
+        }
+      }
+      out.d[b * kMaxRows + r] = d;
+      out.s[b * kMaxRows + r] = d * static_cast<float>(sum);
+      out.sum8[b * kMaxRows + r] = 8 * sum;
+    }
+  }
+}
+
+int64_t row_workers(int64_t n, int64_t threads) {
+  return std::max<int64_t>(1, std::min<int64_t>(threads, (n + kGroupRows - 1) / kGroupRows));
+}
+
+std::pair<int64_t, int64_t> worker_rows(int64_t n, int64_t worker, int64_t workers) {
+  const int64_t units = (n + kGroupRows - 1) / kGroupRows;
+  return {std::min(n, units * worker / workers * kGroupRows),
+          std::min(n, units * (worker + 1) / workers * kGroupRows)};
+}
+
+bool is_dot_type(int64_t ggml_type) {
+  return ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0;
+}
+
+int64_t block_bytes(int64_t ggml_type) {
+  int64_t bytes = 0;
+  with_dot_format(ggml_type, [&](auto f, const char*) { bytes = decltype(f)::kBytes; });
+  return bytes;
+}
+
+void dot_rows_range(int64_t ggml_type, const uint8_t* w, int64_t row_bytes,
+                    const QuantizedRows& xq, int64_t k, float* y, int64_t ldy, int64_t n0,
+                    int64_t n1) {
+  with_dot_format(ggml_type, [&](auto f, const char*) {
+    dot_range<decltype(f)>(w, row_bytes, xq, k, y, ldy, n0, n1);
+  });
+}
+
+}  // namespace radixkv_qdot
 
 std::vector<int64_t> quant_dot_types() { return {kQ4_0, kQ4_1, kQ8_0}; }
 
@@ -563,7 +586,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t ggm
   TORCH_CHECK(x_in.dim() == 2, "quant_linear: x must be 2-D rows [M, K], got ", x_in.sizes());
   const at::Tensor x = x_in.contiguous();
   const int64_t m = x.size(0);
-  const bool served = ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0;
+  const bool served = radixkv_qdot::is_dot_type(ggml_type);
   if (!(served && x.scalar_type() == at::kFloat && m > 0 && m <= std::min(int8_rows, kMaxRows))) {
     return quant_gemm(x, w, ggml_type);
   }

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 // The GGML type ids quant_gemm_q8_into multiplies: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 (every build; the
@@ -27,3 +28,42 @@ void quant_gemm_q8_into(const at::Tensor& x, const at::Tensor& w, int64_t ggml_t
 // (made contiguous here); w as quant_gemm_q8_into's.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type,
                         int64_t int8_rows);
+
+// The same multiply for a caller that runs its own threads (cpu_decoder.cpp's team of threads
+// inside one OpenMP region): x quantized once per thread, each thread its share of output rows.
+// quant_gemm_q8_into is quantize_rows + dot_rows_range over worker_rows, so the two agree bit for
+// bit.
+namespace radixkv_qdot {
+
+// Output rows are multiplied in groups of kGroupRows (rows 8i .. 8i + 7, the N % 8 last one at a
+// time); a worker's share is whole groups, so no output's arithmetic depends on the split.
+constexpr int64_t kGroupRows = 8;
+
+// x [m <= quant_dot_max_rows(), k] quantized per 32-block. Codes row-major [m, k]; scales and
+// (Q4_1) scaled code sums block-major [nb, 8], so one block's values for every row are adjacent.
+// The vectors keep their capacity between calls (no allocation once grown).
+struct QuantizedRows {
+  int64_t m = 0, nb = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum8;  // 8 sum_k q_k: dot(nibble - 8, q) = dot(nibble, q) - sum8
+};
+
+// Quantizes x [m, k] (float32, contiguous rows, k a multiple of 32) into out.
+void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out);
+// How many workers share n output rows among `threads`: at most one per group of rows.
+int64_t row_workers(int64_t n, int64_t threads);
+// Worker `worker` of `workers`' output rows [first, second): whole groups, in order.
+std::pair<int64_t, int64_t> worker_rows(int64_t n, int64_t worker, int64_t workers);
+// Whether quant_gemm_q8_into multiplies this GGML type (quant_dot_types()).
+bool is_dot_type(int64_t ggml_type);
+// Bytes of one block of 32 weights of a dot type (Q4_0 18, Q4_1 20, Q8_0 34).
+int64_t block_bytes(int64_t ggml_type);
+// y[r * ldy + n] for rows r < xq.m and outputs n0 <= n < n1 (n0 a multiple of kGroupRows): w's
+// raw GGML rows of ggml_type, row_bytes each, k inputs. Unchecked: the caller checked the shapes
+// (as quant_gemm_q8_into does) and the type (is_dot_type).
+void dot_rows_range(int64_t ggml_type, const uint8_t* w, int64_t row_bytes,
+                    const QuantizedRows& xq, int64_t k, float* y, int64_t ldy, int64_t n0,
+                    int64_t n1);
+
+}  // namespace radixkv_qdot
