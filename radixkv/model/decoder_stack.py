@@ -14,11 +14,11 @@ float32 :class:`~radixkv.model.linear.PackedLinear` on radixkv's GEMM or a one-s
 A step runs it when its rows and KV pools are float32 and the backend's ``forward_qkv`` is the
 three native calls the loop reproduces (:attr:`AttentionBackend.f32_layers_native`).
 
-A decode's few rows over int8-activation block GEMVs (every linear a Q4_0 / Q4_1 / Q8_0
-``QuantLinear`` whose int8 path takes that many rows) run as a *team*: the layers inside one
-OpenMP parallel region, each thread its share of every linear's rows and attention items,
-barriers between them, instead of ~5 parallel regions and ~13 ATen calls a layer
-(:attr:`DecoderStack.team_rows`; the same results bit for bit).
+A decode's few rows over GGUF-block linears (every linear a one-segment ``QuantLinear``
+multiplying those rows with int8 activations, or on the float decode path of AVX2 builds) run
+as a *team*: the layers inside one OpenMP parallel region, each thread its share of every
+linear's rows and attention items, barriers between them, instead of ~5 parallel regions and
+~13 ATen calls a layer (:attr:`DecoderStack.team_rows`; the same results bit for bit).
 
 ``RADIXKV_DECODER_STACK=0`` (read when the stack is gathered) keeps the Python loop: an A/B
 switch, and what a profile of the per-layer parts needs (bench/bench_step_breakdown.py turns
@@ -36,14 +36,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DecoderStack", "decoder_stack"]
+__all__ = ["DecoderStack", "StackCache", "decoder_stack"]
 
 
 @dataclass(frozen=True)
 class DecoderStack:
     """The layers' arguments of ``decoder_layers_f32``, gathered once.
 
-    Invariant: ``parts`` are the layers' ``_fused_parts()`` tuples it was gathered from; the
+    Invariant: ``parts`` are the layers' ``fused_parts()`` tuples it was gathered from; the
     model gathers it again when any layer's differ (a layer's attribute was set)."""
 
     module: str
@@ -57,7 +57,8 @@ class DecoderStack:
     rope_kind: str
     sm_scale: float
     #: the most rows a step may have to run as a team (module docstring): the fewest rows any
-    #: linear's int8 path takes, where every linear has one; 0: never
+    #: linear's decode paths take (int8 activations' or the float one), where every linear is
+    #: GGUF blocks; 0: never
     team_rows: int = 0
 
     def run(
@@ -108,10 +109,13 @@ def team_enabled() -> bool:
     return os.environ.get("RADIXKV_DECODER_TEAM", "1") != "0"
 
 
-def decoder_stack(layers: Sequence[nn.Module], parts: Sequence[Any]) -> DecoderStack | None:
-    """The stack of ``layers`` (``DecoderLayer``\\ s with their ``_fused_parts()`` ``parts``),
+def decoder_stack(
+    layers: Sequence[nn.Module], parts: Sequence[Any], decode_rows: int = 0
+) -> DecoderStack | None:
+    """The stack of ``layers`` (``DecoderLayer``\\ s with their ``fused_parts()`` ``parts``),
     or None where any layer is not of the kind ``decoder_layers_f32`` computes (module
-    docstring) or the switch is off."""
+    docstring) or the switch is off. ``decode_rows``: the most float rows the native build's
+    GGUF decode path takes (its ``quant_decode_rows()``; 0: none)."""
     if not layers or not enabled():
         return None
     first = layers[0]
@@ -152,7 +156,7 @@ def decoder_stack(layers: Sequence[nn.Module], parts: Sequence[Any]) -> DecoderS
         return None
     team_rows = 0
     if team_enabled() and all(k >= 0 for k in kinds):
-        team_rows = min(int8_rows)  # 0 where any linear runs float activations
+        team_rows = min(max(rows, decode_rows) for rows in int8_rows)
     return DecoderStack(
         module=modules.pop(),
         parts=tuple(parts),
@@ -166,3 +170,51 @@ def decoder_stack(layers: Sequence[nn.Module], parts: Sequence[Any]) -> DecoderS
         sm_scale=float(first.sm_scale),
         team_rows=team_rows,
     )
+
+
+class StackCache:
+    """A model's stack for the steps that can run it, gathered once and again after any layer's
+    parts change (``DecoderLayer`` makes its parts afresh when an attribute is set).
+
+    Invariant: ``stack`` is ``decoder_stack(layers, parts)`` of the ``parts`` held here, or
+    nothing gathered yet (``parts`` empty)."""
+
+    def __init__(self) -> None:
+        self.parts: tuple[Any, ...] = ()
+        self.stack: DecoderStack | None = None
+
+    def for_step(
+        self,
+        model: Any,
+        ops: Any,
+        backend: Any,
+        x: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        windows: dict[int, Any],
+    ) -> DecoderStack | None:
+        """``model``'s layers as one native call where this step allows it: float32 rows and
+        pools, a backend whose ``forward_qkv`` the native loop reproduces
+        (``f32_layers_native``), no window plan, ``model.use_decoder_stack``, and ``ops`` the
+        native build the stack's linears were gathered from."""
+        if (
+            not model.use_decoder_stack
+            or windows
+            or x.dtype != torch.float32
+            or not backend.f32_layers_native
+            or not k_caches
+            or k_caches[0].dtype != torch.float32
+        ):
+            return None
+        layers = model.layers
+        parts = tuple(layer.fused_parts() for layer in layers)
+        if (
+            not self.parts
+            or len(self.parts) != len(parts)
+            or any(a is not b for a, b in zip(self.parts, parts, strict=True))
+        ):
+            decode_rows = int(getattr(ops, "quant_decode_rows", lambda: 0)())
+            self.parts, self.stack = parts, decoder_stack(list(layers), parts, decode_rows)
+        stack = self.stack
+        if stack is None or getattr(ops, "__name__", None) != stack.module:
+            return None
+        return stack

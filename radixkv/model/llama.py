@@ -28,7 +28,7 @@ from torch import nn
 from radixkv.model.arch import map_weights, read_config
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch, split_qkv
 from radixkv.model.attention.window import WindowPlan, plan_window, windowed_attention
-from radixkv.model.decoder_stack import DecoderStack, decoder_stack
+from radixkv.model.decoder_stack import StackCache
 from radixkv.model.linear import prepack_linears
 from radixkv.model.model_config import ModelConfig
 from radixkv.model.moe import SparseMoeBlock
@@ -69,7 +69,7 @@ class RMSNorm(nn.Module):
 
 
 class FusedParts(NamedTuple):
-    """What :meth:`DecoderLayer.forward_fused` calls, looked up once (see ``_fused_parts``)."""
+    """What :meth:`DecoderLayer.forward_fused` calls, looked up once (see ``fused_parts``)."""
 
     norm_in: RMSNorm
     post_norm: RMSNorm
@@ -126,7 +126,7 @@ class DecoderLayer(nn.Module):
         self.__dict__.pop("_parts_cache", None)  # a submodule may change: look them up afresh
         super().__setattr__(name, value)
 
-    def _fused_parts(self) -> FusedParts:
+    def fused_parts(self) -> FusedParts:
         """``(input norm, post-attention norm, qkv, o, gate_up, down)`` for :meth:`forward_fused`,
         whose ``forward`` it calls (``nn.Module.__call__`` and ``__getattr__`` cost ~1 us each,
         ~13 us a layer on the Zen 3 host); made once, again after any attribute of the layer is
@@ -233,7 +233,7 @@ class DecoderLayer(nn.Module):
         cos 1 and sin 0). Returns this layer's MLP output, pending for the next.
         """
         t = x.shape[0]
-        norm_in, post, qkv_proj, o_proj, gate_up_proj, down_proj = self._fused_parts()
+        norm_in, post, qkv_proj, o_proj, gate_up_proj, down_proj = self.fused_parts()
         w_in = norm_in.weight
         h = (
             ops.rms_norm(x, w_in, norm_in.eps)
@@ -288,8 +288,9 @@ class LlamaModel(nn.Module):
         self.rotaries = self._make_rotaries()
         # CPU: norms, RoPE and SiLU through radixkv.model.native's fused ops when built
         self.use_fused_ops = True
-        #: the fused layers as one native call where they allow it (:meth:`_decoder_stack`)
+        #: the fused layers as one native call where they allow it (:class:`StackCache`)
         self.use_decoder_stack = True
+        self.stack_cache = StackCache()
         self.requires_grad_(False)
 
     def _make_rotaries(self) -> dict[str, RotaryEmbedding]:
@@ -466,41 +467,6 @@ class LlamaModel(nn.Module):
 
         return native.load()
 
-    def _decoder_stack(
-        self,
-        ops: Any,
-        backend: AttentionBackend,
-        x: torch.Tensor,
-        k_caches: list[torch.Tensor],
-        windows: dict[int, WindowPlan],
-    ) -> DecoderStack | None:
-        """The layers as one native call (:mod:`radixkv.model.decoder_stack`) where this step
-        allows it: float32 rows and pools, a backend whose ``forward_qkv`` the native loop
-        reproduces, no window plan, and ``use_decoder_stack``. Gathered once, again after any
-        layer's parts change."""
-        if (
-            not self.use_decoder_stack
-            or windows
-            or x.dtype != torch.float32
-            or not backend.f32_layers_native
-            or not k_caches
-            or k_caches[0].dtype != torch.float32
-        ):
-            return None
-        parts = tuple(layer._fused_parts() for layer in self.layers)
-        cached = self.__dict__.get("_stack_cache")
-        if (
-            cached is None
-            or len(cached[0]) != len(parts)
-            or any(a is not b for a, b in zip(cached[0], parts, strict=True))
-        ):
-            cached = (parts, decoder_stack(list(self.layers), parts))
-            self.__dict__["_stack_cache"] = cached
-        stack = cached[1]
-        if stack is None or getattr(ops, "__name__", None) != stack.module:
-            return None
-        return stack
-
     def _forward_fused(
         self,
         ops: Any,
@@ -514,7 +480,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         rope = self._rope_tables(batch.positions, torch.float32, rows=True)
         x = self._embed(batch.input_ids)
-        stack = self._decoder_stack(ops, backend, x, k_caches, windows)
+        stack = self.stack_cache.for_step(self, ops, backend, x, k_caches, windows)
         tables = None if stack is None else rope[stack.rope_kind]
         pending = None
         if stack is not None and tables is not None:

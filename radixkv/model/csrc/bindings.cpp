@@ -147,6 +147,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("extend_starts"), pybind11::arg("sm_scale"), pybind11::arg("group_members"),
         pybind11::arg("group_offsets"), pybind11::arg("group_shared"),
         pybind11::arg("team") = false);
+  m.def("quant_decode_rows", &quant_decode_rows,
+        "The most float32 rows quant_gemm's decode path takes (0: none in this build)");
   m.def("quant_dequantize_rows", &NoGil<&quant_dequantize_rows>::call,
         "Rows ids (int64 [T]) of raw GGML rows w dequantized exactly, as [T, K] of dtype",
         pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("ids"),

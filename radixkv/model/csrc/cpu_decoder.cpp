@@ -7,9 +7,11 @@
 // functions in the same order on the same tensors, so the results equal the Python loop's bit
 // for bit (tests/test_decoder_stack.py compares them), and only the dispatch between them goes.
 //
-// With `team` (a decode's few rows, every linear an int8-activation block GEMV) the layers run
+// With `team` (a decode's few rows, every linear a block GEMV: int8 activations, or the float
+// decode path of quant_gemm_into on AVX2 builds) the layers run
 // inside one OpenMP parallel region instead of ~5 a layer: each thread keeps its own copy of the
-// residual rows and computes the norms, x's int8 quantization and SiLU * up on it (a few
+// residual rows and computes the norms, x's preparation (int8 quantization, or the float decode
+// path's reordering) and SiLU * up on it (a few
 // thousand values: cheaper than waking a thread), multiplies its share of each linear's output
 // rows (whole groups of 8, as quant_gemm_q8_into splits them) and runs its share of the
 // attention items (PagedAttentionF32Plan, checked once a step); thread 0 applies RoPE and stores
@@ -28,6 +30,7 @@
 #include "cpu_kv_store.h"
 #include "cpu_linear.h"
 #include "cpu_quant_dot.h"
+#include "cpu_quant_linear.h"
 
 namespace {
 
@@ -35,14 +38,38 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_
   return kind < 0 ? f32_gemm(x, w) : quant_linear(x, w, kind, int8_rows);
 }
 
-// One thread's share of y [T, N] = x W^T (x quantized in xq), W raw rows of a dot type.
-void team_linear(const at::Tensor& w, int64_t kind, const radixkv_qdot::QuantizedRows& xq,
-                 int64_t k, float* y, int tid, int threads) {
+// A thread's inputs of the linears, prepared once per layer input and kept between calls.
+struct TeamInput {
+  radixkv_qdot::QuantizedRows xq;  // int8 activations
+  std::vector<float> xf;           // the float decode path's reordered x
+};
+
+// Whether the linear runs with int8 activations at t rows (as quant_linear decides).
+inline bool int8_at(int64_t kind, int64_t int8_rows, int64_t t) {
+  return radixkv_qdot::is_dot_type(kind) && t <= std::min(int8_rows, quant_dot_max_rows());
+}
+
+// One thread's share of y [t, N] = x W^T, W raw rows of a GGML type, x [t, k]: int8 activations
+// (x quantized into in.xq) or float ones (the decode path of quant_gemm_into), as quant_linear
+// picks. Every thread prepares x itself (the same values: a few thousand, cheaper than a
+// barrier).
+void team_linear(const at::Tensor& w, int64_t kind, int64_t int8_rows, const float* x, int64_t t,
+                 int64_t k, TeamInput& in, float* y, int tid, int threads) {
   const int64_t n = w.size(0);
-  const int64_t workers = radixkv_qdot::row_workers(n, threads);
-  if (tid >= workers) return;
-  const auto [n0, n1] = radixkv_qdot::worker_rows(n, tid, workers);
-  radixkv_qdot::dot_rows_range(kind, w.data_ptr<uint8_t>(), w.size(1), xq, k, y, n, n0, n1);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (int8_at(kind, int8_rows, t)) {
+    radixkv_qdot::quantize_rows(x, t, k, in.xq);
+    const int64_t workers = radixkv_qdot::row_workers(n, threads);
+    if (tid >= workers) return;
+    const auto [n0, n1] = radixkv_qdot::worker_rows(n, tid, workers);
+    radixkv_qdot::dot_rows_range(kind, wp, w.size(1), in.xq, k, y, n, n0, n1);
+  } else {
+    const float* xd = radixkv_qlin::decode_input(kind, x, t, k, in.xf);
+    const int64_t workers = radixkv_qlin::row_workers(n, threads);
+    if (tid >= workers) return;
+    const auto [n0, n1] = radixkv_qlin::worker_rows(n, tid, workers);
+    radixkv_qlin::decode_rows_range(kind, wp, w.size(1), xd, t, k, y, n, n0, n1);
+  }
 }
 
 // The team path (file comment). x [T, H] is updated in place; returns the last MLP output.
@@ -58,15 +85,17 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
   static constexpr const char* fn = "decoder_layers_f32 (team)";
   const size_t layers = k_caches.size();
   const int64_t t = x.size(0), h = x.size(1), qkv_n = (hq + 2 * hkv) * d;
-  TORCH_CHECK(t <= quant_dot_max_rows() && h % 32 == 0 && (hq * d) % 32 == 0, fn,
-              ": a team step takes at most ", quant_dot_max_rows(), " rows and K % 32 == 0");
+  TORCH_CHECK(t >= 1 && t <= team_rows_max(), fn, ": a team step takes 1 to ",
+              team_rows_max(), " rows, got ", t);
   for (size_t i = 0; i < layers; ++i) {
     for (int j = 0; j < 4; ++j) {
       const at::Tensor& w = linears[4 * i + j];
-      TORCH_CHECK(radixkv_qdot::is_dot_type(kinds[4 * i + j]) && int8_rows[4 * i + j] >= t &&
-                      w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
-                  fn, ": layer ", i, " linear ", j, " is not raw rows of Q4_0, Q4_1 or Q8_0 "
-                  "with int8 activations at ", t, " rows");
+      const int64_t kind = kinds[4 * i + j];
+      TORCH_CHECK(kind >= 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+                  fn, ": layer ", i, " linear ", j, " is not raw GGML rows");
+      TORCH_CHECK(int8_at(kind, int8_rows[4 * i + j], t) || radixkv_qlin::decode_rows_max() >= t,
+                  fn, ": layer ", i, " linear ", j, " has no decode path at ", t,
+                  " rows in this build (int8 activations off and no AVX2 decode)");
     }
     TORCH_CHECK(plan.fits(k_caches[i], v_caches[i]), fn, ": layer ", i,
                 "'s pools differ from the first layer's");
@@ -75,13 +104,14 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
                 fn, ": layer ", i, "'s norm weights must be contiguous [H]");
   }
   const int64_t inter = linears[2].size(0) / 2;
-  TORCH_CHECK(inter % 32 == 0, fn, ": the intermediate size must be a multiple of 32");
+  TORCH_CHECK(h % 32 == 0 && (hq * d) % 32 == 0 && inter % 32 == 0, fn,
+              ": the hidden, attention and intermediate sizes must be multiples of 32");
   const int64_t outs[4] = {qkv_n, h, 2 * inter, h}, ins[4] = {h, hq * d, h, inter};
   for (size_t i = 0; i < layers; ++i) {
     for (int j = 0; j < 4; ++j) {
       const at::Tensor& w = linears[4 * i + j];
       TORCH_CHECK(w.size(0) == outs[j] &&
-                      w.size(1) == ins[j] / 32 * radixkv_qdot::block_bytes(kinds[4 * i + j]),
+                      w.size(1) == radixkv_qlin::row_bytes_of(kinds[4 * i + j], ins[j]),
                   fn, ": layer ", i, " linear ", j, " is ", w.sizes(), " raw bytes, not ",
                   outs[j], " rows of ", ins[j], " weights");
     }
@@ -104,12 +134,13 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     // this thread's residual rows, norm output, activations and quantized x
     std::vector<float> res(xs, xs + t * h), hn(t * h), act(t * inter);
-    radixkv_qdot::QuantizedRows xq;
+    TeamInput in;
     float* cy = carry.data_ptr<float>();
     bool add = has_pending;
     for (size_t i = 0; i < layers; ++i) {
       const at::Tensor* w = &linears[4 * i];
       const int64_t* kind = &kinds[4 * i];
+      const int64_t* rows = &int8_rows[4 * i];
       const float e0 = static_cast<float>(eps[2 * i]), e1 = static_cast<float>(eps[2 * i + 1]);
       if (add) {
         add_rms_norm_rows_f32(res.data(), h, cy, h, norms[2 * i].data_ptr<float>(), hn.data(), h,
@@ -118,8 +149,7 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
         rms_norm_rows_f32(res.data(), h, norms[2 * i].data_ptr<float>(), hn.data(), h, e0, 0, t);
       }
       add = true;
-      radixkv_qdot::quantize_rows(hn.data(), t, h, xq);
-      team_linear(w[0], kind[0], xq, h, qkv.data_ptr<float>(), tid, nt);
+      team_linear(w[0], kind[0], rows[0], hn.data(), t, h, in, qkv.data_ptr<float>(), tid, nt);
 #pragma omp barrier
       if (tid == 0) {
         rope_(qkv, cos, sin, hq + hkv, d);
@@ -130,17 +160,16 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
       plan.run_team(q.data_ptr<float>(), k_caches[i], v_caches[i], attn.data_ptr<float>(), tid,
                     nt);
 #pragma omp barrier
-      radixkv_qdot::quantize_rows(attn.data_ptr<float>(), t, hq * d, xq);
-      team_linear(w[1], kind[1], xq, hq * d, o_out.data_ptr<float>(), tid, nt);
+      team_linear(w[1], kind[1], rows[1], attn.data_ptr<float>(), t, hq * d, in,
+                  o_out.data_ptr<float>(), tid, nt);
 #pragma omp barrier
       add_rms_norm_rows_f32(res.data(), h, o_out.data_ptr<float>(), h,
                             norms[2 * i + 1].data_ptr<float>(), hn.data(), h, e1, 0, t);
-      radixkv_qdot::quantize_rows(hn.data(), t, h, xq);
-      team_linear(w[2], kind[2], xq, h, gate_up.data_ptr<float>(), tid, nt);
+      team_linear(w[2], kind[2], rows[2], hn.data(), t, h, in, gate_up.data_ptr<float>(), tid,
+                  nt);
 #pragma omp barrier
       silu_mul_rows_f32(gate_up.data_ptr<float>(), 2 * inter, act.data(), inter, 0, t);
-      radixkv_qdot::quantize_rows(act.data(), t, inter, xq);
-      team_linear(w[3], kind[3], xq, inter, cy, tid, nt);
+      team_linear(w[3], kind[3], rows[3], act.data(), t, inter, in, cy, tid, nt);
 #pragma omp barrier
     }
     if (tid == 0) std::copy(res.begin(), res.end(), xs);
@@ -149,6 +178,12 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
 }
 
 }  // namespace
+
+int64_t team_rows_max() {
+  return std::max(quant_dot_max_rows(), radixkv_qlin::decode_rows_max());
+}
+
+int64_t quant_decode_rows() { return radixkv_qlin::decode_rows_max(); }
 
 at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pending,
                               const std::vector<at::Tensor>& norms, const std::vector<double>& eps,

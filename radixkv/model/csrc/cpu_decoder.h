@@ -21,9 +21,10 @@
 // int8_rows[...]); k_caches[i], v_caches[i] the layer's pools. heads = (Hq, Hkv, D); cos, sin
 // the float32 RoPE tables [T, D]; out_slots and the attention arguments as paged_attention_f32
 // takes them. Returns the last layer's MLP output (pending for the final norm). team: run the
-// layers in one OpenMP parallel region (cpu_decoder.cpp); only for T <= quant_dot_max_rows()
-// rows, every linear a quant_dot type run with int8 activations at T rows (int8_rows >= T), every
-// row of x a request's, all layers' pools alike; the same results as without it.
+// layers in one OpenMP parallel region (cpu_decoder.cpp); only for 1 <= T <= team_rows_max()
+// rows, every linear raw GGML rows that run at T rows either with int8 activations (a quant_dot
+// type, T <= int8_rows) or on quant_gemm_into's decode path (AVX2 builds), every row of x a
+// request's, all layers' pools alike; the same results as without it.
 at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pending,
                               const std::vector<at::Tensor>& norms, const std::vector<double>& eps,
                               const std::vector<at::Tensor>& linears,
@@ -38,3 +39,8 @@ at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pen
                               const std::vector<int64_t>& group_members,
                               const std::vector<int64_t>& group_offsets,
                               const std::vector<int64_t>& group_shared, bool team);
+
+// The most rows a team step takes (8 where int8 activations or the AVX2 decode path serve).
+int64_t team_rows_max();
+// The most rows of float activations quant_gemm_into's decode path takes (0: none in this build).
+int64_t quant_decode_rows();

@@ -541,6 +541,31 @@ constexpr int64_t kPanelScratch = 2 * kPackCols;
 constexpr int64_t kPanelScratch = kPanel;
 #endif
 
+// Workers over n output rows: each a run of whole units of 4 rows (panel rows / a cache line of
+// float outputs), at most one worker per unit.
+int64_t worker_count(int64_t n, int64_t threads) {
+  return std::max<int64_t>(1, std::min<int64_t>(threads, (n + 3) / 4));
+}
+
+std::pair<int64_t, int64_t> worker_range(int64_t n, int64_t worker, int64_t workers) {
+  const int64_t units = (n + 3) / 4;
+  return {std::min(n, units * worker / workers * 4), std::min(n, units * (worker + 1) / workers * 4)};
+}
+
+// x as the decode path reads it: a nibble format's groups in kNibbleOrder (into `reordered`),
+// else x itself.
+template <class Q>
+const float* decode_input(const float* x, int64_t m, int64_t k, std::vector<float>& reordered) {
+  if constexpr (Q::kNibbles && RADIXKV_QUANT_AVX2) {
+    reordered.resize(m * k);
+    for (int64_t i = 0; i < m * k; i += 32) {
+      for (int64_t p = 0; p < 32; ++p) reordered[i + p] = x[i + nibble_order(p)];
+    }
+    return reordered.data();
+  }
+  return x;
+}
+
 // y [m, >= n] (row stride ldy) = x [m, k] float32 times the n rows of w, workers over contiguous
 // runs of output rows.
 template <class Q, class Out>
@@ -548,25 +573,15 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int
           Out* y, int64_t ldy) {
   const int64_t nb = k / Q::kBlock;
   const bool decode = RADIXKV_QUANT_AVX2 && m <= kDecodeRows;
-  // a worker's run of rows is a multiple of 4 (panel rows / a cache line of float outputs)
-  const int64_t units = (n + 3) / 4;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  const int64_t workers = worker_count(n, at::get_num_threads());
   // the decode path multiplies a nibble format's groups in kNibbleOrder: x's groups reordered
   // to match, once per call
   std::vector<float> reordered;
-  const float* xd = x;
-  if (decode && Q::kNibbles && RADIXKV_QUANT_AVX2) {
-    reordered.resize(m * k);
-    for (int64_t i = 0; i < m * k; i += 32) {
-      for (int64_t p = 0; p < 32; ++p) reordered[i + p] = x[i + nibble_order(p)];
-    }
-    xd = reordered.data();
-  }
+  const float* xd = decode ? decode_input<Q>(x, m, k, reordered) : x;
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scratch(decode ? 0 : kPanelScratch * k);
     for (int64_t wk = w0; wk < w1; ++wk) {
-      const int64_t n0 = std::min(n, units * wk / workers * 4);
-      const int64_t n1 = std::min(n, units * (wk + 1) / workers * 4);
+      const auto [n0, n1] = worker_range(n, wk, workers);
 #if RADIXKV_QUANT_AVX2
       if (decode) {
         decode_rows<Q>(w, row_bytes, nb, xd, m, k, y, ldy, n0, n1);
@@ -610,6 +625,49 @@ int64_t check_weight(const at::Tensor& w, const char* fn) {
 }
 
 }  // namespace
+
+namespace radixkv_qlin {
+
+int64_t decode_rows_max() { return RADIXKV_QUANT_AVX2 ? kDecodeRows : 0; }
+
+int64_t row_workers(int64_t n, int64_t threads) { return worker_count(n, threads); }
+
+std::pair<int64_t, int64_t> worker_rows(int64_t n, int64_t worker, int64_t workers) {
+  return worker_range(n, worker, workers);
+}
+
+const float* decode_input(int64_t ggml_type, const float* x, int64_t m, int64_t k,
+                          std::vector<float>& scratch) {
+#if RADIXKV_QUANT_AVX2
+  init_half_table();
+  return with_format(ggml_type, "quant decode_input",
+                     [&](auto q) { return ::decode_input<decltype(q)>(x, m, k, scratch); });
+#else
+  (void)ggml_type, (void)m, (void)k, (void)scratch;
+  return x;
+#endif
+}
+
+void decode_rows_range(int64_t ggml_type, const uint8_t* w, int64_t row_bytes, const float* xd,
+                       int64_t m, int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+#if RADIXKV_QUANT_AVX2
+  with_format(ggml_type, "quant decode_rows_range", [&](auto q) {
+    using Q = decltype(q);
+    decode_rows<Q>(w, row_bytes, k / Q::kBlock, xd, m, k, y, ldy, n0, n1);
+  });
+#else
+  (void)ggml_type, (void)w, (void)row_bytes, (void)xd, (void)m, (void)k, (void)y, (void)ldy;
+  (void)n0, (void)n1;
+  TORCH_CHECK(false, "quant decode_rows_range: this build has no decode path");
+#endif
+}
+
+int64_t row_bytes_of(int64_t ggml_type, int64_t k) {
+  return with_format(ggml_type, "quant row_bytes_of",
+                     [&](auto q) { return k / decltype(q)::kBlock * decltype(q)::kBytes; });
+}
+
+}  // namespace radixkv_qlin
 
 std::vector<int64_t> quant_gemm_types() { return {kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ6_K}; }
 
