@@ -158,6 +158,34 @@ def test_team_refuses_linears_it_does_not_run(monkeypatch):
         scenario.run(runner)
 
 
+def test_an_error_inside_the_team_is_raised_not_fatal(tmp_path, weight_cache, monkeypatch):
+    """A check failing in the team's serial part (here RoPE's, on tables of the wrong shape) is
+    raised as the native error once every thread has left the parallel region (an exception
+    escaping an OpenMP region would end the process); x is left as it was and the model keeps
+    serving."""
+    monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", "int8")
+    runner, scenario = gguf_runner(tmp_path)
+    before = scenario.run(runner)
+    stack = runner.model.stack_cache.stack
+    assert stack is not None and stack.team_rows >= 1
+    hq, _, d = stack.heads
+    hidden = stack.norms[0].numel()
+    x = torch.randn(1, hidden)
+    kept = x.clone()
+    bad = torch.zeros(1, d + 2)
+    page_table = torch.arange(4, dtype=torch.int32).reshape(1, 4)
+    with pytest.raises(RuntimeError, match="rope_: cos and sin"):
+        runner.backend.module.decoder_layers_f32(
+            x, None, stack.norms, stack.eps, stack.linears, stack.kinds, stack.int8_rows,
+            stack.heads, bad, bad, runner.pool.k, runner.pool.v, torch.tensor([40]),
+            page_table, [40], [1], [0], stack.sm_scale, [], [], [], True,
+        )  # fmt: skip
+    assert torch.equal(x, kept)
+    after = scenario.run(runner)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
 @pytest.mark.parametrize("name", ["qwen3", "mistral", "qwen2", "granite"])
 def test_layers_it_does_not_compute_keep_the_loop(name, monkeypatch):
     """q/k norm (qwen3), sliding windows (mistral), biases (qwen2), a residual multiplier

@@ -8,15 +8,16 @@
 // for bit (tests/test_decoder_stack.py compares them), and only the dispatch between them goes.
 //
 // With `team` (a decode's few rows, every linear a block GEMV: int8 activations, or the float
-// decode path of quant_gemm_into on AVX2 builds) the layers run
-// inside one OpenMP parallel region instead of ~5 a layer: each thread keeps its own copy of the
-// residual rows and computes the norms, x's preparation (int8 quantization, or the float decode
-// path's reordering) and SiLU * up on it (a few
-// thousand values: cheaper than waking a thread), multiplies its share of each linear's output
-// rows (whole groups of 8, as quant_gemm_q8_into splits them) and runs its share of the
+// decode path of quant_gemm_into on AVX2 builds) the layers run inside one OpenMP parallel
+// region instead of ~5 a layer: each thread keeps its own copy of the residual rows and computes
+// the norms, x's preparation (int8 quantization, or the float decode path's reordering) and
+// SiLU * up on it (a few thousand values: cheaper than waking a thread), multiplies its share of
+// each linear's output rows (whole groups, as the GEMVs split them) and runs its share of the
 // attention items (PagedAttentionF32Plan, checked once a step); thread 0 applies RoPE and stores
 // the new K/V rows. Six barriers a layer, no tensor allocated in the layer loop. The same
-// functions on the same values, so again the loop's results bit for bit.
+// functions on the same values, so again the loop's results bit for bit. An error raised in
+// thread 0's part (RoPE's or the K/V store's checks) ends every thread's loop at the next
+// barrier and is raised after the region (an exception must not leave an OpenMP region).
 
 #include "cpu_decoder.h"
 
@@ -24,6 +25,8 @@
 #include <ATen/Parallel.h>
 
 #include <omp.h>
+
+#include <exception>
 
 #include "cpu_attention.h"
 #include "cpu_fused.h"
@@ -129,6 +132,7 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
   const bool has_pending = pending.defined();
   float* xs = x.data_ptr<float>();
   const int threads = at::get_num_threads();
+  std::exception_ptr failure;  // thread 0's, read by all after a barrier
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -152,11 +156,16 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
       team_linear(w[0], kind[0], rows[0], hn.data(), t, h, in, qkv.data_ptr<float>(), tid, nt);
 #pragma omp barrier
       if (tid == 0) {
-        rope_(qkv, cos, sin, hq + hkv, d);
-        store_kv_(qkv3[1], qkv3[2], k_caches[i], v_caches[i], out_slots);
-        q.copy_(qkv3[0]);
+        try {
+          rope_(qkv, cos, sin, hq + hkv, d);
+          store_kv_(qkv3[1], qkv3[2], k_caches[i], v_caches[i], out_slots);
+          q.copy_(qkv3[0]);
+        } catch (...) {
+          failure = std::current_exception();
+        }
       }
 #pragma omp barrier
+      if (failure) break;  // every thread, after the same barrier
       plan.run_team(q.data_ptr<float>(), k_caches[i], v_caches[i], attn.data_ptr<float>(), tid,
                     nt);
 #pragma omp barrier
@@ -172,8 +181,9 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
       team_linear(w[3], kind[3], rows[3], act.data(), t, inter, in, cy, tid, nt);
 #pragma omp barrier
     }
-    if (tid == 0) std::copy(res.begin(), res.end(), xs);
+    if (tid == 0 && !failure) std::copy(res.begin(), res.end(), xs);
   }
+  if (failure) std::rethrow_exception(failure);
   return carry;
 }
 
