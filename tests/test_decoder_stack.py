@@ -196,3 +196,30 @@ def test_layers_it_does_not_compute_keep_the_loop(name, monkeypatch):
     oracle = Oracle(model)
     MixedScenario.build(oracle, VOCAB, decode_steps=2).run(runner)
     assert calls[0] == 0
+
+
+def test_the_stack_is_gathered_again_only_when_the_layers_change(monkeypatch):
+    """Steps reuse the gathered stack (no walk over the layers' parts); setting an attribute of a
+    layer, or putting another layer object in the model, gathers it again from what is there now."""
+    model = tiny_model("llama3")
+    runner = ModelRunner(model, num_pages=64, page_size=16, dtype=torch.float32)
+    counted_runs(runner, monkeypatch)  # skips without a native build
+    scenario = MixedScenario.build(Oracle(model), VOCAB, decode_steps=2)
+    scenario.run(runner)
+    cache = runner.model.stack_cache
+    first = cache.stack
+    if first is None:
+        pytest.skip("no float32 stack in this build")
+    scenario.run(runner)
+    assert cache.stack is first
+    layers = runner.model.layers
+    layers[1].o_proj = layers[1].o_proj  # any attribute set: the layer's parts are made afresh
+    scenario.run(runner)
+    assert cache.stack is not first and cache.stack is not None
+    second = cache.stack
+    old = layers[0]
+    twin = type(old).__new__(type(old))
+    twin.__dict__.update(old.__dict__)  # another object with the same parts
+    layers[0] = twin
+    scenario.run(runner)
+    assert cache.stack is not second and cache.key is not None and cache.key.layers[0] is twin

@@ -335,9 +335,11 @@ class Engine:
         seqs: list[Sequence],
         outputs: list[StepOutput],
     ) -> None:
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        identity = rows == list(range(logits.shape[0]))
-        picked = self.grammars.mask(logits if identity else logits.index_select(0, index), seqs)
+        if rows != list(range(logits.shape[0])):
+            logits = logits.index_select(
+                0, torch.tensor(rows, dtype=torch.long, device=logits.device)
+            )
+        picked = self.grammars.mask(logits, seqs)
         states = [
             SequenceState(s.params, s.prompt_ids, s.output_ids, s.generator or self._rng)
             for s in seqs

@@ -28,6 +28,7 @@ keeps the stack off the team path.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +37,37 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DecoderStack", "StackCache", "decoder_stack"]
+__all__ = ["DecoderStack", "LayersKey", "StackCache", "decoder_stack", "layers_changed"]
+
+#: bumped by :func:`layers_changed` whenever an attribute of a decoder layer is set (what makes
+#: its parts afresh): a :class:`LayersKey` taken before no longer matches
+_generation = [0]
+
+
+def layers_changed() -> None:
+    """Note that some decoder layer's attributes changed (``DecoderLayer.__setattr__``)."""
+    _generation[0] += 1
+
+
+class LayersKey:
+    """What a model's layers were when something was derived from them: the layer objects (by
+    identity) and the attribute generation. :meth:`matches` is a few C-level comparisons, not a
+    walk over each layer's parts (~30 Python calls a step)."""
+
+    __slots__ = ("generation", "layers")
+
+    def __init__(self, layers: Sequence[Any] = ()) -> None:
+        self.generation = _generation[0]
+        self.layers = tuple(layers)
+
+    def matches(self, layers: Sequence[Any]) -> bool:
+        """Whether ``layers`` are the same objects, with no attribute of any layer set since."""
+        now = tuple(layers)
+        return (
+            self.generation == _generation[0]
+            and len(now) == len(self.layers)
+            and all(map(operator.is_, now, self.layers))
+        )
 
 
 @dataclass(frozen=True)
@@ -173,14 +204,15 @@ def decoder_stack(
 
 
 class StackCache:
-    """A model's stack for the steps that can run it, gathered once and again after any layer's
-    parts change (``DecoderLayer`` makes its parts afresh when an attribute is set).
+    """A model's stack for the steps that can run it, gathered once and again after its layers
+    change (other layer objects, or an attribute of one set: ``DecoderLayer`` makes its parts
+    afresh then and calls :func:`layers_changed`).
 
-    Invariant: ``stack`` is ``decoder_stack(layers, parts)`` of the ``parts`` held here, or
-    nothing gathered yet (``parts`` empty)."""
+    Invariant: ``stack`` is ``decoder_stack(layers, parts)`` of the layers ``key`` names and
+    their parts as they are now, or nothing gathered yet (``key`` None)."""
 
     def __init__(self) -> None:
-        self.parts: tuple[Any, ...] = ()
+        self.key: LayersKey | None = None
         self.stack: DecoderStack | None = None
 
     def for_step(
@@ -206,14 +238,11 @@ class StackCache:
         ):
             return None
         layers = model.layers
-        parts = tuple(layer.fused_parts() for layer in layers)
-        if (
-            not self.parts
-            or len(self.parts) != len(parts)
-            or any(a is not b for a, b in zip(self.parts, parts, strict=True))
-        ):
+        if self.key is None or not self.key.matches(layers):
+            key = LayersKey(layers)
+            parts = tuple(layer.fused_parts() for layer in key.layers)
             decode_rows = int(getattr(ops, "quant_decode_rows", lambda: 0)())
-            self.parts, self.stack = parts, decoder_stack(list(layers), parts, decode_rows)
+            self.key, self.stack = key, decoder_stack(list(key.layers), parts, decode_rows)
         stack = self.stack
         if stack is None or getattr(ops, "__name__", None) != stack.module:
             return None

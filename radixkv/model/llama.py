@@ -28,7 +28,7 @@ from torch import nn
 from radixkv.model.arch import map_weights, read_config
 from radixkv.model.attention.base import AttentionBackend, ForwardBatch, split_qkv
 from radixkv.model.attention.window import WindowPlan, plan_window, windowed_attention
-from radixkv.model.decoder_stack import StackCache
+from radixkv.model.decoder_stack import LayersKey, StackCache, layers_changed
 from radixkv.model.linear import prepack_linears
 from radixkv.model.model_config import ModelConfig
 from radixkv.model.moe import SparseMoeBlock
@@ -124,6 +124,7 @@ class DecoderLayer(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         self.__dict__.pop("_parts_cache", None)  # a submodule may change: look them up afresh
+        layers_changed()
         super().__setattr__(name, value)
 
     def fused_parts(self) -> FusedParts:
@@ -379,11 +380,20 @@ class LlamaModel(nn.Module):
             tables[kind] = (
                 (cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()) if rows else (cos, sin)
             )
-        if rows and any(layer.rope_kind == "none" for layer in self.layers):
+        if rows and self._has_unrotated_layer():
             t, d = positions.shape[0], self.config.head_dim
             ones = torch.ones(t, d, dtype=torch.float32, device=positions.device)
             tables["none"] = (ones, torch.zeros_like(ones))
         return tables
+
+    def _has_unrotated_layer(self) -> bool:
+        """Whether some layer's RoPE kind is "none" (looked up again after the layers change)."""
+        cached = self.__dict__.get("_unrotated")
+        if cached is None or not cached[0].matches(self.layers):
+            key = LayersKey(self.layers)
+            cached = (key, any(layer.rope_kind == "none" for layer in key.layers))
+            self.__dict__["_unrotated"] = cached
+        return cached[1]
 
     def _window_plans(
         self, batch: ForwardBatch, backend: AttentionBackend

@@ -108,7 +108,7 @@ def build_forward_batch(
             raise ValueError(
                 f"a request with {total} tokens needs {need} pages of {page_size}, got {len(r.pages)}"
             )
-        pages = list(r.pages)
+        pages = r.pages
         ids.extend(int(t) for t in r.token_ids)
         for pos in range(r.prefix_len, total):
             positions.append(pos)
@@ -116,18 +116,22 @@ def build_forward_batch(
         extend_lens.append(n)
         prefix_lens.append(int(r.prefix_len))
         max_pages = max(max_pages, need)
-    table = torch.zeros(len(requests), max_pages, dtype=torch.int32)
-    for i, r in enumerate(requests):
+    table: list[int] = []  # row-major [B, max_pages], padded with page 0
+    for r in requests:
         need = -(-(r.prefix_len + len(r.token_ids)) // page_size)
-        table[i, :need] = torch.tensor(list(r.pages[:need]), dtype=torch.int32)
+        table.extend(int(p) for p in r.pages[:need])
+        table.extend([0] * (max_pages - need))
     dev = torch.device(device)
+    # ids, positions and slots as one tensor's three views: one allocation and copy, not three
+    t = len(ids)
+    flat = torch.tensor(ids + positions + slots, dtype=torch.long, device=dev)
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-        positions=torch.tensor(positions, dtype=torch.long, device=dev),
+        input_ids=flat[:t],
+        positions=flat[t : 2 * t],
         extend_lens=extend_lens,
         prefix_lens=prefix_lens,
-        page_table=table.to(dev),
-        out_slots=torch.tensor(slots, dtype=torch.long, device=dev),
+        page_table=torch.tensor(table, dtype=torch.int32, device=dev).view(len(requests), -1),
+        out_slots=flat[2 * t :],
         page_size=page_size,
     )
 
