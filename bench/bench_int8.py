@@ -8,6 +8,8 @@
   the prefill, the two engines stepped alternately (one step of each in turn) so the host's
   drift lands on both; ``--runs`` rounds of fresh requests, each round's int8/unquantized ratio
   and the median of the ratios printed;
+- **kernels**: the int8 product alone at 1-8 rows, per weight, on radixkv's native kernel, ATen's
+  and by dequantizing, against ``F.linear`` on the float weight;
 - **load memory**: in a fresh process each, the resident set the model's load added (above a
   process that imported the libraries) and the bytes of the decoder layers' tensors.
 
@@ -130,13 +132,54 @@ def load_memory(model: str, dtype: str, quants: tuple[str | None, ...] = QUANTS)
         )
 
 
+def kernels(weights: int = 30, rows_list: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+    """Per 1728x576 weight (``weights`` distinct ones, streamed from DRAM, min of 7): the int8
+    product on radixkv's native kernel, on ATen's ``_weight_int8pack_mm``, by dequantizing and
+    ``F.linear``, against ``F.linear`` on the float32 weight."""
+    import torch
+    import torch.nn.functional as F
+
+    from radixkv.model import native
+    from radixkv.model.int8_linear import dequantize, quantize_per_channel
+
+    module = native.load()
+    torch.manual_seed(0)
+    ws = [torch.randn(1728, 576) for _ in range(weights)]
+    qs = [quantize_per_channel(w) for w in ws]
+
+    def best_ms(fn: Any, x: torch.Tensor) -> float:
+        fn(x)
+        best = float("inf")
+        for _ in range(7):
+            t0 = time.perf_counter()
+            fn(x)
+            best = min(best, time.perf_counter() - t0)
+        return best / weights * 1e3
+
+    candidates: dict[str, Any] = {}
+    if module is not None and hasattr(module, "int8_linear_rows"):
+        candidates["native"] = lambda x: [module.int8_linear_rows(x, *q) for q in qs]
+    if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        aten = torch.ops.aten._weight_int8pack_mm
+        candidates["aten int8pack"] = lambda x: [aten(x, *q) for q in qs]
+    candidates["dequantize+F.linear"] = lambda x: [
+        F.linear(x, dequantize(*q, torch.float32)) for q in qs
+    ]
+    candidates["F.linear float32"] = lambda x: [F.linear(x, w) for w in ws]
+    print(f"int8 kernels, ms per 1728x576 weight ({weights} streamed, min of 7, float32 x):")
+    for rows in rows_list:
+        x = torch.randn(rows, 576)
+        cells = ", ".join(f"{name} {best_ms(fn, x):.3f}" for name, fn in candidates.items())
+        print(f"  {rows} rows: {cells}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--only", choices=("perplexity", "step", "memory"), default=None)
+    ap.add_argument("--only", choices=("perplexity", "step", "memory", "kernels"), default=None)
     ap.add_argument(
         "--quantizations",
         default="none,int8,gguf",
@@ -150,6 +193,8 @@ def main() -> None:
         perplexity(args.model, args.dtype, quants)
     if args.only in (None, "step"):
         decode_steps(args.model, args.dtype, args.runs, args.tokens, quants)
+    if args.only in (None, "kernels"):
+        kernels()
 
 
 if __name__ == "__main__":

@@ -43,21 +43,33 @@ def test_quantized_codes_are_within_half_a_scale_of_the_weight():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features", [96, 136, 7])
-@pytest.mark.parametrize("shape", [(1,), (3,), (5, 3)], ids=["1row", "3rows", "15rows"])
-def test_int8_linear_matches_a_float64_product_of_the_dequantized_weight(dtype, in_features, shape):
-    """Both paths (ATen's kernel up to INT8PACK_MAX_ROWS rows, the dequantized weight above).
-    The error bound is the dtype's: float32 accumulation over K terms, ``K * eps * sum|x w|``
-    (a generous forward-error bound, not a host's rounding); bf16 adds the output's rounding,
-    2^-7 of the magnitudes summed. In float32 the result must also be far nearer than
-    quantization's own error, so a layer running on the float weight instead would fail."""
+@pytest.mark.parametrize(
+    "shape", [(1,), (3,), (2, 4), (5, 3)], ids=["1row", "3rows", "8rows", "15rows"]
+)
+@pytest.mark.parametrize("kernel", ["native", "aten"])
+def test_int8_linear_matches_a_float64_product_of_the_dequantized_weight(
+    dtype, in_features, shape, kernel
+):
+    """Every path: radixkv's native kernel up to ``native_rows`` rows (8), ATen's without it up to
+    INT8PACK_MAX_ROWS rows (where ``in_features % 8 == 0``), the dequantized weight above and
+    elsewhere. The error bound is the dtype's: float32 accumulation over K terms,
+    ``K * eps * sum|x w|`` (a generous forward-error bound, not a host's rounding); bf16 adds the
+    output's rounding, 2^-7 of the magnitudes summed. In float32 the result must also be far
+    nearer than quantization's own error, so a layer running on the float weight instead would
+    fail."""
     torch.manual_seed(1)
     linear = torch.nn.Linear(in_features, 48, bias=True).to(dtype)
     with torch.no_grad():
         linear.bias.normal_()
     layer = Int8Linear(linear)
-    assert layer.kernel == (
-        "aten" if int8_kernel_available() and in_features % 8 == 0 else "dequantize"
-    )
+    aten = int8_kernel_available() and in_features % 8 == 0
+    if kernel == "native":
+        if layer.native_rows == 0:
+            pytest.skip("no native build here")
+        assert layer.kernel == "native" and layer.native_rows == 8
+    else:  # as without the native build
+        layer.native_rows = 0
+        layer.kernel = "aten" if aten else "dequantize"
     assert not hasattr(layer, "weight") and layer.qweight.dtype == torch.int8
     assert INT8PACK_MAX_ROWS == 3  # the shapes straddle it
     x = torch.randn(*shape, in_features).to(dtype)
@@ -213,3 +225,22 @@ def test_an_int8_engine_never_reads_the_unquantized_engine_s_disk_pages(int8_lla
         e.close()  # every cached page written to the disk
     assert hits["writer"] == 0 and hits["int8"] == 0
     assert hits["plain"] >= 48, hits
+
+
+def test_the_native_int8_kernel_refuses_what_it_does_not_compute():
+    """Shapes that do not match, too many rows, or a weight that is not int8 raise a message
+    naming the problem (the layer never sends those; a direct caller learns what to fix)."""
+    from radixkv.model import native
+
+    module = native.load()
+    if module is None or not hasattr(module, "int8_linear_rows"):
+        pytest.skip("no native build here")
+    q, s = quantize_per_channel(torch.randn(16, 32))
+    with pytest.raises(RuntimeError, match="do not match"):
+        module.int8_linear_rows(torch.randn(1, 31), q, s)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        module.int8_linear_rows(torch.randn(9, 32), q, s)
+    with pytest.raises(RuntimeError, match="contiguous int8"):
+        module.int8_linear_rows(torch.randn(1, 32), q.float(), s)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        module.int8_linear_rows(torch.randn(1, 32).double(), q, s)

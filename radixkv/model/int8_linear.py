@@ -7,22 +7,24 @@ the one with weights ``q * s`` (the dequantized weights, :func:`dequantize`): th
 the tests judge against a float64 forward of, so the only error beyond quantization's own is the
 product's arithmetic. Activations stay in their dtype (weight-only quantization).
 
-The product runs on torch's own CPU kernel ``torch.ops.aten._weight_int8pack_mm(x, q, s)``
-(``x @ (q * s)^T``; ATen's int8-weight GEMV/GEMM, float32 and bfloat16 activations). On this
-torch (2.13) its bfloat16 path reads ``K`` in blocks of 8 and returns garbage (or crashes) for
-other ``K``, so the kernel is used where ``in_features % 8 == 0`` (every real model's linears);
-elsewhere, and where the op is missing, :class:`Int8Linear` dequantizes the weight on each call
-(``F.linear`` on ``q * s``: correct, slower, with a one-time warning). Off the CPU the same
-fallback applies.
+A decode's few rows (up to ``int8_linear_max_rows()``, 8) run on radixkv's native kernel
+``int8_linear_rows`` (radixkv/model/csrc/cpu_int8_linear.cpp): each weight row read once, its
+codes widened to float32 in registers against every row of x, the sum scaled once, float32
+throughout (bf16 x and scales widened exactly, the result rounded once to x's dtype). More rows
+(prefill chunks, larger batches) dequantize the weight and call ``F.linear``. Where the native
+build is missing, torch's own ``torch.ops.aten._weight_int8pack_mm(x, q, s)`` takes calls of up
+to :data:`INT8PACK_MAX_ROWS` rows: on this torch (2.13) its bfloat16 path reads ``K`` in
+blocks of 8 and returns garbage (or crashes) for other ``K``, so it is used where
+``in_features % 8 == 0``; elsewhere, and where the op is missing too, :class:`Int8Linear`
+dequantizes the weight on each call (``F.linear`` on ``q * s``: correct, slower, with a
+one-time warning). Off the CPU the same fallback applies.
 
-The ATen kernel is a GEMV per row: on the AVX2 host (Zen 3, float32, 2 threads, 30 distinct
-1728x576 weights streamed) it took 0.48 ms at 1 row where ``F.linear`` on the float weight took
-0.28, and 0.96 / 1.4 / 1.9 / 3.9 / 31 ms at 2 / 3 / 4 / 8 / 64 rows, where dequantizing the
-weight and calling ``F.linear`` took 3.4-4.2 ms at 1-3 rows and 0.52 / 0.51 / 1.2 ms at 4 / 8 /
-64 rows (level with ``F.linear``'s 0.51 / 0.43 / 1.0). So calls of more than
-:data:`INT8PACK_MAX_ROWS` rows (prefill chunks, batched decodes) dequantize, and the int8 model
-is about as fast as the float one there; at 1-3 rows it is slower than the float model on this
-host (the memory saved is the gain), see docs/performance.md.
+Measured (AMD EPYC Zen 3, AVX2, float32, 2 threads, 30 distinct 1728x576 weights streamed from
+DRAM, min of 7, per weight; ``python -m bench.bench_int8 --only kernels``): at 1 / 2 / 4
+/ 8 rows the native kernel took 0.078 / 0.094 / 0.133 / 0.186 ms, ATen's 0.96 / 1.79 / 3.93 /
+9.43, ``F.linear`` on the float weight 0.43 / 0.80 / 0.90 / 0.71 and dequantize + ``F.linear``
+0.31 / 0.57 / 0.75 / 0.68. SmolLM2-135M's int8 decode step went from ~118 ms (ATen's kernel,
+0.77 ms a call) to the figures in docs/performance.md.
 
 The plain weight is not kept: a float32 projection shrinks to a quarter (bf16 to a half), plus
 ``N`` scales. The lm_head and the embedding are left in the model's dtype (the head's error
@@ -32,6 +34,7 @@ reaches every logit directly, and the tied embedding would need a dequantizing g
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +57,19 @@ QMAX = 127
 INT8PACK_MAX_ROWS = 3
 
 _warned: set[str] = set()
+
+
+def _native() -> Any:
+    from radixkv.model import native
+
+    return native.load()
+
+
+def _native_rows(module: Any) -> int:
+    """The most rows ``module``'s int8 kernel (``int8_linear_rows``) takes; 0 without it."""
+    if module is None or not hasattr(module, "int8_linear_max_rows"):
+        return 0
+    return int(module.int8_linear_max_rows())
 
 
 def int8_kernel_available() -> bool:
@@ -82,9 +98,10 @@ class Int8Linear(nn.Module):
     """``y = x (q * s)^T + b``: weight-only int8 with per-output-channel scales.
 
     Holds ``qweight`` (int8 ``[out, in]``), ``scales`` (``[out]``, the model's dtype) and
-    ``bias``, never the float weight. ``kernel`` is ``"aten"`` (``_weight_int8pack_mm`` for calls
-    of up to :data:`INT8PACK_MAX_ROWS` rows, the weight dequantized per call above) or
-    ``"dequantize"`` (the fallback of the module docstring, every call). Inference only: the buffers must
+    ``bias``, never the float weight. ``kernel`` is ``"native"`` (radixkv's ``int8_linear_rows``
+    for calls of up to ``native_rows`` rows), ``"aten"`` (``_weight_int8pack_mm`` for calls of up
+    to :data:`INT8PACK_MAX_ROWS` rows, without the native build) or ``"dequantize"`` (the
+    fallback of the module docstring, every call); larger calls dequantize the weight. Inference only: the buffers must
     not be modified in place.
     """
 
@@ -97,7 +114,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale)
         self.bias = linear.bias
         aten = int8_kernel_available() and self.in_features % 8 == 0
-        self.kernel = "aten" if aten and q.device.type == "cpu" else "dequantize"
+        module = _native() if q.device.type == "cpu" else None
+        self.native_rows = _native_rows(module)
+        #: the native kernel's binding, looked up once (a call's lookup cost ~1 us, 7 a layer)
+        self._rows_fn = module.int8_linear_rows if self.native_rows else None
+        if self.native_rows:
+            self.kernel = "native"
+        else:
+            self.kernel = "aten" if aten and q.device.type == "cpu" else "dequantize"
         if self.kernel == "dequantize" and self.kernel not in _warned:
             _warned.add(self.kernel)
             log.warning(
@@ -111,9 +135,25 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.scales.dtype
+        fn = self._rows_fn
+        if (
+            fn is not None
+            and x.dtype == dtype
+            and x.dim() == 2
+            and 0 < x.shape[0] <= self.native_rows
+        ):
+            # a decode's rows (the layers call with [T, K]): the native kernel, float32 out
+            y = fn(x, self.qweight, self.scales)
+            if x.dtype != torch.float32:
+                y = y.to(x.dtype)
+            return y if self.bias is None else y.add_(self.bias)
         if x.dtype != dtype:
             return self(x.to(dtype)).to(x.dtype)
         rows = x.reshape(-1, self.in_features)
+        if fn is not None and 0 < rows.shape[0] <= self.native_rows:
+            y = fn(rows, self.qweight, self.scales).to(dtype)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.kernel == "dequantize" or rows.shape[0] > INT8PACK_MAX_ROWS:
             return F.linear(x, dequantize(self.qweight, self.scales, dtype), self.bias)
         y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)

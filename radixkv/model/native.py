@@ -56,6 +56,7 @@ _SOURCES = [
     _CSRC / "cpu_attention_f32.cpp",
     _CSRC / "cpu_decoder.cpp",
     _CSRC / "cpu_fused.cpp",
+    _CSRC / "cpu_int8_linear.cpp",
     _CSRC / "cpu_kv_store.cpp",
     _CSRC / "cpu_linear.cpp",
     _CSRC / "cpu_quant_dot.cpp",

@@ -4,6 +4,7 @@
 #include "cpu_attention.h"
 #include "cpu_decoder.h"
 #include "cpu_fused.h"
+#include "cpu_int8_linear.h"
 #include "cpu_kv_store.h"
 #include "cpu_linear.h"
 #include "cpu_quant_dot.h"
@@ -147,6 +148,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("extend_starts"), pybind11::arg("sm_scale"), pybind11::arg("group_members"),
         pybind11::arg("group_offsets"), pybind11::arg("group_shared"),
         pybind11::arg("team") = false);
+  m.def("int8_linear_rows", &NoGil<&int8_linear_rows>::call,
+        "x [M, K] (q * s)^T as float32 [M, N]: q int8 [N, K], s [N] (float32 or bfloat16), "
+        "1 <= M <= int8_linear_max_rows()",
+        pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("s"));
+  m.def("int8_linear_max_rows", &int8_linear_max_rows,
+        "The most rows of x int8_linear_rows takes");
   m.def("quant_decode_rows", &quant_decode_rows,
         "The most float32 rows quant_gemm's decode path takes (0: none in this build)");
   m.def("quant_dequantize_rows", &NoGil<&quant_dequantize_rows>::call,
