@@ -21,9 +21,9 @@ one-time warning). Off the CPU the same fallback applies.
 
 Measured (AMD EPYC Zen 3, AVX2, float32, 2 threads, 30 distinct 1728x576 weights streamed from
 DRAM, min of 7, per weight; ``python -m bench.bench_int8 --only kernels``): at 1 / 2 / 4
-/ 8 rows the native kernel took 0.078 / 0.094 / 0.133 / 0.186 ms, ATen's 0.96 / 1.79 / 3.93 /
-9.43, ``F.linear`` on the float weight 0.43 / 0.80 / 0.90 / 0.71 and dequantize + ``F.linear``
-0.31 / 0.57 / 0.75 / 0.68. SmolLM2-135M's int8 decode step went from ~118 ms (ATen's kernel,
+/ 8 rows the native kernel took 0.079 / 0.096 / 0.146 / 0.214 ms, ATen's 0.837 / 1.884 / 4.739 /
+9.567, ``F.linear`` on the float weight 0.464 / 0.881 / 0.872 / 1.013 and dequantize +
+``F.linear`` 6.018 / 6.675 / 2.456 / 4.419 (docs/performance.md, fifth Zen 3 session). SmolLM2-135M's int8 decode step went from ~118 ms (ATen's kernel,
 0.77 ms a call) to the figures in docs/performance.md.
 
 The plain weight is not kept: a float32 projection shrinks to a quarter (bf16 to a half), plus
@@ -135,25 +135,18 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.scales.dtype
-        fn = self._rows_fn
-        if (
-            fn is not None
-            and x.dtype == dtype
-            and x.dim() == 2
-            and 0 < x.shape[0] <= self.native_rows
-        ):
-            # a decode's rows (the layers call with [T, K]): the native kernel, float32 out
-            y = fn(x, self.qweight, self.scales)
-            if x.dtype != torch.float32:
-                y = y.to(x.dtype)
-            return y if self.bias is None else y.add_(self.bias)
         if x.dtype != dtype:
             return self(x.to(dtype)).to(x.dtype)
-        rows = x.reshape(-1, self.in_features)
+        flat = x.dim() == 2  # the layers' [T, K] calls: no reshape on the decode's hot path
+        rows = x if flat else x.reshape(-1, self.in_features)
+        fn = self._rows_fn
         if fn is not None and 0 < rows.shape[0] <= self.native_rows:
-            y = fn(rows, self.qweight, self.scales).to(dtype)
-            y = y.view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
+            y = fn(rows, self.qweight, self.scales)  # float32
+            if dtype != torch.float32:
+                y = y.to(dtype)
+            if self.bias is not None:
+                y.add_(self.bias)
+            return y if flat else y.view(*x.shape[:-1], self.out_features)
         if self.kernel == "dequantize" or rows.shape[0] > INT8PACK_MAX_ROWS:
             return F.linear(x, dequantize(self.qweight, self.scales, dtype), self.bias)
         y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)

@@ -213,12 +213,6 @@ inline float hmax(vf v) {
   return m;
 }
 
-inline float hsum(vf v) {
-  float t = 0.f;
-  for (int i = 0; i < VW; ++i) t += v[i];
-  return t;
-}
-
 constexpr int kTile = 4;  // vectors per register tile: NR rows x kTile vectors of accumulators
 static_assert(kKV % kTile == 0, "a key block is a whole number of tiles");
 

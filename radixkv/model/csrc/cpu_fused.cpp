@@ -36,6 +36,7 @@ inline bf16 to_bf(float f) {  // round to nearest even; NaN stays NaN
 
 // The same conversions on a vector of the build's width (cpu_vec.h): bit for bit those above,
 // except that AVX512-BF16 builds store float32 subnormals as zero (see store_bf).
+using radixkv_vec::hsum;
 using radixkv_vec::vf;
 using radixkv_vec::VW;
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
@@ -58,12 +59,6 @@ inline void store_bf(bf16* p, vf f) {
   const vh h = __builtin_convertvector(out, vh);
   std::memcpy(p, &h, sizeof(h));
 #endif
-}
-
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < VW; ++i) s += v[i];
-  return s;
 }
 
 // The element types' loads and stores: bf16 as above, float32 as it is.

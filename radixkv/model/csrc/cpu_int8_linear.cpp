@@ -18,10 +18,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
 
 #include <cstring>
-#include <vector>
 
 #include "cpu_vec.h"
 
@@ -31,8 +29,8 @@
 
 namespace {
 
+using radixkv_vec::hsum;
 using radixkv_vec::loadv;
-using radixkv_vec::splat;
 using radixkv_vec::vf;
 using radixkv_vec::VW;
 
@@ -54,12 +52,6 @@ inline vf widen(const int8_t* p) {
   for (int i = 0; i < VW; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 #endif
-}
-
-inline float lane_sum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < VW; ++i) s += v[i];
-  return s;
 }
 
 // Output rows [n0, n1) for MR rows of x. kC accumulators per row of x (kC * MR independent FMA
@@ -87,7 +79,7 @@ void rows_range(const float* x, int64_t k, const int8_t* q, const float* s, floa
     for (int r = 0; r < MR; ++r) {
       vf t = acc[r][0];
       for (int c = 1; c < kC; ++c) t += acc[r][c];
-      float sum = lane_sum(t);
+      float sum = hsum(t);
       for (int64_t i = kv; i < k; ++i) sum += static_cast<float>(w[i]) * x[r * k + i];
       y[r * n + j] = sum * s[j];
     }

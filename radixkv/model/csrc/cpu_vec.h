@@ -40,6 +40,14 @@ inline vf loadv(const float* p) {
 }
 inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
+// The sum of v's lanes, added in lane order (one serial chain: the same result on every build of
+// one width).
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < VW; ++i) s += v[i];
+  return s;
+}
+
 // Elements of a row that is float32 or bf16 (the bits of a bfloat16, as uint16_t), read as float32
 // (exact: a bf16 widens by shifting its bits up 16): one vector, or one element.
 inline vf loadv(const uint16_t* p) {
