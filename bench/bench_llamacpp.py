@@ -14,7 +14,10 @@ both as ids; greedy, EOS ignored, ``--max-tokens`` each. The users arrive togeth
 - **radixkv-gguf-int8**: the same with ``RADIXKV_QUANT_ACTIVATIONS=int8``: decode rows'
   activations quantized per 32-block to int8 and multiplied by integer dot products, llama.cpp's
   own scheme (opt-in in radixkv: bf16-class precision, radixkv/model/quant_linear.py).
-  ``--engines`` picks the engines (default: all four).
+- **radixkv-gguf-int8x2**: ``RADIXKV_QUANT_ACTIVATIONS=int8x2``: decode rows (1-4) as two int8
+  terms, x's codes and the codes of what they leave, both products summed (opt-in: error below
+  bf16's, within the bf16 contract on SmolLM2; 5-8 rows take the float path).
+  ``--engines`` picks the engines (default: all five).
 - **llama.cpp**: llama-cpp-python's low-level API (``llama_decode`` over one batch holding every
   user's row), the file's own quantization. It is given the same sharing: the system prompt is
   decoded once into sequence 0 and copied to the others (``llama_memory_seq_cp``), then every
@@ -321,15 +324,17 @@ def worker(args: argparse.Namespace) -> None:
     rounds = json.loads(Path(args.rounds_file).read_text())
     if args.worker.startswith("radixkv"):
         quantization = "gguf" if args.worker.startswith("radixkv-gguf") else None
-        if args.worker == "radixkv-gguf-int8":
-            os.environ["RADIXKV_QUANT_ACTIVATIONS"] = "int8"  # read as the layers are built
+        if args.worker in ACTIVATIONS:  # read as the layers are built
+            os.environ["RADIXKV_QUANT_ACTIVATIONS"] = ACTIVATIONS[args.worker]
         result = run_radixkv(args.gguf, rounds, args.max_tokens, args.dtype, quantization)
     else:
         result = run_llama_cpp(args.gguf, rounds, args.max_tokens, args.threads)
     print(json.dumps(result))
 
 
-ENGINES = ("llamacpp", "radixkv", "radixkv-gguf", "radixkv-gguf-int8")
+ENGINES = ("llamacpp", "radixkv", "radixkv-gguf", "radixkv-gguf-int8", "radixkv-gguf-int8x2")
+#: the engines that set ``RADIXKV_QUANT_ACTIVATIONS``, and to what
+ACTIVATIONS = {"radixkv-gguf-int8": "int8", "radixkv-gguf-int8x2": "int8x2"}
 
 
 def run_worker(name: str, rounds: list, gguf: str, args: argparse.Namespace) -> dict:

@@ -38,8 +38,9 @@ def counted_runs(
 
     def counted(*args):
         calls[0] += 1
-        if args[-1] and teams is not None:
-            teams.append((args[0].shape[0], bool(args[-2])))
+        *_, group_shared, team, _terms = args
+        if team and teams is not None:
+            teams.append((args[0].shape[0], bool(group_shared)))
         return op(*args)
 
     monkeypatch.setattr(module, "decoder_layers_f32", counted)
@@ -93,14 +94,14 @@ def gguf_runner(tmp_path, quant: str = "Q4_1") -> tuple[ModelRunner, MixedScenar
 
 def team_decode_rows(runner: ModelRunner, activations: str) -> int:
     """The rows a team step takes with ``activations`` in this native build (int8: its int8
-    GEMV's 8; float: its decode path's, 0 on the portable build)."""
+    GEMV's 8; int8x2: half that; float: its decode path's, 0 on the portable build)."""
     module = runner.backend.module
-    if activations == "int8":
-        return int(module.quant_dot_max_rows())
+    if activations in ("int8", "int8x2"):
+        return int(module.quant_dot_max_rows()) // (2 if activations == "int8x2" else 1)
     return int(module.quant_decode_rows())
 
 
-@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("activations", ["float", "int8", "int8x2"])
 def test_gguf_blocks_in_one_call_equal_the_loop_bit_for_bit(
     activations,
     tmp_path,
@@ -118,7 +119,7 @@ def test_gguf_blocks_in_one_call_equal_the_loop_bit_for_bit(
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("quant", ["Q4_1", "Q4_0", "Q8_0"])
-@pytest.mark.parametrize("activations", ["int8", "float"])
+@pytest.mark.parametrize("activations", ["int8", "int8x2", "float"])
 def test_a_team_of_threads_equals_the_loop_bit_for_bit(
     activations, quant, threads, tmp_path, weight_cache, monkeypatch
 ):

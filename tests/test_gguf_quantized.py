@@ -215,11 +215,12 @@ def test_a_bf16_model_over_the_quantized_rows_is_within_the_bf16_contract(tmp_pa
     check_rows(got, oracle.logits(ids), oracle.references(ids, torch.bfloat16), BF16, "gguf bf16")
 
 
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
 @pytest.mark.parametrize(
     ("name", "qtype"), [("llama3", "Q4_1"), ("qwen2", "Q8_0"), ("llama3", "Q4_0")]
 )
 def test_int8_activations_decode_within_the_bf16_contract(
-    name, qtype, tmp_path, weight_cache, monkeypatch
+    name, qtype, activations, tmp_path, weight_cache, monkeypatch
 ):
     """Decode rows (<= 8, float32) through quant_gemm_q8_into: x quantized to int8 per block
     costs ~2^-8 relative per linear, bf16 activations' order, so the model is judged by the
@@ -227,31 +228,33 @@ def test_int8_activations_decode_within_the_bf16_contract(
     the float path. The same scenario on the float path (weights-only) is run beside it: the
     prefill's rows must equal it bit for bit and the decode rows must not, so the check cannot
     pass on the float path alone (the op is called from Python or from the native decoder
-    stack, so it is not counted)."""
+    stack, so it is not counted). int8x2 (two int8 terms a row, <= 4 rows) the same."""
     if not quant_linear.dot_types()[0]:
         pytest.skip("the native build has no quant_gemm_q8_into here")
     path, oracle = tiny_gguf(name, qtype, tmp_path)
     scenario = MixedScenario.build(oracle, VOCAB, decode_steps=4)
     got = {}
-    for mode in ("float", "int8"):
+    for mode in ("float", activations):
         monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", mode)
         loaded = load_model(path, hf_model=False, quantization="gguf")
         runner = ModelRunner(
             loaded, num_pages=64, page_size=16, dtype=torch.float32, quantization="gguf"
         )
-        assert runner.model.layers[0].qkv_proj.int8_rows == ([8] if mode == "int8" else [0])
+        rows = {"float": 0, "int8": 8, "int8x2": 4}[mode]
+        assert runner.model.layers[0].qkv_proj.int8_rows == [rows]
         got[mode] = scenario.run(runner)
-    assert scenario.judge(got["int8"], oracle, BF16, f"gguf int8-activations {qtype}") > 0
+    q = got[activations]
+    assert scenario.judge(q, oracle, BF16, f"gguf {activations}-activations {qtype}") > 0
     prefill = scenario.prompt_lens["A"]  # A's prompt: one forward of 45 rows, the float path
-    assert torch.equal(got["int8"]["A"][:prefill], got["float"]["A"][:prefill])
-    assert not torch.equal(got["int8"]["A"][-1], got["float"]["A"][-1])  # a 3-row decode step
+    assert torch.equal(q["A"][:prefill], got["float"]["A"][:prefill])
+    assert not torch.equal(q["A"][-1], got["float"]["A"][-1])  # a 3-row decode step
 
 
 def test_int8_activations_never_read_the_float_activation_engine_s_disk_pages(
     tmp_path, weight_cache, monkeypatch
 ):
-    """int8 activations compute other K/V than float ones from the same blocks: the offload
-    tiers are keyed apart (a second float-activation engine does hit the pages, so the miss is
+    """int8 activations (one term or two) compute other K/V than float ones from the same
+    blocks: the offload tiers are keyed apart (a second float-activation engine does hit the pages, so the miss is
     the fingerprint's)."""
     if not quant_linear.dot_types()[0]:
         pytest.skip("the native build has no quant_gemm_q8_into here")
@@ -259,7 +262,12 @@ def test_int8_activations_never_read_the_float_activation_engine_s_disk_pages(
     prompt = [b + 3 for b in b"a prompt long enough to fill a few pages of the disk tier, once"]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     hits = {}
-    for name, mode in (("writer", "float"), ("int8", "int8"), ("float", "float")):
+    for name, mode in (
+        ("writer", "float"),
+        ("int8", "int8"),
+        ("int8x2", "int8x2"),
+        ("float", "float"),
+    ):
         monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", mode)
         engine = Engine(
             model=path,
@@ -272,7 +280,7 @@ def test_int8_activations_never_read_the_float_activation_engine_s_disk_pages(
         (out,) = engine.generate([prompt], params)
         hits[name] = out.cached_tokens_by_tier.get("disk", 0)
         engine.close()  # every cached page written to the disk
-    assert hits["writer"] == 0 and hits["int8"] == 0, hits
+    assert hits["writer"] == 0 and hits["int8"] == 0 and hits["int8x2"] == 0, hits
     assert hits["float"] >= 48, hits
 
 
@@ -453,3 +461,34 @@ def test_smollm2_q4_1_int8_activations_within_the_bf16_contract(
     runner, _ = _smollm2_runner()
     assert runner.model.lm_head.int8_rows == [8]
     _check_smollm2(runner, real_model, real_oracle, 8, BF16, "gguf smollm2 int8-activations")
+
+
+@pytest.mark.real_model
+def test_smollm2_q4_1_two_term_activations_within_the_bf16_contract(
+    real_model, real_oracle, monkeypatch
+):
+    """The packaged Q4_1 file with two-term int8 activations (``int8x2``): the test above's 8
+    rows as two 4-row forwards (every linear and the head on quant_gemm_q8_into with terms=2,
+    the second attending to the first's K/V) within the BF16 contract, which one int8 term
+    misses."""
+    monkeypatch.setenv("RADIXKV_QUANT_ACTIVATIONS", "int8x2")
+    if not quant_linear.dot_types()[0]:
+        pytest.skip("the native build has no quant_gemm_q8_into here")
+    runner, _ = _smollm2_runner()
+    assert runner.model.lm_head.int8_rows == [4] and runner.model.lm_head.terms == 2
+    ids = real_model.tokenizer.encode("The quick brown fox jumps over the lazy dog because")[:8]
+    pages = list(range(8))
+    got = torch.cat(
+        [
+            runner.forward(runner.build_batch([RequestSlice(ids[:4], 0, pages)]), True),
+            runner.forward(runner.build_batch([RequestSlice(ids[4:], 4, pages)]), True),
+        ]
+    )
+    contract = BF16
+    check_rows(
+        got,
+        real_oracle.logits(ids),
+        real_oracle.references(ids, contract.dtype),
+        contract,
+        "gguf smollm2 int8x2-activations",
+    )

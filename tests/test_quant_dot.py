@@ -14,6 +14,10 @@ Two oracles, both over ``Wdeq = gguf.quants.dequantize(w)``:
   bound alone ``K eps32 sum_k mu_k |xhat_k|``: a wrong scale, code or block mapping moves an
   output by about ``|y| / K`` or more, far above that, so this check is the one with teeth (the
   first bound is worst-case in the quantization errors' signs and is loose by ~sqrt(K)).
+
+With two terms (``terms=2``) x's rows are ``d1 q1 + d2 q2``, the second term the quantization of
+what the first leaves (``x - d1 q1``, float32): the same two checks with ``xhat`` the two terms'
+sum and ``d_b`` the second term's scale (``<= d1 / 254``, so x's error is ~254x int8's).
 """
 
 from __future__ import annotations
@@ -56,12 +60,21 @@ def magnitude(w: np.ndarray, qtype: T) -> torch.Tensor:
     return dequantized(blocks.reshape(n, -1), qtype).double()
 
 
-def check(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, qtype: T, what: str) -> None:
+def quantize_x2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two terms: the second term's scales and both terms' sum ``d1 q1 + d2 q2`` (float64)."""
+    _, xhat1 = quantize_x(x)
+    d2, xhat2 = quantize_x((x.double() - xhat1).float())  # x - d1 q1, rounded once to float32
+    return d2, xhat1 + xhat2
+
+
+def check(
+    y: torch.Tensor, x: torch.Tensor, w: np.ndarray, qtype: T, what: str, terms: int = 1
+) -> None:
     """``y`` against both oracles of the module docstring."""
     k = x.shape[1]
     wd = dequantized(w, qtype).double()
     mu = magnitude(w, qtype)
-    d, xhat = quantize_x(x)
+    d, xhat = quantize_x(x) if terms == 1 else quantize_x2(x)
     half_d = torch.repeat_interleave(d.double() / 2, 32, dim=1)
     ref = x.double() @ wd.T
     bound = half_d @ wd.abs().T + k * EPS32 * ((x.double().abs() + half_d) @ mu.T)
@@ -100,6 +113,31 @@ def test_within_the_int8_activation_bound(level, qtype):
                 y = torch.full((rows, n), float("nan"))
                 m.quant_gemm_q8_into(x, wt, int(qtype), y)
                 check(y, x, w, qtype, f"{level} {qtype.name} M={rows} N={n} K={k}")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("level", native.ISAS)
+def test_two_terms_within_their_bound(level, qtype):
+    """terms=2 at 1-4 rows: within the two-term bounds, and its error against the float64
+    product at most a tenth of one term's on the same rows (the second term is used; not
+    1/254: on some random rows the float32 sums' own error is the larger part)."""
+    m = level_module(level)
+    for k in (256, 576, 1536):
+        for n in (8, 33, 192):
+            w = random_rows(qtype, n, k, seed=k + n + int(qtype))
+            wt = torch.from_numpy(w)
+            ref = None
+            for rows in (1, 2, 3, 4):
+                x = rows_of_x(rows, k, seed=k * rows + n)
+                y = {}
+                for terms in (1, 2):
+                    y[terms] = torch.full((rows, n), float("nan"))
+                    m.quant_gemm_q8_into(x, wt, int(qtype), y[terms], terms)
+                what = f"{level} {qtype.name} two terms M={rows} N={n} K={k}"
+                check(y[2], x, w, qtype, what, terms=2)
+                ref = x.double() @ dequantized(w, qtype).double().T
+                one, two = ((y[t].double() - ref).abs().max().item() for t in (1, 2))
+                assert two <= one / 10, f"{what}: error {two:.3g}, one term's {one:.3g}"
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -148,6 +186,8 @@ def test_bad_inputs_raise_naming_the_problem(module):
         (lambda: call(x.bfloat16(), q41, 3, out), "float32"),
         (lambda: call(torch.randn(64, 2).T, q41, 3, out), "x must be contiguous"),
         (lambda: call(torch.randn(9, 64), q41, 3, torch.empty(9, 8)), "at most 8 rows"),
+        (lambda: call(torch.randn(5, 64), q41, 3, torch.empty(5, 8), 2), "at most 4 rows"),
+        (lambda: call(x, q41, 3, out, 3), "terms is 1"),
         (lambda: call(x, q41.float(), 3, out), "uint8"),
         (lambda: call(x, q41, 3, torch.empty(2, 7)), "out must be [M, >= N]"),
         (lambda: call(x, q41, 3, out.bfloat16()), "out must be float32"),

@@ -217,13 +217,15 @@ def build_tiers(
 
 def _weight_quantization(quantization: str | None) -> str | None:
     """The fingerprint's name of the weights' arithmetic: ``quantization``, and for ``gguf`` with
-    int8 activations (``RADIXKV_QUANT_ACTIVATIONS=int8``) ``gguf+int8-activations``, whose K/V
-    differ from the float-activation engine's (radixkv/model/quant_linear.py)."""
+    int8 activations (``RADIXKV_QUANT_ACTIVATIONS=int8`` or ``int8x2``)
+    ``gguf+int8-activations`` / ``gguf+int8x2-activations``, whose K/V differ from the
+    float-activation engine's and each other's (radixkv/model/quant_linear.py)."""
     if quantization == "gguf":
         from radixkv.model.quant_linear import activation_mode
 
-        if activation_mode() == "int8":
-            return "gguf+int8-activations"
+        mode = activation_mode()
+        if mode != "float":
+            return f"gguf+{mode}-activations"
     return quantization
 
 

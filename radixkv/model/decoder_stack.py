@@ -84,6 +84,8 @@ class DecoderStack:
     linears: list[torch.Tensor]
     kinds: list[int]
     int8_rows: list[int]
+    #: int8 terms a row of x where a linear runs with int8 activations (every linear's alike)
+    terms: int
     heads: list[int]
     rope_kind: str
     sm_scale: float
@@ -127,6 +129,7 @@ class DecoderStack:
             self.sm_scale,
             *meta.group_args,
             team,
+            self.terms,
         )
 
 
@@ -156,6 +159,7 @@ def decoder_stack(
     kinds: list[int] = []
     int8_rows: list[int] = []
     modules: set[str] = set()
+    terms: set[int] = set()
     for layer, (norm_in, post, qkv, o, gate_up, down) in zip(layers, parts, strict=True):
         if (
             layer.q_norm is not None
@@ -178,12 +182,14 @@ def decoder_stack(
             entry = lin.stack_entry() if hasattr(lin, "stack_entry") else None
             if entry is None:
                 return None
-            module, weight, kind, rows = entry
+            module, weight, kind, rows, lin_terms = entry
             modules.add(module)
+            if rows:
+                terms.add(lin_terms)
             linears.append(weight)
             kinds.append(kind)
             int8_rows.append(rows)
-    if len(modules) != 1:
+    if len(modules) != 1 or len(terms) > 1:
         return None
     team_rows = 0
     if team_enabled() and all(k >= 0 for k in kinds):
@@ -196,6 +202,7 @@ def decoder_stack(
         linears=linears,
         kinds=kinds,
         int8_rows=int8_rows,
+        terms=terms.pop() if terms else 1,
         heads=[first.num_heads, first.num_kv_heads, first.head_dim],
         rope_kind=first.rope_kind,
         sm_scale=float(first.sm_scale),

@@ -281,15 +281,15 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return self._onednn(x, self.packed)
 
-    def stack_entry(self) -> tuple[str, torch.Tensor, int, int] | None:
+    def stack_entry(self) -> tuple[str, torch.Tensor, int, int, int] | None:
         """This linear as :mod:`radixkv.model.decoder_stack` passes it to the native
-        ``decoder_layers_f32``: ``(native module name, packed weight, -1, 0)`` where its whole
+        ``decoder_layers_f32``: ``(native module name, packed weight, -1, 0, 1)`` where its whole
         forward on float32 rows is ``f32_gemm`` over the packed copy (no bias), else None."""
         if self._direct is None or self._bias is not None or self._dtype != torch.float32:
             return None
         if self._gemm is None or self._gemm_fn != "f32_gemm":
             return None
-        return self._gemm, self.packed, -1, 0
+        return self._gemm, self.packed, -1, 0, 1
 
     def _onednn(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()

@@ -31,9 +31,13 @@ x's quantization error (``sum_b (d_b / 2) sum |w|`` per output, radixkv/model/cs
 cpu_quant_dot.cpp), so a model on it is held to the bf16 contract of tests/oracle.py, not
 float32's. The environment variable ``RADIXKV_QUANT_ACTIVATIONS``, read when a layer is built,
 chooses: ``float`` (the default: weights-only quantization, the float32 contract, every row
-through ``quant_gemm_into``) or ``int8`` (llama.cpp's way, opt-in: faster at 1-8 rows, but on
+through ``quant_gemm_into``), ``int8`` (llama.cpp's way, opt-in: faster at 1-8 rows, but on
 SmolLM2's Q4_1 file its logits missed the bf16 contract, 3.89x transformers-bf16's error on the
-worst row where the contract allows 3x; tests/test_gguf_quantized.py keeps that as a strict xfail).
+worst row where the contract allows 3x; tests/test_gguf_quantized.py keeps that as a strict xfail)
+or ``int8x2`` (opt-in, 1-4 rows: x as two int8 terms, its codes and the codes of what they leave,
+both products summed: x's error at most ``amax / 64516`` a block, below bfloat16's rounding, so
+held to the bf16 contract, which it meets on SmolLM2; ~1.2-1.5x int8's kernel time, 0.5-0.6x the
+float path's).
 """
 
 from __future__ import annotations
@@ -62,7 +66,9 @@ __all__ = [
 ]
 
 #: ``RADIXKV_QUANT_ACTIVATIONS``'s values (the module docstring)
-ACTIVATION_MODES = ("float", "int8")
+ACTIVATION_MODES = ("float", "int8", "int8x2")
+#: int8 terms per row of x in each mode that has them (``quant_gemm_q8_into``'s ``terms``)
+_TERMS = {"int8": 1, "int8x2": 2}
 
 log = logging.getLogger(__name__)
 _warned: set[int] = set()
@@ -153,7 +159,8 @@ class QuantLinear(nn.Module):
     Invariants: every segment's rows dequantize to ``in_features`` values (whole blocks);
     ``kernels[i]`` is ``"native"`` (``quant_gemm_into``) or ``"dequantize"`` (the fallback) and
     never changes; ``int8_rows[i]`` is the most float32 rows segment i multiplies with int8
-    activations (``quant_gemm_q8_into``; 0: never), fixed at construction; the raw tensors are never modified (a tied head shares the embedding's).
+    activations (``quant_gemm_q8_into``; 0: never) of ``terms`` int8 terms a row, both fixed at
+    construction; the raw tensors are never modified (a tied head shares the embedding's).
     Inference only."""
 
     def __init__(
@@ -186,13 +193,15 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         native = native_types()
         self.kernels = ["native" if t in native else "dequantize" for t in self.types]
-        served, max_rows = dot_types() if activation_mode() == "int8" else (frozenset(), 0)
-        self.int8_rows = [max_rows if t in served else 0 for t in self.types]
+        mode = activation_mode()
+        self.terms = _TERMS.get(mode, 1)
+        served, max_rows = dot_types() if mode in _TERMS else (frozenset(), 0)
+        self.int8_rows = [max_rows // self.terms if t in served else 0 for t in self.types]
         #: a one-segment native linear's whole call (``quant_linear``: the int8 path up to
         #: ``int8_rows[0]`` float32 rows, else the float one), taken first by :meth:`forward`
         #: without its general loop (~35 us of Python a call otherwise on the Zen 3 host,
         #: 150 calls a SmolLM2 decode step)
-        self._direct: tuple[Any, torch.Tensor, int, int] | None = None
+        self._direct: tuple[Any, torch.Tensor, int, int, int] | None = None
         if len(self.types) == 1 and self.kernels[0] == "native":
             module = _native()
             if module is not None and hasattr(module, "quant_linear"):
@@ -201,6 +210,7 @@ class QuantLinear(nn.Module):
                     segments[0][0],
                     self.types[0],
                     self.int8_rows[0],
+                    self.terms,
                 )
         #: the bias as a plain tensor (a Parameter is looked up through ``nn.Module``'s
         #: ``__getattr__`` on every call)
@@ -224,8 +234,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         direct = self._direct
         if direct is not None and x.dim() == 2 and x.is_cpu:
-            fn, raw, ggml_type, int8_rows = direct
-            y = fn(x, raw, ggml_type, int8_rows)
+            fn, raw, ggml_type, int8_rows, terms = direct
+            y = fn(x, raw, ggml_type, int8_rows, terms)
             return y if self._bias is None else y.add_(self._bias)
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
@@ -239,7 +249,7 @@ class QuantLinear(nn.Module):
             cols = out[:, off : off + raw.shape[0]]
             if 0 < m <= int8_rows:
                 module = module or _native()
-                module.quant_gemm_q8_into(rows, raw, ggml_type, cols)
+                module.quant_gemm_q8_into(rows, raw, ggml_type, cols, self.terms)
             elif kernel == "native":
                 module = module or _native()
                 module.quant_gemm_into(rows, raw, ggml_type, cols)
@@ -249,15 +259,15 @@ class QuantLinear(nn.Module):
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def stack_entry(self) -> tuple[str, torch.Tensor, int, int] | None:
+    def stack_entry(self) -> tuple[str, torch.Tensor, int, int, int] | None:
         """This linear as :mod:`radixkv.model.decoder_stack` passes it to the native
-        ``decoder_layers_f32``: ``(native module name, raw rows, ggml type, int8 rows)`` where
-        its whole forward is one ``quant_linear`` call (one native segment, no bias), else
+        ``decoder_layers_f32``: ``(native module name, raw rows, ggml type, int8 rows, terms)``
+        where its whole forward is one ``quant_linear`` call (one native segment, no bias), else
         None."""
         if self._direct is None or self._bias is not None:
             return None
-        fn, raw, ggml_type, int8_rows = self._direct
-        return fn.__module__, raw, ggml_type, int8_rows
+        fn, raw, ggml_type, int8_rows, terms = self._direct
+        return fn.__module__, raw, ggml_type, int8_rows, terms
 
     def extra_repr(self) -> str:
         kinds = ", ".join(

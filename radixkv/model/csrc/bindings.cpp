@@ -128,14 +128,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_q8_into", &NoGil<&quant_gemm_q8_into>::call,
         "out[:, :N] ~= x [M <= 8, K] float32 Wdeq^T with x quantized to int8 per 32-block "
         "(scale amax / 127, float32) and integer block dots, as llama.cpp; w [N, row_bytes] uint8 "
-        "raw GGML rows of ggml_type; out float32, last stride 1",
-        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("out"));
+        "raw GGML rows of ggml_type; out float32, last stride 1; terms = 2 (M <= 4): x as two "
+        "int8 terms (its codes and the codes of what they leave), the products summed",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("out"),
+        pybind11::arg("terms") = 1);
   m.def("quant_linear", &NoGil<&quant_linear>::call,
         "A QuantLinear segment's whole call: x [M, K] Wdeq^T as a new tensor, through "
         "quant_gemm_q8_into when x is float32 with M <= int8_rows (and the type is served), else "
         "quant_gemm",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("ggml_type"),
-        pybind11::arg("int8_rows"));
+        pybind11::arg("int8_rows"), pybind11::arg("terms") = 1);
   m.def("decoder_layers_f32", &NoGil<&decoder_layers_f32>::call,
         "A pre-norm SwiGLU model's decoder layers over float32 rows and pools in one call (the "
         "Python loop's native ops in its order); x updated in place, returns the last MLP output; "
@@ -147,7 +149,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("page_table"), pybind11::arg("prefix_lens"), pybind11::arg("extend_lens"),
         pybind11::arg("extend_starts"), pybind11::arg("sm_scale"), pybind11::arg("group_members"),
         pybind11::arg("group_offsets"), pybind11::arg("group_shared"),
-        pybind11::arg("team") = false);
+        pybind11::arg("team") = false, pybind11::arg("terms") = 1);
   m.def("int8_linear_rows", &NoGil<&int8_linear_rows>::call,
         "x [M, K] (q * s)^T as float32 [M, N]: q int8 [N, K], s [N] (float32 or bfloat16), "
         "1 <= M <= int8_linear_max_rows()",

@@ -37,8 +37,9 @@
 
 namespace {
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t int8_rows) {
-  return kind < 0 ? f32_gemm(x, w) : quant_linear(x, w, kind, int8_rows);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t int8_rows,
+                  int64_t terms) {
+  return kind < 0 ? f32_gemm(x, w) : quant_linear(x, w, kind, int8_rows, terms);
 }
 
 // A thread's inputs of the linears, prepared once per layer input and kept between calls.
@@ -48,20 +49,21 @@ struct TeamInput {
 };
 
 // Whether the linear runs with int8 activations at t rows (as quant_linear decides).
-inline bool int8_at(int64_t kind, int64_t int8_rows, int64_t t) {
-  return radixkv_qdot::is_dot_type(kind) && t <= std::min(int8_rows, quant_dot_max_rows());
+inline bool int8_at(int64_t kind, int64_t int8_rows, int64_t t, int64_t terms) {
+  return radixkv_qdot::is_dot_type(kind) && t <= std::min(int8_rows, quant_dot_max_rows() / terms);
 }
 
 // One thread's share of y [t, N] = x W^T, W raw rows of a GGML type, x [t, k]: int8 activations
 // (x quantized into in.xq) or float ones (the decode path of quant_gemm_into), as quant_linear
 // picks. Every thread prepares x itself (the same values: a few thousand, cheaper than a
 // barrier).
-void team_linear(const at::Tensor& w, int64_t kind, int64_t int8_rows, const float* x, int64_t t,
-                 int64_t k, TeamInput& in, float* y, int tid, int threads) {
+void team_linear(const at::Tensor& w, int64_t kind, int64_t int8_rows, int64_t terms,
+                 const float* x, int64_t t, int64_t k, TeamInput& in, float* y, int tid,
+                 int threads) {
   const int64_t n = w.size(0);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  if (int8_at(kind, int8_rows, t)) {
-    radixkv_qdot::quantize_rows(x, t, k, in.xq);
+  if (int8_at(kind, int8_rows, t, terms)) {
+    radixkv_qdot::quantize_rows(x, t, k, in.xq, terms);
     const int64_t workers = radixkv_qdot::row_workers(n, threads);
     if (tid >= workers) return;
     const auto [n0, n1] = radixkv_qdot::worker_rows(n, tid, workers);
@@ -81,7 +83,8 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
                                const std::vector<double>& eps,
                                const std::vector<at::Tensor>& linears,
                                const std::vector<int64_t>& kinds,
-                               const std::vector<int64_t>& int8_rows, int64_t hq, int64_t hkv,
+                               const std::vector<int64_t>& int8_rows, int64_t terms,
+                               int64_t hq, int64_t hkv,
                                int64_t d, const at::Tensor& cos, const at::Tensor& sin,
                                std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
                                const at::Tensor& out_slots, const PagedAttentionF32Plan& plan) {
@@ -96,7 +99,8 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
       const int64_t kind = kinds[4 * i + j];
       TORCH_CHECK(kind >= 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
                   fn, ": layer ", i, " linear ", j, " is not raw GGML rows");
-      TORCH_CHECK(int8_at(kind, int8_rows[4 * i + j], t) || radixkv_qlin::decode_rows_max() >= t,
+      TORCH_CHECK(int8_at(kind, int8_rows[4 * i + j], t, terms) ||
+                      radixkv_qlin::decode_rows_max() >= t,
                   fn, ": layer ", i, " linear ", j, " has no decode path at ", t,
                   " rows in this build (int8 activations off and no AVX2 decode)");
     }
@@ -153,7 +157,8 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
         rms_norm_rows_f32(res.data(), h, norms[2 * i].data_ptr<float>(), hn.data(), h, e0, 0, t);
       }
       add = true;
-      team_linear(w[0], kind[0], rows[0], hn.data(), t, h, in, qkv.data_ptr<float>(), tid, nt);
+      team_linear(w[0], kind[0], rows[0], terms, hn.data(), t, h, in, qkv.data_ptr<float>(), tid,
+                  nt);
 #pragma omp barrier
       if (tid == 0) {
         try {
@@ -169,16 +174,16 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
       plan.run_team(q.data_ptr<float>(), k_caches[i], v_caches[i], attn.data_ptr<float>(), tid,
                     nt);
 #pragma omp barrier
-      team_linear(w[1], kind[1], rows[1], attn.data_ptr<float>(), t, hq * d, in,
+      team_linear(w[1], kind[1], rows[1], terms, attn.data_ptr<float>(), t, hq * d, in,
                   o_out.data_ptr<float>(), tid, nt);
 #pragma omp barrier
       add_rms_norm_rows_f32(res.data(), h, o_out.data_ptr<float>(), h,
                             norms[2 * i + 1].data_ptr<float>(), hn.data(), h, e1, 0, t);
-      team_linear(w[2], kind[2], rows[2], hn.data(), t, h, in, gate_up.data_ptr<float>(), tid,
-                  nt);
+      team_linear(w[2], kind[2], rows[2], terms, hn.data(), t, h, in, gate_up.data_ptr<float>(),
+                  tid, nt);
 #pragma omp barrier
       silu_mul_rows_f32(gate_up.data_ptr<float>(), 2 * inter, act.data(), inter, 0, t);
-      team_linear(w[3], kind[3], rows[3], act.data(), t, inter, in, cy, tid, nt);
+      team_linear(w[3], kind[3], rows[3], terms, act.data(), t, inter, in, cy, tid, nt);
 #pragma omp barrier
     }
     if (tid == 0 && !failure) std::copy(res.begin(), res.end(), xs);
@@ -208,7 +213,8 @@ at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pen
                               const std::vector<int64_t>& extend_starts, double sm_scale,
                               const std::vector<int64_t>& group_members,
                               const std::vector<int64_t>& group_offsets,
-                              const std::vector<int64_t>& group_shared, bool team) {
+                              const std::vector<int64_t>& group_shared, bool team,
+                              int64_t terms) {
   static constexpr const char* fn = "decoder_layers_f32";
   const size_t layers = k_caches.size();
   TORCH_CHECK(v_caches.size() == layers && norms.size() == 2 * layers &&
@@ -218,6 +224,7 @@ at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pen
               "got ", layers, " k caches, ", v_caches.size(), " v caches, ", norms.size(),
               " norms, ", eps.size(), " eps, ", linears.size(), " linears");
   TORCH_CHECK(heads.size() == 3, fn, ": heads must be (Hq, Hkv, D)");
+  TORCH_CHECK(terms == 1 || terms == 2, fn, ": terms is 1 or 2, got ", terms);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), fn,
               ": x must be contiguous float32 rows [T, H], got ", x.scalar_type(), " ", x.sizes());
   const int64_t hq = heads[0], hkv = heads[1], d = heads[2], t = x.size(0);
@@ -227,8 +234,8 @@ at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pen
     const PagedAttentionF32Plan plan(q_shape, k_caches[0], v_caches[0], page_table, prefix_lens,
                                      extend_lens, extend_starts, sm_scale, group_members,
                                      group_offsets, group_shared);
-    return decoder_layers_team(x, carry, norms, eps, linears, kinds, int8_rows, hq, hkv, d, cos, sin,
-                               k_caches, v_caches, out_slots, plan);
+    return decoder_layers_team(x, carry, norms, eps, linears, kinds, int8_rows, terms, hq, hkv, d,
+                               cos, sin, k_caches, v_caches, out_slots, plan);
   }
   for (size_t i = 0; i < layers; ++i) {
     const at::Tensor* w = &linears[4 * i];
@@ -236,7 +243,7 @@ at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pen
     const int64_t* rows = &int8_rows[4 * i];
     const at::Tensor h = carry.defined() ? add_rms_norm(x, carry, norms[2 * i], eps[2 * i])
                                          : rms_norm(x, norms[2 * i], eps[2 * i]);
-    at::Tensor qkv = linear(h, w[0], kind[0], rows[0]);
+    at::Tensor qkv = linear(h, w[0], kind[0], rows[0], terms);
     rope_(qkv, cos, sin, hq + hkv, d);
     const std::vector<at::Tensor> qkv3 =
         qkv.view({t, hq + 2 * hkv, d}).split_with_sizes({hq, hkv, hkv}, 1);
@@ -245,9 +252,10 @@ at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pen
                                              page_table, prefix_lens, extend_lens, extend_starts,
                                              sm_scale, group_members, group_offsets, group_shared,
                                              0);
-    const at::Tensor a = linear(o.reshape({t, hq * d}), w[1], kind[1], rows[1]);
+    const at::Tensor a = linear(o.reshape({t, hq * d}), w[1], kind[1], rows[1], terms);
     const at::Tensor h2 = add_rms_norm(x, a, norms[2 * i + 1], eps[2 * i + 1]);
-    carry = linear(silu_mul(linear(h2, w[2], kind[2], rows[2])), w[3], kind[3], rows[3]);
+    carry = linear(silu_mul(linear(h2, w[2], kind[2], rows[2], terms)), w[3], kind[3], rows[3],
+                   terms);
   }
   return carry;
 }

@@ -24,7 +24,8 @@
 // layers in one OpenMP parallel region (cpu_decoder.cpp); only for 1 <= T <= team_rows_max()
 // rows, every linear raw GGML rows that run at T rows either with int8 activations (a quant_dot
 // type, T <= int8_rows) or on quant_gemm_into's decode path (AVX2 builds), every row of x a
-// request's, all layers' pools alike; the same results as without it.
+// request's, all layers' pools alike; the same results as without it. terms: the int8
+// activations' terms (quant_gemm_q8_into's: 1, or 2 at T <= 4).
 at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pending,
                               const std::vector<at::Tensor>& norms, const std::vector<double>& eps,
                               const std::vector<at::Tensor>& linears,
@@ -38,7 +39,8 @@ at::Tensor decoder_layers_f32(at::Tensor x, const std::optional<at::Tensor>& pen
                               const std::vector<int64_t>& extend_starts, double sm_scale,
                               const std::vector<int64_t>& group_members,
                               const std::vector<int64_t>& group_offsets,
-                              const std::vector<int64_t>& group_shared, bool team);
+                              const std::vector<int64_t>& group_shared, bool team,
+                              int64_t terms = 1);
 
 // The most rows a team step takes (8 where int8 activations or the AVX2 decode path serve).
 int64_t team_rows_max();

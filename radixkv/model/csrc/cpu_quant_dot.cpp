@@ -117,7 +117,26 @@ struct FmtQ8_0 {
   static constexpr bool kMin = false;
 };
 
+// Row r of the kernel's x is output row r (r < out_m) or, for two-term activations, the second
+// term of output row r - out_m, whose sum is added to the first's (stored before it: r ascends).
+inline void fold_store(float* y, int64_t ldy, int64_t r, int64_t out_m, float v) {
+  if (r < out_m) {
+    y[r * ldy] = v;
+  } else {
+    y[(r - out_m) * ldy] += v;
+  }
+}
+
 #if RADIXKV_QDOT_AVX2
+inline void fold_store(float* y, int64_t ldy, int64_t r, int64_t out_m, __m256 v) {
+  if (r < out_m) {
+    _mm256_storeu_ps(y + r * ldy, v);
+  } else {
+    float* p = y + (r - out_m) * ldy;
+    _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), v));
+  }
+}
+
 // The sum of v's 8 lanes (once per output: hadd's latency is not on the block loop's path).
 inline float hsum8(__m256 v) {
   const __m128 halves = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
@@ -173,7 +192,9 @@ inline void dot_rows(const uint8_t* w, const QuantizedRows& xq, int64_t k, float
   }
   alignas(32) float mins[8];
   _mm256_store_ps(mins, macc);
-  for (int r = 0; r < MR; ++r) y[r * ldy] = hsum8(acc[r]) + (F::kMin ? mins[r] : 0.f);
+  for (int r = 0; r < MR; ++r) {
+    fold_store(y, ldy, r, xq.out_m, hsum8(acc[r]) + (F::kMin ? mins[r] : 0.f));
+  }
 }
 
 constexpr int64_t kGroup = radixkv_qdot::kGroupRows;  // weight rows multiplied together: one float vector lane each
@@ -285,7 +306,7 @@ inline void dot_group_nib(const uint8_t* w, int64_t rb, const QuantizedRows& xq,
     }
   }
   for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(y + r * ldy, F::kMin ? _mm256_add_ps(acc[r], macc[r]) : acc[r]);
+    fold_store(y, ldy, r, xq.out_m, F::kMin ? _mm256_add_ps(acc[r], macc[r]) : acc[r]);
   }
 }
 
@@ -382,7 +403,7 @@ inline void dot_group_q8(const uint8_t* w, int64_t rb, const QuantizedRows& xq, 
                                _mm256_mul_ps(dw, _mm256_broadcast_ss(db + r)), acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+  for (int r = 0; r < MR; ++r) fold_store(y, ldy, r, xq.out_m, acc[r]);
 }
 
 template <class F, int MR>
@@ -390,9 +411,11 @@ void dot_range_m(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, i
                  int64_t ldy, int64_t n0, int64_t n1) {
   int64_t n = n0;
   // Q8_0 at one row of x is DRAM-bound (a GGUF's lm_head): one row at a time, a plain sequential
-  // stream, read faster than the groups' 8 interleaved ones (12-15% at 30 MB on the Zen 3 host)
-  constexpr bool kGroups = !(std::is_same_v<F, FmtQ8_0> && MR == 1);
-  for (; kGroups && n + kGroup <= n1; n += kGroup) {
+  // stream, read faster than the groups' 8 interleaved ones (12-15% at 30 MB on the Zen 3 host);
+  // also for one row of x as two terms (MR = 2, out_m = 1: SmolLM2's head in 8 alternating
+  // processes, median 2.19 vs 2.30 ms, 6 of 8 pairs faster; a noisy host, a small gain)
+  const bool groups = !(std::is_same_v<F, FmtQ8_0> && (MR == 1 || xq.out_m == 1));
+  for (; groups && n + kGroup <= n1; n += kGroup) {
     if constexpr (std::is_same_v<F, FmtQ8_0>) {
       dot_group_q8<MR>(w + n * row_bytes, row_bytes, xq, k, y + n, ldy);
     } else {
@@ -447,16 +470,16 @@ void dot_range(const uint8_t* w, int64_t row_bytes, const QuantizedRows& xq, int
         if constexpr (F::kMin) acc[r] += mw * xq.s[b * kMaxRows + r];
       }
     }
-    for (int64_t r = 0; r < xq.m; ++r) y[r * ldy + n] = acc[r];
+    for (int64_t r = 0; r < xq.m; ++r) fold_store(y + n, ldy, r, xq.out_m, acc[r]);
   }
 }
 #endif
 
 template <class F>
 void gemm_q8(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t row_bytes,
-             float* y, int64_t ldy) {
+             float* y, int64_t ldy, int64_t terms) {
   QuantizedRows xq;
-  radixkv_qdot::quantize_rows(x, m, k, xq);
+  radixkv_qdot::quantize_rows(x, m, k, xq, terms);
   // runs of output rows in multiples of 8: whole groups of 8 rows (so which rows are grouped, and
   // so every output's summation order, does not depend on the thread count)
   const int64_t workers = radixkv_qdot::row_workers(n, at::get_num_threads());
@@ -484,33 +507,53 @@ void with_dot_format(int64_t ggml_type, Fn&& fn) {
 
 namespace radixkv_qdot {
 
-void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out) {
-  out.m = m;
+namespace {
+
+// Block b of row r of x into row r of out (codes, d, s, sum8).
+void quantize_block(const float* xb, int64_t r, int64_t b, int64_t k, QuantizedRows& out) {
+  int8_t* qb = out.q.data() + r * k + b * kQBlock;
+  float amax = 0.f;
+  for (int64_t i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float d = amax / 127.f;
+  int32_t sum = 0;
+  if (amax > 0.f) {
+    for (int64_t i = 0; i < kQBlock; ++i) {
+      // nearbyint: round half to even (the default rounding mode), as numpy's rint
+      const float t = std::nearbyint(xb[i] / d);
+      const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, t)));
+      qb[i] = static_cast<int8_t>(c);
+      sum += c;
+    }
+  }
+  out.d[b * kMaxRows + r] = d;
+  out.s[b * kMaxRows + r] = d * static_cast<float>(sum);
+  out.sum8[b * kMaxRows + r] = 8 * sum;
+}
+
+}  // namespace
+
+void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out, int64_t terms) {
+  TORCH_CHECK((terms == 1 || terms == 2) && m * terms <= kMaxRows,
+              "quantize_rows: 1 or 2 terms of at most ", kMaxRows, " rows in all, got ", m,
+              " rows of ", terms);
+  out.m = m * terms;
+  out.out_m = m;
   out.nb = k / kQBlock;
-  out.q.assign(m * k, 0);
+  out.q.assign(out.m * k, 0);
   out.d.assign(out.nb * kMaxRows, 0.f);
   out.s.assign(out.nb * kMaxRows, 0.f);
   out.sum8.assign(out.nb * kMaxRows, 0);
+  float res[kQBlock];
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < out.nb; ++b) {
       const float* xb = x + r * k + b * kQBlock;
-      int8_t* qb = out.q.data() + r * k + b * kQBlock;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.f;
-      int32_t sum = 0;
-      if (amax > 0.f) {
-        for (int64_t i = 0; i < kQBlock; ++i) {
-          // nearbyint: round half to even (the default rounding mode), as numpy's rint
-          const float t = std::nearbyint(xb[i] / d);
-          const int32_t c = static_cast<int32_t>(std::min(127.f, std::max(-127.f, t)));
-          qb[i] = static_cast<int8_t>(c);
-          sum += c;
-        }
-      }
-      out.d[b * kMaxRows + r] = d;
-      out.s[b * kMaxRows + r] = d * static_cast<float>(sum);
-      out.sum8[b * kMaxRows + r] = 8 * sum;
+      quantize_block(xb, r, b, k, out);
+      if (terms == 1) continue;
+      // the second term: what the first left, x - d q (|.| <= d / 2), quantized the same way
+      const int8_t* qb = out.q.data() + r * k + b * kQBlock;
+      const float d = out.d[b * kMaxRows + r];
+      for (int64_t i = 0; i < kQBlock; ++i) res[i] = xb[i] - d * static_cast<float>(qb[i]);
+      quantize_block(res, m + r, b, k, out);
     }
   }
 }
@@ -550,7 +593,7 @@ std::vector<int64_t> quant_dot_types() { return {kQ4_0, kQ4_1, kQ8_0}; }
 int64_t quant_dot_max_rows() { return kMaxRows; }
 
 void quant_gemm_q8_into(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type,
-                        const at::Tensor& out) {
+                        const at::Tensor& out, int64_t terms) {
   static constexpr const char* fn = "quant_gemm_q8_into";
   with_dot_format(ggml_type, [&](auto f, const char* name) {
     using F = decltype(f);
@@ -564,8 +607,10 @@ void quant_gemm_q8_into(const at::Tensor& x, const at::Tensor& w, int64_t ggml_t
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, fn,
                 ": x must be 2-D float32 rows [M, K], got ", x.scalar_type(), " ", x.sizes());
     TORCH_CHECK(x.is_contiguous(), fn, ": x must be contiguous");
-    TORCH_CHECK(x.size(0) <= kMaxRows, fn, ": at most ", kMaxRows, " rows of x, got ",
-                x.size(0), " (use quant_gemm_into)");
+    TORCH_CHECK(terms == 1 || terms == 2, fn, ": terms is 1 (int8 activations) or 2 (two int8 "
+                "terms), got ", terms);
+    TORCH_CHECK(x.size(0) * terms <= kMaxRows, fn, ": at most ", kMaxRows / terms,
+                " rows of x at ", terms, " term(s), got ", x.size(0), " (use quant_gemm_into)");
     TORCH_CHECK(x.size(1) == k, fn, ": x has K = ", x.size(1), " inputs, but w's rows of ",
                 w.size(1), " bytes hold ", k, " ", name, " weights");
     const int64_t m = x.size(0), n = w.size(0);
@@ -577,20 +622,21 @@ void quant_gemm_q8_into(const at::Tensor& x, const at::Tensor& w, int64_t ggml_t
                 ": out's last stride must be 1, got ", out.strides());
     if (m == 0 || n == 0) return;
     gemm_q8<F>(x.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, w.size(1),
-               out.data_ptr<float>(), out.stride(0));
+               out.data_ptr<float>(), out.stride(0), terms);
   });
 }
 
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t ggml_type,
-                        int64_t int8_rows) {
+                        int64_t int8_rows, int64_t terms) {
   TORCH_CHECK(x_in.dim() == 2, "quant_linear: x must be 2-D rows [M, K], got ", x_in.sizes());
   const at::Tensor x = x_in.contiguous();
   const int64_t m = x.size(0);
   const bool served = radixkv_qdot::is_dot_type(ggml_type);
-  if (!(served && x.scalar_type() == at::kFloat && m > 0 && m <= std::min(int8_rows, kMaxRows))) {
+  if (!(served && x.scalar_type() == at::kFloat && m > 0 &&
+        m <= std::min(int8_rows, kMaxRows / std::max<int64_t>(terms, 1)))) {
     return quant_gemm(x, w, ggml_type);
   }
   at::Tensor out = at::empty({m, w.size(0)}, x.options());
-  quant_gemm_q8_into(x, w, ggml_type, out);
+  quant_gemm_q8_into(x, w, ggml_type, out, terms);
   return out;
 }

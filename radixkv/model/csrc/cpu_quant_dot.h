@@ -19,15 +19,17 @@ int64_t quant_dot_max_rows();
 // (as quant_gemm_into); out [M, >= N] float32, out.stride(1) == 1 (a column slice of a wider
 // tensor is written in place, its other columns untouched). The per-block dots of weight codes
 // and x codes are exact integers; each block adds (d_w d_x) * dot (plus m_w d_x sum(q) for
-// Q4_1) to a float32 sum. Error bound: cpu_quant_dot.cpp's header.
+// Q4_1) to a float32 sum. Error bound: cpu_quant_dot.cpp's header. terms = 2 (M <= 4): each
+// row of x is two int8 rows, its codes and the codes of what they leave (x - d q, quantized the
+// same way), the two products summed: x's error <= amax / 64516 a block, below bfloat16's.
 void quant_gemm_q8_into(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type,
-                        const at::Tensor& out);
+                        const at::Tensor& out, int64_t terms = 1);
 // A linear's one call: a new [M, N] tensor of x's dtype, x W^T through quant_gemm_q8_into when x
-// is float32 with 1 <= M <= min(int8_rows, quant_dot_max_rows()) and ggml_type is one it serves,
-// else through quant_gemm (float activations). int8_rows = 0: always quant_gemm. x [M, K] 2-D
-// (made contiguous here); w as quant_gemm_q8_into's.
+// is float32 with 1 <= M <= min(int8_rows, quant_dot_max_rows() / terms) and ggml_type is one it
+// serves, else through quant_gemm (float activations). int8_rows = 0: always quant_gemm. x [M, K]
+// 2-D (made contiguous here); w and terms as quant_gemm_q8_into's.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t ggml_type,
-                        int64_t int8_rows);
+                        int64_t int8_rows, int64_t terms = 1);
 
 // The same multiply for a caller that runs its own threads (cpu_decoder.cpp's team of threads
 // inside one OpenMP region): x quantized once per thread, each thread its share of output rows.
@@ -42,15 +44,18 @@ constexpr int64_t kGroupRows = 8;
 // x [m <= quant_dot_max_rows(), k] quantized per 32-block. Codes row-major [m, k]; scales and
 // (Q4_1) scaled code sums block-major [nb, 8], so one block's values for every row are adjacent.
 // The vectors keep their capacity between calls (no allocation once grown).
+// Two-term activations: rows [out_m, m) are the second terms of rows [0, out_m), whose products
+// the kernels add to the first's (m = out_m with one term).
 struct QuantizedRows {
-  int64_t m = 0, nb = 0;
+  int64_t m = 0, out_m = 0, nb = 0;
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int32_t> sum8;  // 8 sum_k q_k: dot(nibble - 8, q) = dot(nibble, q) - sum8
 };
 
-// Quantizes x [m, k] (float32, contiguous rows, k a multiple of 32) into out.
-void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out);
+// Quantizes x [m, k] (float32, contiguous rows, k a multiple of 32) into out: one int8 term a row,
+// or two (terms = 2, m <= 4; quant_gemm_q8_into's).
+void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out, int64_t terms = 1);
 // How many workers share n output rows among `threads`: at most one per group of rows.
 int64_t row_workers(int64_t n, int64_t threads);
 // Worker `worker` of `workers`' output rows [first, second): whole groups, in order.
