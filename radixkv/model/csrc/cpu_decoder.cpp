@@ -34,6 +34,7 @@
 #include "cpu_linear.h"
 #include "cpu_quant_dot.h"
 #include "cpu_quant_linear.h"
+#include "cpu_work.h"
 
 namespace {
 
@@ -64,15 +65,15 @@ void team_linear(const at::Tensor& w, int64_t kind, int64_t int8_rows, int64_t t
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (int8_at(kind, int8_rows, t, terms)) {
     radixkv_qdot::quantize_rows(x, t, k, in.xq, terms);
-    const int64_t workers = radixkv_qdot::row_workers(n, threads);
+    const int64_t workers = radixkv_work::unit_workers(n, radixkv_qdot::kGroupRows, threads);
     if (tid >= workers) return;
-    const auto [n0, n1] = radixkv_qdot::worker_rows(n, tid, workers);
+    const auto [n0, n1] = radixkv_work::unit_rows(n, radixkv_qdot::kGroupRows, tid, workers);
     radixkv_qdot::dot_rows_range(kind, wp, w.size(1), in.xq, k, y, n, n0, n1);
   } else {
     const float* xd = radixkv_qlin::decode_input(kind, x, t, k, in.xf);
-    const int64_t workers = radixkv_qlin::row_workers(n, threads);
+    const int64_t workers = radixkv_work::unit_workers(n, radixkv_qlin::kRowUnit, threads);
     if (tid >= workers) return;
-    const auto [n0, n1] = radixkv_qlin::worker_rows(n, tid, workers);
+    const auto [n0, n1] = radixkv_work::unit_rows(n, radixkv_qlin::kRowUnit, tid, workers);
     radixkv_qlin::decode_rows_range(kind, wp, w.size(1), xd, t, k, y, n, n0, n1);
   }
 }

@@ -75,6 +75,7 @@
 #include <vector>
 
 #include "cpu_quant_linear.h"
+#include "cpu_work.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -482,10 +483,11 @@ void gemm_q8(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, 
   radixkv_qdot::quantize_rows(x, m, k, xq, terms);
   // runs of output rows in multiples of 8: whole groups of 8 rows (so which rows are grouped, and
   // so every output's summation order, does not depend on the thread count)
-  const int64_t workers = radixkv_qdot::row_workers(n, at::get_num_threads());
+  const int64_t workers =
+      radixkv_work::unit_workers(n, radixkv_qdot::kGroupRows, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t wk = w0; wk < w1; ++wk) {
-      const auto [n0, n1] = radixkv_qdot::worker_rows(n, wk, workers);
+      const auto [n0, n1] = radixkv_work::unit_rows(n, radixkv_qdot::kGroupRows, wk, workers);
       dot_range<F>(w, row_bytes, xq, k, y, ldy, n0, n1);
     }
   });
@@ -556,16 +558,6 @@ void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out, int
       quantize_block(res, m + r, b, k, out);
     }
   }
-}
-
-int64_t row_workers(int64_t n, int64_t threads) {
-  return std::max<int64_t>(1, std::min<int64_t>(threads, (n + kGroupRows - 1) / kGroupRows));
-}
-
-std::pair<int64_t, int64_t> worker_rows(int64_t n, int64_t worker, int64_t workers) {
-  const int64_t units = (n + kGroupRows - 1) / kGroupRows;
-  return {std::min(n, units * worker / workers * kGroupRows),
-          std::min(n, units * (worker + 1) / workers * kGroupRows)};
 }
 
 bool is_dot_type(int64_t ggml_type) {

@@ -5,7 +5,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 // The GGML type ids quant_gemm_q8_into multiplies: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 (every build; the
@@ -33,8 +32,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t ggml_t
 
 // The same multiply for a caller that runs its own threads (cpu_decoder.cpp's team of threads
 // inside one OpenMP region): x quantized once per thread, each thread its share of output rows.
-// quant_gemm_q8_into is quantize_rows + dot_rows_range over worker_rows, so the two agree bit for
-// bit.
+// quant_gemm_q8_into is quantize_rows + dot_rows_range over radixkv_work::unit_rows (unit
+// kGroupRows), so the two agree bit for bit.
 namespace radixkv_qdot {
 
 // Output rows are multiplied in groups of kGroupRows (rows 8i .. 8i + 7, the N % 8 last one at a
@@ -56,10 +55,6 @@ struct QuantizedRows {
 // Quantizes x [m, k] (float32, contiguous rows, k a multiple of 32) into out: one int8 term a row,
 // or two (terms = 2, m <= 4; quant_gemm_q8_into's).
 void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out, int64_t terms = 1);
-// How many workers share n output rows among `threads`: at most one per group of rows.
-int64_t row_workers(int64_t n, int64_t threads);
-// Worker `worker` of `workers`' output rows [first, second): whole groups, in order.
-std::pair<int64_t, int64_t> worker_rows(int64_t n, int64_t worker, int64_t workers);
 // Whether quant_gemm_q8_into multiplies this GGML type (quant_dot_types()).
 bool is_dot_type(int64_t ggml_type);
 // Bytes of one block of 32 weights of a dot type (Q4_0 18, Q4_1 20, Q8_0 34).

@@ -43,6 +43,7 @@
 #include <string>
 
 #include "cpu_vec.h"
+#include "cpu_work.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define RADIXKV_QUANT_AVX2 1
@@ -541,17 +542,6 @@ constexpr int64_t kPanelScratch = 2 * kPackCols;
 constexpr int64_t kPanelScratch = kPanel;
 #endif
 
-// Workers over n output rows: each a run of whole units of 4 rows (panel rows / a cache line of
-// float outputs), at most one worker per unit.
-int64_t worker_count(int64_t n, int64_t threads) {
-  return std::max<int64_t>(1, std::min<int64_t>(threads, (n + 3) / 4));
-}
-
-std::pair<int64_t, int64_t> worker_range(int64_t n, int64_t worker, int64_t workers) {
-  const int64_t units = (n + 3) / 4;
-  return {std::min(n, units * worker / workers * 4), std::min(n, units * (worker + 1) / workers * 4)};
-}
-
 // x as the decode path reads it: a nibble format's groups in kNibbleOrder (into `reordered`),
 // else x itself.
 template <class Q>
@@ -573,7 +563,8 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int
           Out* y, int64_t ldy) {
   const int64_t nb = k / Q::kBlock;
   const bool decode = RADIXKV_QUANT_AVX2 && m <= kDecodeRows;
-  const int64_t workers = worker_count(n, at::get_num_threads());
+  const int64_t workers = radixkv_work::unit_workers(n, radixkv_qlin::kRowUnit,
+                                                     at::get_num_threads());
   // the decode path multiplies a nibble format's groups in kNibbleOrder: x's groups reordered
   // to match, once per call
   std::vector<float> reordered;
@@ -581,7 +572,7 @@ void gemm(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scratch(decode ? 0 : kPanelScratch * k);
     for (int64_t wk = w0; wk < w1; ++wk) {
-      const auto [n0, n1] = worker_range(n, wk, workers);
+      const auto [n0, n1] = radixkv_work::unit_rows(n, radixkv_qlin::kRowUnit, wk, workers);
 #if RADIXKV_QUANT_AVX2
       if (decode) {
         decode_rows<Q>(w, row_bytes, nb, xd, m, k, y, ldy, n0, n1);
@@ -629,12 +620,6 @@ int64_t check_weight(const at::Tensor& w, const char* fn) {
 namespace radixkv_qlin {
 
 int64_t decode_rows_max() { return RADIXKV_QUANT_AVX2 ? kDecodeRows : 0; }
-
-int64_t row_workers(int64_t n, int64_t threads) { return worker_count(n, threads); }
-
-std::pair<int64_t, int64_t> worker_rows(int64_t n, int64_t worker, int64_t workers) {
-  return worker_range(n, worker, workers);
-}
 
 const float* decode_input(int64_t ggml_type, const float* x, int64_t m, int64_t k,
                           std::vector<float>& scratch) {

@@ -5,7 +5,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 // The GGML type ids quant_gemm_into multiplies natively: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12,
@@ -29,20 +28,19 @@ at::Tensor quant_dequantize_rows(const at::Tensor& w, int64_t ggml_type, const a
 // quant_gemm_into's decode path (AVX2 builds, at most decode_rows_max() rows of float32 x) for a
 // caller that runs its own threads (cpu_decoder.cpp's team): x prepared once per thread, each
 // thread its share of output rows; quant_gemm_into is decode_input + decode_rows_range over
-// worker_rows, so the two agree bit for bit.
+// radixkv_work::unit_rows (unit kRowUnit), so the two agree bit for bit.
 namespace radixkv_qlin {
 
 // The most rows of x the decode path takes (8), or 0 where the build has none (portable).
 int64_t decode_rows_max();
-// How many workers share n output rows among `threads` (runs of whole 4-row units).
-int64_t row_workers(int64_t n, int64_t threads);
-// Worker `worker` of `workers`' output rows [first, second).
-std::pair<int64_t, int64_t> worker_rows(int64_t n, int64_t worker, int64_t workers);
+// Workers share output rows in whole units of kRowUnit (panel rows / a cache line of float
+// outputs): radixkv_work::unit_workers / unit_rows.
+constexpr int64_t kRowUnit = 4;
 // x [m, k] (float32, contiguous) as the decode path of ggml_type reads it: in `scratch` (a
 // nibble format's groups reordered) or x itself. Raises for a type quant_gemm_into refuses.
 const float* decode_input(int64_t ggml_type, const float* x, int64_t m, int64_t k,
                           std::vector<float>& scratch);
-// y[r * ldy + n] for rows r < m of x and outputs n0 <= n < n1 (n0 a worker_rows start), xd from
+// y[r * ldy + n] for rows r < m of x and outputs n0 <= n < n1 (n0 a unit_rows start), xd from
 // decode_input. Unchecked beyond the type: the caller checked the shapes.
 void decode_rows_range(int64_t ggml_type, const uint8_t* w, int64_t row_bytes, const float* xd,
                        int64_t m, int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1);

@@ -6,9 +6,25 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace radixkv_work {
+
+// How many workers share n output rows among `threads` when each takes whole units of `unit`
+// rows: at most one per unit. So which rows a kernel multiplies together, and every output's
+// arithmetic, does not depend on the thread count.
+inline int64_t unit_workers(int64_t n, int64_t unit, int64_t threads) {
+  return std::max<int64_t>(1, std::min<int64_t>(threads, (n + unit - 1) / unit));
+}
+
+// Worker `worker` of `workers`' output rows [first, second): whole units, in order.
+inline std::pair<int64_t, int64_t> unit_rows(int64_t n, int64_t unit, int64_t worker,
+                                             int64_t workers) {
+  const int64_t units = (n + unit - 1) / unit;
+  return {std::min(n, units * worker / workers * unit),
+          std::min(n, units * (worker + 1) / workers * unit)};
+}
 
 // Runs every item of `items` (each with an int64 `cost`): sorted longest first, taken from a
 // shared counter by at most one worker per torch thread, so causal prefills (whose later blocks
