@@ -36,7 +36,7 @@ SmolLM2's Q4_1 file its logits missed the bf16 contract, 3.89x transformers-bf16
 worst row where the contract allows 3x; tests/test_gguf_quantized.py keeps that as a strict xfail)
 or ``int8x2`` (opt-in, 1-4 rows: x as two int8 terms, its codes and the codes of what they leave,
 both products summed: x's error at most ``amax / 64516`` a block, below bfloat16's rounding, so
-held to the bf16 contract, which it meets on SmolLM2; ~1.2-1.5x int8's kernel time, 0.5-0.6x the
+held to the bf16 contract, which it meets on SmolLM2; ~1.2-1.5x int8's kernel time, 0.5-0.7x the
 float path's).
 """
 
