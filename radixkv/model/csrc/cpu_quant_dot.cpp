@@ -33,6 +33,13 @@
 // (Subnormal amax_b is outside this analysis: d_b loses relative precision; the clamp keeps the
 // codes in int8 and the error is below 1e-38 |w|.)
 //
+// Two terms (terms = 2, at most 4 rows of x): row r is also quantized a second time as what its
+// codes leave, e_k = x_k - d_b q_k (float32, |e_k| <= d_b / 2 + u |x_k|), with its own scales
+// d2_b = amax(e_b) / 127 <= d_b / 254 (+ rounding); the second term is kernel row m + r, whose
+// sum the stores add to row r's. x^ = d_b q + d2_b q2, so the bound above holds with d_b / 2
+// replaced by d2_b / 2 (<= amax_b / 64516) in the quantization term and the float32 chains twice
+// as long (2 nb terms: still within K eps32 / 8 for K >= 64). tests/test_quant_dot.py checks it.
+//
 // AVX2, as llama.cpp's repacked gemv kernels (ggml-cpu repack.cpp) but on the file's own rows:
 // output rows go in groups of 8 (rows 8i..8i+7; the N % 8 last rows one at a time), and per
 // block and row of x one int -> float conversion and one FMA, with the 8 rows' d_w times d_b,
