@@ -41,6 +41,7 @@ from radixkv.model.gguf_weights import GgufWeights, block_shape, dequantize_rows
 from radixkv.model.loader import load_model
 from radixkv.model.quant_linear import QuantEmbedding, QuantLinear
 from radixkv.model.runner import ModelRunner, RequestSlice
+from radixkv.model.weight_arena import WeightArena
 
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 #: per type, the byte offsets of a block's float16 scales and the range drawn for them (the rest
@@ -178,10 +179,22 @@ def tiny_gguf(name: str, qtype: str, where) -> tuple[str, Oracle]:
     return str(path), Oracle(held)
 
 
+@pytest.mark.parametrize("arena", [False, True], ids=["own-memory", "arena"])
 @pytest.mark.parametrize(("name", "qtype"), CASES)
 def test_a_tiny_gguf_served_quantized_matches_the_float64_oracle(
-    name, qtype, tmp_path, weight_cache
+    name, qtype, arena, tmp_path, weight_cache, monkeypatch
 ):
+    """Also with the blocks read into a weight arena, which a tiny file is too small for by
+    itself (radixkv/model/weight_arena.py; SmolLM2's file takes it as it is)."""
+    import radixkv.model.gguf_quantized as gguf_quantized
+
+    arenas: list[WeightArena] = []
+
+    def sized(capacity: int) -> WeightArena:
+        arenas.append(WeightArena(capacity + (16 << 20) if arena else capacity))
+        return arenas[-1]
+
+    monkeypatch.setattr(gguf_quantized, "WeightArena", sized)
     path, oracle = tiny_gguf(name, qtype, tmp_path)
     scenario = MixedScenario.build(oracle, VOCAB, decode_steps=4)
     loaded = load_model(path, hf_model=False, quantization="gguf")
@@ -201,6 +214,11 @@ def test_a_tiny_gguf_served_quantized_matches_the_float64_oracle(
     want = oracle.hf32.model.layers[0].self_attn.q_proj.weight
     assert torch.equal(q[: want.shape[0]], want)
     assert len(layer.qkv_proj.types) == (3 if qtype == "K-quants" else 1)
+    (built,) = arenas
+    raws = [r for m in model.modules() if isinstance(m, QuantLinear) for r in m.raws]
+    raws.append(model.embed_tokens.raw)
+    assert built.enabled == arena and all(built.holds(r) == arena for r in raws)
+    built.check_integrity()
     assert scenario.judge(scenario.run(runner), oracle, FP32, f"gguf-quantized {qtype}") > 0
 
 
@@ -390,6 +408,11 @@ def test_smollm2_q4_1_served_quantized_matches_transformers_float64(real_model, 
     held += runner.model.embed_tokens.raw.numel()
     assert runner.model.lm_head.raws[0] is runner.model.embed_tokens.raw
     assert 0.97 < held / loaded.weights.path.stat().st_size <= 1.0  # the blocks, held once
+    # ... one after another in one mapping (radixkv/model/weight_arena.py), cache-line aligned
+    raws = [r for m in runner.model.modules() if isinstance(m, QuantLinear) for r in m.raws]
+    arena = runner.model.embed_tokens.raw.untyped_storage().data_ptr()
+    assert {r.untyped_storage().data_ptr() for r in raws} == {arena}
+    assert all(r.data_ptr() % 64 == 0 for r in raws)
     _check_smollm2(runner, real_model, real_oracle, None, FP32, "gguf smollm2")
 
 

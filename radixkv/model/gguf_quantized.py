@@ -3,8 +3,11 @@ straight from the file's tensors, the block-quantized ones kept as the file's by
 
 :class:`~radixkv.model.gguf_weights.GgufWeights` is what :mod:`radixkv.model.loader` hands the
 runner instead of a checkpoint: the file's header (read once), and each tensor read on demand
-into memory of its own (``np.fromfile`` at its offset: the process never maps the whole file,
-and no float copy of a quantized tensor is ever made).
+at its offset (the process never maps the whole file, and no float copy of a quantized tensor is
+ever made): the quantized linears' and embedding's bytes straight into one
+:class:`~radixkv.model.weight_arena.WeightArena` (one after another, in huge pages; q/k/v and
+gate/up of one type adjacent, so each fused projection is one tensor with no copy), the rest
+into memory of their own.
 :func:`build_quantized_model` places them into a :class:`~radixkv.model.llama.LlamaModel` built
 on the meta device, by llama.cpp's tensor names:
 
@@ -54,7 +57,13 @@ from radixkv.model.linear import prepack_linears
 from radixkv.model.llama import LlamaModel
 from radixkv.model.model_config import ModelConfig
 from radixkv.model.placement import trim_heap
-from radixkv.model.quant_linear import QuantEmbedding, QuantLinear, can_dequantize, native_types
+from radixkv.model.quant_linear import (
+    QuantEmbedding,
+    QuantLinear,
+    can_dequantize,
+    native_types,
+)
+from radixkv.model.weight_arena import ALIGN, WeightArena
 
 __all__ = ["build_quantized_model", "projection_kind"]
 
@@ -93,14 +102,45 @@ class _Builder:
         self.permute = weights.header.arch == "llama"
         self.plain: list[str] = []
         self.used: set[str] = set()
+        #: the quantized linears' and embedding's bytes, one after another in huge pages
+        #: (capacity: the file's whole tensor data, an upper bound; committed only where used)
+        self.arena = WeightArena(weights.data_bytes() + ALIGN * len(weights.header.tensors))
 
-    def rows(self, name: str) -> torch.Tensor:
+    def rows(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``name``'s raw rows (llama's q/k un-permuted), in memory of their own or read
+        into ``out`` (:meth:`GgufWeights.raw_into`)."""
         self.used.add(name)
-        raw = self.weights.raw(name)
+        raw = self.weights.raw(name) if out is None else self.weights.raw_into(name, out)
         if self.permute and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = self.config.num_heads if "attn_q" in name else self.config.num_kv_heads
-            raw = _llama_unpermute(raw, heads)
+            fixed = _llama_unpermute(raw, heads)
+            raw = fixed if out is None else out.copy_(fixed)
         return raw
+
+    def quant_segments(self, names: list[str], types: list[int]) -> list[tuple[torch.Tensor, int]]:
+        """A quantized linear's ``(raw, ggml_type)`` segments: each run of adjacent tensors of
+        one type and row size as one (:func:`merge_segments`' runs), read straight into the
+        arena where it is on (else read one by one, for :class:`QuantLinear` to merge)."""
+        runs: list[tuple[list[str], int, int]] = []
+        for name, t in zip(names, types, strict=True):
+            row_bytes = self.weights.row_shape(name)[1]
+            if runs and runs[-1][1] == t and runs[-1][2] == row_bytes:
+                runs[-1][0].append(name)
+            else:
+                runs.append(([name], t, row_bytes))
+        segments: list[tuple[torch.Tensor, int]] = []
+        for run, t, row_bytes in runs:
+            counts = [self.weights.row_shape(name)[0] for name in run]
+            view = self.arena.reserve(sum(counts), row_bytes)
+            if view is None:
+                segments.extend((self.rows(name), t) for name in run)
+                continue
+            r0 = 0
+            for name, n in zip(run, counts, strict=True):
+                self.rows(name, view[r0 : r0 + n])
+                r0 += n
+            segments.append((view, t))
+        return segments
 
     def float_tensor(self, name: str) -> torch.Tensor:
         self.used.add(name)
@@ -118,7 +158,7 @@ class _Builder:
         if bias:
             b = torch.cat([self.float_tensor(n.replace(".weight", ".bias")) for n in names])
         if projection_kind(types) == "quant":
-            return QuantLinear([(self.rows(n), t) for n, t in zip(names, types, strict=True)], k, b)
+            return QuantLinear(self.quant_segments(names, types), k, b)
         self.plain.append(f"{label} ({'/'.join(type_name(t) for t in types)})")
         w = torch.cat([dequantize_rows(self.rows(n), t, self.dtype) for n, t in zip(names, types)])
         linear = nn.Linear(k, w.shape[0], bias=b is not None, device="meta")
@@ -161,6 +201,7 @@ def build_quantized_model(config: ModelConfig, weights: GgufWeights, dtype: torc
         build.norm(layer.post_attention_layernorm, p + "ffn_norm.weight")
     build.norm(model.norm, "output_norm.weight")
     _place_embedding_and_head(model, build, config)
+    build.arena.check_integrity()
     left = sorted(set(header.tensors) - build.used - {"rope_freqs.weight"})
     if left:
         raise UnsupportedModelError(
@@ -197,7 +238,7 @@ def _place_embedding_and_head(model: Any, build: _Builder, config: ModelConfig) 
             head.weight = model.embed_tokens.weight
             model.lm_head = head
     else:
-        raw = build.rows("token_embd.weight")
+        ((raw, _),) = build.quant_segments(["token_embd.weight"], [kind])
         model.embed_tokens = QuantEmbedding(raw, kind, h, build.dtype)
         if tied:
             model.lm_head = (

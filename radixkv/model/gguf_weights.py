@@ -89,25 +89,55 @@ class GgufWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.header.tensors[name][0]
 
-    def raw(self, name: str) -> torch.Tensor:
-        """Tensor ``name``'s bytes as uint8 ``[rows, row_bytes]`` (rows: every dimension but the
-        last), in memory of its own."""
-        shape, kind, offset = self.header.tensors[name]
+    def data_bytes(self) -> int:
+        """Bytes of the file's tensor data (every tensor, padding included)."""
+        return max(0, self.path.stat().st_size - self.header.data_start)
+
+    def row_shape(self, name: str) -> tuple[int, int]:
+        """``(rows, row_bytes)`` of tensor ``name``'s bytes (rows: every dimension but the
+        last)."""
+        shape, kind, _ = self.header.tensors[name]
         per_block, size = block_shape(kind)
         k = shape[-1]
         if k % per_block:
             raise UnsupportedModelError(f"GGUF tensor {name!r}: rows are not whole blocks")
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        row_bytes = k // per_block * size
+        return rows, k // per_block * size
+
+    def raw(self, name: str) -> torch.Tensor:
+        """Tensor ``name``'s bytes as uint8 ``[rows, row_bytes]`` (:meth:`row_shape`), in memory
+        of its own."""
+        rows, row_bytes = self.row_shape(name)
         data = np.fromfile(
             self.path,
             dtype=np.uint8,
             count=rows * row_bytes,
-            offset=self.header.data_start + offset,
+            offset=self.header.data_start + self.header.tensors[name][2],
         )
         if data.size != rows * row_bytes:
             raise UnsupportedModelError(f"GGUF tensor {name!r} runs past the end of {self.path}")
         return torch.from_numpy(data.reshape(rows, row_bytes))
+
+    def raw_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Tensor ``name``'s bytes read straight into ``out`` (contiguous CPU uint8 of
+        :meth:`row_shape`), which is returned."""
+        rows, row_bytes = self.row_shape(name)
+        if (
+            out.dtype != torch.uint8
+            or out.device.type != "cpu"
+            or tuple(out.shape) != (rows, row_bytes)
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"GGUF tensor {name!r}: reads into contiguous CPU uint8 [{rows}, {row_bytes}], "
+                f"not {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        with open(self.path, "rb") as f:
+            f.seek(self.header.data_start + self.header.tensors[name][2])
+            got = f.readinto(memoryview(out.numpy()).cast("B"))
+        if got != rows * row_bytes:
+            raise UnsupportedModelError(f"GGUF tensor {name!r} runs past the end of {self.path}")
+        return out
 
     def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Tensor ``name`` dequantized (or, a float type, as stored) in ``dtype``, its shape."""

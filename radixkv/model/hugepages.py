@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-__all__ = ["huge_zeros", "huge_copy", "advise_huge", "populate"]
+__all__ = ["huge_zeros", "huge_copy", "huge_worthy", "advise_huge", "populate"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,12 @@ _PAGE = 4096
 _HUGE = 2 << 20
 _MIN_BYTES = 4 * _HUGE  # smaller tensors are not worth it
 _libc: ctypes.CDLL | None = None
+
+
+def huge_worthy(nbytes: int) -> bool:
+    """Whether a CPU region of ``nbytes`` is large enough for these helpers to map it for huge
+    pages (smaller ones get plain memory)."""
+    return nbytes >= _MIN_BYTES
 
 
 def advise_huge(t: torch.Tensor) -> bool:
