@@ -49,10 +49,6 @@ struct TeamInput {
   std::vector<float> xf;           // the float decode path's reordered x
 };
 
-// Whether the linear runs with int8 activations at t rows (as quant_linear decides).
-inline bool int8_at(int64_t kind, int64_t int8_rows, int64_t t, int64_t terms) {
-  return radixkv_qdot::is_dot_type(kind) && t <= std::min(int8_rows, quant_dot_max_rows() / terms);
-}
 
 // One thread's share of y [t, N] = x W^T, W raw rows of a GGML type, x [t, k]: int8 activations
 // (x quantized into in.xq) or float ones (the decode path of quant_gemm_into), as quant_linear
@@ -63,7 +59,7 @@ void team_linear(const at::Tensor& w, int64_t kind, int64_t int8_rows, int64_t t
                  int threads) {
   const int64_t n = w.size(0);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  if (int8_at(kind, int8_rows, t, terms)) {
+  if (radixkv_qdot::serves_rows(kind, int8_rows, t, terms)) {
     radixkv_qdot::quantize_rows(x, t, k, in.xq, terms);
     const int64_t workers = radixkv_work::unit_workers(n, radixkv_qdot::kGroupRows, threads);
     if (tid >= workers) return;
@@ -100,7 +96,7 @@ at::Tensor decoder_layers_team(at::Tensor& x, const at::Tensor& pending,
       const int64_t kind = kinds[4 * i + j];
       TORCH_CHECK(kind >= 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
                   fn, ": layer ", i, " linear ", j, " is not raw GGML rows");
-      TORCH_CHECK(int8_at(kind, int8_rows[4 * i + j], t, terms) ||
+      TORCH_CHECK(radixkv_qdot::serves_rows(kind, int8_rows[4 * i + j], t, terms) ||
                       radixkv_qlin::decode_rows_max() >= t,
                   fn, ": layer ", i, " linear ", j, " has no decode path at ", t,
                   " rows in this build (int8 activations off and no AVX2 decode)");

@@ -205,7 +205,8 @@ inline void dot_rows(const uint8_t* w, const QuantizedRows& xq, int64_t k, float
   }
 }
 
-constexpr int64_t kGroup = radixkv_qdot::kGroupRows;  // weight rows multiplied together: one float vector lane each
+// weight rows multiplied together: one float vector lane each
+constexpr int64_t kGroup = radixkv_qdot::kGroupRows;
 // Q8_0 groups at this many rows of x and more transpose the 8 rows' codes (hadd tree below)
 constexpr int kQ8TransposeRows = 5;
 
@@ -571,6 +572,11 @@ bool is_dot_type(int64_t ggml_type) {
   return ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0;
 }
 
+bool serves_rows(int64_t ggml_type, int64_t int8_rows, int64_t m, int64_t terms) {
+  return is_dot_type(ggml_type) && m >= 1 &&
+         m <= std::min(int8_rows, kMaxRows / std::max<int64_t>(terms, 1));
+}
+
 int64_t block_bytes(int64_t ggml_type) {
   int64_t bytes = 0;
   with_dot_format(ggml_type, [&](auto f, const char*) { bytes = decltype(f)::kBytes; });
@@ -630,9 +636,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t ggm
   TORCH_CHECK(x_in.dim() == 2, "quant_linear: x must be 2-D rows [M, K], got ", x_in.sizes());
   const at::Tensor x = x_in.contiguous();
   const int64_t m = x.size(0);
-  const bool served = radixkv_qdot::is_dot_type(ggml_type);
-  if (!(served && x.scalar_type() == at::kFloat && m > 0 &&
-        m <= std::min(int8_rows, kMaxRows / std::max<int64_t>(terms, 1)))) {
+  if (!(x.scalar_type() == at::kFloat &&
+        radixkv_qdot::serves_rows(ggml_type, int8_rows, m, terms))) {
     return quant_gemm(x, w, ggml_type);
   }
   at::Tensor out = at::empty({m, w.size(0)}, x.options());

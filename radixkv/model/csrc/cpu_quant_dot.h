@@ -57,6 +57,10 @@ struct QuantizedRows {
 void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows& out, int64_t terms = 1);
 // Whether quant_gemm_q8_into multiplies this GGML type (quant_dot_types()).
 bool is_dot_type(int64_t ggml_type);
+// Whether a linear of ggml_type takes int8 activations for m rows of float32 x: a dot type and
+// 1 <= m <= min(int8_rows, quant_dot_max_rows() / terms) (quant_linear's rule, and the decoder
+// team's).
+bool serves_rows(int64_t ggml_type, int64_t int8_rows, int64_t m, int64_t terms);
 // Bytes of one block of 32 weights of a dot type (Q4_0 18, Q4_1 20, Q8_0 34).
 int64_t block_bytes(int64_t ggml_type);
 // y[r * ldy + n] for rows r < xq.m and outputs n0 <= n < n1 (n0 a multiple of kGroupRows): w's
