@@ -62,6 +62,7 @@ from radixkv.model.quant_linear import (
     QuantLinear,
     can_dequantize,
     native_types,
+    same_run,
 )
 from radixkv.model.weight_arena import ALIGN, WeightArena
 
@@ -124,7 +125,7 @@ class _Builder:
         runs: list[tuple[list[str], int, int]] = []
         for name, t in zip(names, types, strict=True):
             row_bytes = self.weights.row_shape(name)[1]
-            if runs and runs[-1][1] == t and runs[-1][2] == row_bytes:
+            if runs and same_run(runs[-1][1], runs[-1][2], t, row_bytes):
                 runs[-1][0].append(name)
             else:
                 runs.append(([name], t, row_bytes))

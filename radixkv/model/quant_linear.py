@@ -133,6 +133,13 @@ def _warn_fallback(ggml_type: int, what: str) -> None:
         )
 
 
+def same_run(type_a: int, row_bytes_a: int, type_b: int, row_bytes_b: int) -> bool:
+    """Whether two adjacent segments are held as one (:func:`merge_segments`): one ggml type
+    and one row size. The GGUF loader applies it to the file's shapes to read a run into one
+    tensor (radixkv/model/gguf_quantized.py)."""
+    return type_a == type_b and row_bytes_a == row_bytes_b
+
+
 def merge_segments(
     segments: Sequence[tuple[torch.Tensor, int]],
 ) -> list[tuple[torch.Tensor, int]]:
@@ -142,7 +149,12 @@ def merge_segments(
     stay the embedding's)."""
     runs: list[list[tuple[torch.Tensor, int]]] = []
     for raw, t in segments:
-        if runs and runs[-1][0][1] == t and runs[-1][0][0].shape[1:] == raw.shape[1:]:
+        last = runs[-1][0] if runs else None
+        if (
+            last is not None
+            and last[0].dim() == raw.dim() == 2
+            and same_run(last[1], last[0].shape[1], t, raw.shape[1])
+        ):
             runs[-1].append((raw, t))
         else:
             runs.append([(raw, t)])

@@ -5,8 +5,9 @@ GGUF model's ~120 quantized tensors (SmolLM2: 0.2-1.1 MB each, 96 MB in all) sit
 heap in 4 KiB pages: ~24,000 TLB entries a step, against the ~2,000 the core holds, and each
 4 KiB boundary ends a hardware prefetch stream. Packed one after another into one anonymous
 mapping advised for huge pages (:func:`~radixkv.model.hugepages.huge_zeros`), they take ~50.
-(Zen 3 host, 2 threads, the 120 matrices' group GEMVs in one process, alternating: 3.86 ms a pass
-in huge pages against 4.31 ms separate, medians of 4 rounds.)
+(Zen 3 host, 2 threads: a standalone pass of the group GEMV kernel over 120 SmolLM2-shaped
+matrices took 3.86 ms in huge pages against 4.31 ms separate; the engine's batch-1 forward gained
+far less, 0.965-0.991x, docs/performance.md's 2026-12-08 section.)
 
 :class:`WeightArena` hands out slices in order (:meth:`WeightArena.reserve`), which the loader
 reads the file's bytes straight into: no tensor is held twice at load (the memory at load stays

@@ -49,7 +49,6 @@ struct TeamInput {
   std::vector<float> xf;           // the float decode path's reordered x
 };
 
-
 // One thread's share of y [t, N] = x W^T, W raw rows of a GGML type, x [t, k]: int8 activations
 // (x quantized into in.xq) or float ones (the decode path of quant_gemm_into), as quant_linear
 // picks. Every thread prepares x itself (the same values: a few thousand, cheaper than a
